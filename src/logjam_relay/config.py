@@ -1,0 +1,398 @@
+"""One configuration: defaults < TOML file < environment < command line.
+
+Every setting has one canonical flat name (``spool_max_bytes``).  It is written
+
+* in TOML either flat (``spool_max_bytes = "10GiB"``) or in a table
+  (``[spool]`` / ``max_bytes = "10GiB"``),
+* in the environment as ``LOGJAM_RELAY_SPOOL_MAX_BYTES`` (logjam-device's
+  ``LOGJAM_RCV_HWM`` and ``LOGJAM_SND_HWM`` are honoured too),
+* on the command line as ``--spool-max-bytes`` (plus logjam-device's short
+  flags, e.g. ``-d 7``).
+
+Values are validated at start; an error names the setting and where it came
+from, e.g. ``spool_policy (LOGJAM_RELAY_SPOOL_POLICY): must be one of block,
+drop_oldest, got 'keep'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it and where it came from."""
+
+
+# ----------------------------------------------------------------- converters
+
+def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int]:
+    def conv(v: Any) -> int:
+        if isinstance(v, bool):
+            raise ValueError(f"expected an integer, got {v!r}")
+        try:
+            n = int(v, 0) if isinstance(v, str) else int(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected an integer, got {v!r}") from None
+        if isinstance(v, float) and v != n:
+            raise ValueError(f"expected an integer, got {v!r}")
+        if lo is not None and n < lo:
+            raise ValueError(f"must be >= {lo}, got {n}")
+        if hi is not None and n > hi:
+            raise ValueError(f"must be <= {hi}, got {n}")
+        return n
+    return conv
+
+
+def port(v: Any) -> int:
+    return _int(0, 65535)(v)
+
+
+def _float(lo: float = 0.0) -> Callable[[Any], float]:
+    def conv(v: Any) -> float:
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, got {v!r}") from None
+        if x < lo:
+            raise ValueError(f"must be >= {lo}, got {x}")
+        return x
+    return conv
+
+
+def boolean(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false, got {v!r}")
+
+
+def choice(*options: str | None) -> Callable[[Any], str | None]:
+    def conv(v: Any) -> str | None:
+        if v is None or (isinstance(v, str) and v.lower() in ("", "none", "off")
+                         and None in options):
+            return None
+        s = str(v).lower()
+        if s not in options:
+            names = ", ".join(o for o in options if o is not None)
+            raise ValueError(f"must be one of {names}, got {v!r}")
+        return s
+    return conv
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
+_SIZE_MULT = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+              "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+              "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+              "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4}
+
+
+def size(v: Any) -> int:
+    """Bytes: 1048576, "64MiB", "10GB"."""
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    m = _SIZE.match(str(v))
+    if not m:
+        raise ValueError(f"expected a size like 512MiB or 10GB, got {v!r}")
+    return int(float(m.group(1)) * _SIZE_MULT[(m.group(2) or "").lower()])
+
+
+_DUR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.I)
+_DUR_MULT = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(v: Any) -> float:
+    """Seconds: 5, 2.5, "250ms", "10m", "7d"."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+        return float(v)
+    m = _DUR.match(str(v))
+    if not m:
+        raise ValueError(f"expected a duration like 250ms, 10s, 10m or 7d, got {v!r}")
+    return float(m.group(1)) * _DUR_MULT[(m.group(2) or "").lower()]
+
+
+def string(v: Any) -> str:
+    if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+        raise ValueError(f"expected a string, got {v!r}")
+    return str(v)
+
+
+def opt_string(v: Any) -> str | None:
+    return None if v is None or v == "" else string(v)
+
+
+def string_list(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [s for s in (x.strip() for x in v.split(",")) if s] if "://" not in v else [v]
+    if isinstance(v, (list, tuple)):
+        return [string(x) for x in v]
+    raise ValueError(f"expected a list of strings, got {v!r}")
+
+
+# ------------------------------------------------------------------- settings
+
+def _default_state_dir() -> str:
+    # systemd's StateDirectory= sets STATE_DIRECTORY; otherwise XDG.
+    if os.environ.get("STATE_DIRECTORY"):
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                             "state")
+    return os.path.join(base, "logjam-relay")
+
+
+def default_fqdn() -> str:
+    """What logjam-device uses: getaddrinfo(gethostname(), AI_CANONNAME)."""
+    host = socket.gethostname()
+    try:
+        info = socket.getaddrinfo(host, None, flags=socket.AI_CANONNAME)
+        if info and info[0][3]:
+            return info[0][3]
+    except OSError:
+        pass
+    return host
+
+
+def opt(default: Any, conv: Callable[[Any], Any], help: str, *flags: str,
+        env: tuple[str, ...] = (), action: str | None = None, metavar: str | None = None):
+    return field(default_factory=(lambda: list(default)) if isinstance(default, list)
+                 else (lambda: default),
+                 metadata={"conv": conv, "help": help, "flags": flags, "env": env,
+                           "action": action, "metavar": metavar})
+
+
+@dataclass
+class Settings:
+    # --- logjam-device compatible -------------------------------------------------
+    device_id: int = opt(0, _int(0, 2**32 - 1), "device number stamped into every message",
+                         "-d", "--device-id", metavar="N")
+    io_threads: int = opt(1, _int(1, 64), "ZeroMQ I/O threads", "-i", "--io-threads",
+                          metavar="N")
+    pull_port: int = opt(9605, port, "PULL port for PUSH clients (0 = off)", "-p",
+                         "--input-port", "--pull-port", metavar="N")
+    router_port: int = opt(9604, port, "ROUTER port for DEALER clients (0 = off)", "-t",
+                           "--router-port", metavar="N")
+    pub_port: int = opt(9606, port, "PUB port the stamped stream is published on", "-P",
+                        "--output-port", "--pub-port", metavar="N")
+    stats_port: int = opt(9621, port, "PUB port for [stats, device, seq] every second (0 = off)",
+                          "-s", "--stats-port", metavar="N")
+    compress: str | None = opt(None, choice(None, "zlib", "snappy", "lz4"),
+                               "compress uncompressed bodies with zlib|snappy|lz4", "-x",
+                               "--compress", metavar="METHOD")
+    compressors: int = opt(4, _int(1, 64), "compressor worker threads", "-C", "--compressors",
+                           metavar="N")
+    rcv_hwm: int = opt(100_000, _int(0), "receive high-water mark of the input sockets", "-R",
+                       "--rcv-hwm", env=("LOGJAM_RCV_HWM",), metavar="N")
+    snd_hwm: int = opt(1_000_000, _int(0), "send high-water mark of the PUB socket", "-S",
+                       "--snd-hwm", env=("LOGJAM_SND_HWM",), metavar="N")
+    metrics_port: int = opt(8082, port, "HTTP port for /metrics, /healthz, /readyz (0 = off)",
+                            "-m", "--metrics-port", metavar="N")
+    metrics_ip: str = opt("0.0.0.0", string, "address the metrics endpoint binds to", "-M",
+                          "--metrics-ip", metavar="IP")
+    allow_invalid_meta: bool = opt(False, boolean,
+                                   "accept messages whose meta frame is broken (fresh meta)",
+                                   "-A", "--allow-invalid-meta", action="store_true")
+    quiet: bool = opt(False, boolean, "log warnings and errors only", "-q", "--quiet",
+                      action="store_true")
+    verbose: int = opt(0, _int(0, 2), "log more (-vv for debug)", "-v", "--verbose",
+                       action="count")
+    trim_frequency: int = opt(0, _int(0), "accepted for logjam-device compatibility; no effect",
+                              "-T", "--trim-frequency", metavar="N")
+    # --- relay ---------------------------------------------------------------------
+    bind: str = opt("*", string, "interface the ZeroMQ sockets bind to (* = all)", "--bind",
+                    metavar="ADDR")
+    fqdn: str | None = opt(None, opt_string,
+                           "host name announced in heartbeats and pongs (default: canonical "
+                           "name of this host, as logjam-device)", "--fqdn", metavar="NAME")
+    state_dir: str = opt(None, opt_string, "directory for the sequence state file "
+                         "(default: $STATE_DIRECTORY or ~/.local/state/logjam-relay)",
+                         "--state-dir", metavar="DIR")
+    heartbeat_interval: float = opt(5.0, _float(0.01), "seconds between heartbeats",
+                                    "--heartbeat-interval", metavar="SECONDS")
+    stats_interval: float = opt(1.0, _float(0.01), "seconds between stats messages",
+                                "--stats-interval", metavar="SECONDS")
+    batch_size: int = opt(1024, _int(1, 100_000), "messages drained per wake-up",
+                          "--batch-size", metavar="N")
+    shutdown_timeout: float = opt(1.5, _float(0.0), "seconds to flush on SIGTERM",
+                                  "--shutdown-timeout", metavar="SECONDS")
+    log_format: str = opt("text", choice("text", "json"), "log line format", "--log-format",
+                          metavar="text|json")
+    # --- spool and outputs ---------------------------------------------------------------
+    spool_dir: str | None = opt(None, opt_string,
+                                "spool directory (default: <state_dir>/spool when an output "
+                                "is configured)", "--spool-dir", metavar="DIR")
+    spool_max_bytes: int = opt(10 * 1024**3, size, "disk budget of the spool", "--spool-max-bytes",
+                               metavar="SIZE")
+    spool_policy: str = opt("block", choice("block", "drop_oldest"),
+                            "what to do when the spool is full", "--spool-policy",
+                            metavar="block|drop_oldest")
+    spool_fsync: str = opt("interval", choice("batch", "interval", "never"),
+                           "when the spool calls fsync", "--spool-fsync",
+                           metavar="batch|interval|never")
+    spool_fsync_interval: float = opt(1.0, duration, "fsync interval for spool_fsync=interval",
+                                      "--spool-fsync-interval", metavar="DURATION")
+    spool_segment_bytes: int = opt(64 * 1024**2, size, "segment size before it is sealed",
+                                   "--spool-segment-bytes", metavar="SIZE")
+    archive_dir: str | None = opt(None, opt_string,
+                                  "hand sealed spool segments to this directory (for Spark)",
+                                  "--archive-dir", metavar="DIR")
+    archive_retention: float = opt(7 * 86400.0, duration,
+                                   "delete archived segments older than this",
+                                   "--archive-retention", metavar="DURATION")
+    archive_seal_after: float = opt(300.0, duration,
+                                    "seal (and archive) an open segment older than this",
+                                    "--archive-seal-after", metavar="DURATION")
+    cmdp_port: int = opt(0, port, "CMDP XPUB port for STAT/LOG topics (0 = off; CHIRP "
+                         "discovery runs whenever CMDP is on)", "--cmdp-port", metavar="N")
+    cmdp_name: str | None = opt(None, opt_string, "CMDP sender name (default "
+                                "LogjamRelay.<short hostname>)", "--cmdp-name", metavar="NAME")
+    chirp_group: str = opt("logjam", string, "CHIRP group", "--chirp-group", metavar="GROUP")
+    chirp_interface: str | None = opt(None, opt_string, "interface address for CHIRP multicast "
+                                      "(default: all)", "--chirp-interface", metavar="IFACE")
+    samwise: list[str] = opt([], string_list, "samwise (samd-compatible) endpoint, repeatable, "
+                             "e.g. tcp://*:9610 or ipc:///run/samwise.sock", "--samwise",
+                             action="append", metavar="ENDPOINT")
+    amqp_brokers: list[str] = opt([], string_list, "RabbitMQ broker for samwise, repeatable: "
+                                  "NAME=amqp://user:pass@host:5672/vhost", "--amqp-broker",
+                                  action="append", metavar="NAME=URL")
+    samwise_spool_dir: str | None = opt(None, opt_string, "spool of accepted samwise requests "
+                                        "(default <state_dir>/samwise-spool)",
+                                        "--samwise-spool-dir", metavar="DIR")
+    outputs: list[str] = opt([], string_list, "reliable output URL (repeatable), e.g. "
+                             "lumberjack://host:5044?window=1000&tls=off", "--output",
+                             action="append", metavar="URL")
+    # --- bookkeeping (not settings) -------------------------------------------------------
+    sources: dict[str, str] = field(default_factory=dict, repr=False)
+
+    # ----------------------------------------------------------------------- derived
+    def resolved_fqdn(self) -> str:
+        return self.fqdn or default_fqdn()
+
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir or _default_state_dir())
+
+    def resolved_spool_dir(self) -> Path | None:
+        if self.spool_dir:
+            return Path(self.spool_dir)
+        if self.outputs or self.archive_dir:
+            return self.resolved_state_dir() / "spool"
+        return None
+
+    def endpoint(self, port: int) -> str:
+        return f"tcp://{self.bind}:{port}"
+
+
+SETTING_FIELDS = [f for f in fields(Settings) if "conv" in f.metadata]
+_BY_NAME = {f.name: f for f in SETTING_FIELDS}
+
+
+def _env_names(f) -> tuple[str, ...]:
+    return ("LOGJAM_RELAY_" + f.name.upper(),) + f.metadata["env"]
+
+
+def _flatten_toml(data: Mapping[str, Any], path: str, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        name = f"{prefix}{k}".replace("-", "_")
+        if isinstance(v, dict):
+            out.update(_flatten_toml(v, path, name + "_"))
+        else:
+            out[name] = v
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every setting's flags to ``parser`` (defaults suppressed: only given flags count)."""
+    parser.add_argument("-c", "--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="TOML configuration file (also LOGJAM_RELAY_CONFIG)")
+    for f in SETTING_FIELDS:
+        md = f.metadata
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": md["help"]}
+        if md["action"]:
+            kw["action"] = md["action"]
+        if md["metavar"]:
+            kw["metavar"] = md["metavar"]
+        parser.add_argument(*md["flags"], **kw)
+
+
+def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+         config_file: str | os.PathLike | None = None) -> Settings:
+    """Build validated :class:`Settings` from command-line values, environment and TOML."""
+    environ = os.environ if environ is None else environ
+    args = dict(args or {})
+    raw: dict[str, tuple[Any, str]] = {}
+
+    path = args.pop("config", None) or config_file or environ.get("LOGJAM_RELAY_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        for name, v in _flatten_toml(data, str(path)).items():
+            if name not in _BY_NAME:
+                raise ConfigError(f"{name} ({path}): unknown setting")
+            raw[name] = (v, str(path))
+
+    for f in SETTING_FIELDS:
+        for env in _env_names(f):
+            if env in environ:
+                raw[f.name] = (environ[env], env)
+                break
+
+    for name, v in args.items():
+        if name in _BY_NAME and v is not None:
+            flag = _BY_NAME[name].metadata["flags"][-1]
+            raw[name] = (v, flag)
+
+    s = Settings()
+    for name, (v, src) in raw.items():
+        conv = _BY_NAME[name].metadata["conv"]
+        try:
+            value = conv(v)
+        except ValueError as e:
+            raise ConfigError(f"{name} ({src}): {e}") from None
+        setattr(s, name, value)
+        s.sources[name] = src
+    _check(s)
+    return s
+
+
+def _check(s: Settings) -> None:
+    ports = {n: getattr(s, n) for n in ("pull_port", "router_port", "pub_port", "stats_port",
+                                        "metrics_port", "cmdp_port")}
+    seen: dict[int, str] = {}
+    for name, p in ports.items():
+        if p and p in seen:
+            raise ConfigError(f"{name} ({s.sources.get(name, 'default')}): port {p} is already "
+                              f"used by {seen[p]}")
+        if p:
+            seen[p] = name
+    if not s.pub_port:
+        raise ConfigError("pub_port: the PUB port cannot be off")
+    if not s.pull_port and not s.router_port:
+        raise ConfigError("pull_port/router_port: at least one input port must be on")
+    if s.samwise or s.amqp_brokers:
+        from .samwise.config import SamwiseConfig
+        try:
+            SamwiseConfig.from_args(s.samwise, s.amqp_brokers)
+        except ValueError as e:
+            raise ConfigError(f"samwise/amqp_brokers: {e}") from None
+    if s.outputs:
+        from .outputs.supervisor import parse_outputs
+        try:
+            parse_outputs(s.outputs)
+        except ValueError as e:
+            raise ConfigError(f"outputs ({s.sources.get('outputs', 'default')}): {e}") from None

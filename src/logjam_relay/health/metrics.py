@@ -1,0 +1,219 @@
+"""Prometheus export of the relay's plain counters, at scrape time.
+
+logjam-device's metric names are kept exactly (``logjam:device:*``,
+``logjam:msgbus:sequence``, labelled ``device``) so existing dashboards and
+alerts keep working; the relay's own metrics are ``logjam_relay_*``.
+Components keep ints on the hot path; this collector turns them into metric
+families only when Prometheus asks.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+def _counter(name, doc, labels=("device",)):
+    return CounterMetricFamily(name, doc, labels=list(labels))
+
+
+def _gauge(name, doc, labels=("device",)):
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def _one(kind, name: str, doc: str, labels: list[str], value):
+    """A metric family with a single sample."""
+    m = kind(name, doc)
+    m.add_metric(labels, value)
+    return m
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RelayCollector:
+    """Collects from a :class:`logjam_relay.relay.app.Relay` and its parts."""
+
+    def __init__(self, relay):
+        self.relay = relay
+        self.extra: list = []      # more collectors: objects with collect() -> families
+
+    def collect(self):
+        r = self.relay
+        p = r.pipeline
+        if p is None:
+            return
+        c = p.counters
+        d = str(r.settings.device_id)
+        dl = [d]
+
+        # ---- logjam-device names
+        yield _one(_counter, "logjam:device:msgs_received", "messages received", dl, c.received)
+        yield _one(_counter, "logjam:device:msgs_invalid", "invalid messages dropped",
+                   dl, c.invalid)
+        yield _one(_counter, "logjam:device:msgs_received_bytes", "body bytes received",
+                   dl, c.received_bytes)
+        yield _one(_counter, "logjam:device:msgs_compressed", "messages compressed by the relay",
+                   dl, c.compressed)
+        yield _one(_counter, "logjam:device:msgs_compressed_bytes", "bytes after compression",
+                   dl, c.compressed_bytes)
+        yield _one(_counter, "logjam:device:cpu_seconds", "CPU seconds used (user+system)",
+                   dl, r.cpu_seconds())
+        yield _one(_counter, "logjam:device:ping_count", "pings answered", dl, c.pings)
+        m = _counter("logjam:device:ping_count_by_stream", "pings by stream",
+                     ("device", "stream"))
+        for stream, n in c.pings_by_stream.items():
+            m.add_metric([d, stream], n)
+        yield m
+        yield _one(_counter, "logjam:device:broken_meta_count", "messages with a broken meta frame",
+                   dl, c.broken_meta)
+        m = _counter("logjam:device:broken_meta_count_by_stream",
+                     "messages with a broken meta frame by stream", ("device", "stream"))
+        for stream, n in c.broken_meta_by_stream.items():
+            m.add_metric([d, stream], n)
+        yield m
+        yield _one(_gauge, "logjam:device:app_start_time", "start time (unix seconds)",
+                   dl, r.start_time)
+        yield _one(_gauge, "logjam:msgbus:sequence", "last sequence number used", dl, p.seq)
+        yield _one(_gauge, "logjam:device:msgs_received_max_bytes", "largest body received",
+                   dl, c.received_max_bytes)
+
+        # ---- the relay's own
+        m = _counter("logjam_relay_messages", "messages by socket and outcome",
+                     ("device", "outcome"))
+        m.add_metric([d, "accepted"], c.received)
+        m.add_metric([d, "invalid"], c.invalid)
+        m.add_metric([d, "ping"], c.pings)
+        m.add_metric([d, "legacy"], c.legacy)
+        yield m
+        m = _counter("logjam_relay_input_messages", "messages read by input socket",
+                     ("device", "socket"))
+        m.add_metric([d, "router"], c.router)
+        m.add_metric([d, "pull"], c.pull)
+        yield m
+        m = _counter("logjam_relay_invalid", "invalid messages by reason", ("device", "reason"))
+        for reason, n in c.invalid_by_reason.items():
+            m.add_metric([d, reason], n)
+        yield m
+        m = _counter("logjam_relay_replies", "replies sent on ROUTER", ("device", "status"))
+        m.add_metric([d, "202"], c.replies_202)
+        m.add_metric([d, "400"], c.replies_400)
+        m.add_metric([d, "200"], c.pings - c.bad_pings)
+        yield m
+        yield _one(_counter, "logjam_relay_reply_drops", "ROUTER replies that could not be queued",
+                   dl, r.reply_drops)
+        yield _one(_counter, "logjam_relay_published", "messages published on PUB (incl. heartbeats)",
+                   dl, r.pub.published if r.pub else 0)
+        yield _one(_counter, "logjam_relay_pub_drops", "messages a PUB subscriber missed because its queue was at the HWM",
+                   dl, r.pub.drops if r.pub else 0)
+        yield _one(_gauge, "logjam_relay_pub_subscriptions", "distinct topics subscribed on PUB",
+                   dl, len(r.pub.subscriptions) if r.pub else 0)
+        yield _one(_counter, "logjam_relay_heartbeats", "heartbeats published", dl, r.heartbeats)
+        yield _one(_counter, "logjam_relay_batches", "batches drained from input sockets",
+                   dl, r.batches)
+        yield _one(_gauge, "logjam_relay_loop_lag_seconds", "event loop lag (last 100 ms probe)",
+                   dl, r.loop_lag)
+        yield _one(_gauge, "logjam_relay_loop_lag_max_seconds", "largest event loop lag seen",
+                   dl, r.loop_lag_max)
+        yield _one(_gauge, "logjam_relay_resident_memory_bytes", "resident set size",
+                   dl, rss_bytes())
+        yield _one(_gauge, "logjam_relay_up_seconds", "seconds since start",
+                   dl, time.time() - r.start_time)
+        yield from self._outputs_and_spool(d)
+        for extra in self.extra:
+            yield from extra.collect()
+
+    def _outputs_and_spool(self, d: str):
+        r = self.relay
+        if r.spool is None:
+            return
+        lb = ("device", "output")
+        fams = {
+            "sent": _counter("logjam_relay_output_events_sent", "events written upstream", lb),
+            "acked": _counter("logjam_relay_output_events_acked", "events acknowledged", lb),
+            "resent": _counter("logjam_relay_output_events_resent", "events sent again", lb),
+            "reconnects": _counter("logjam_relay_output_reconnects",
+                                   "connection attempts after the first", lb),
+            "failures": _counter("logjam_relay_output_connect_failures",
+                                 "failed connection attempts", lb),
+            "crashes": _counter("logjam_relay_output_crashes",
+                                "output task crashes (restarted with backoff)", lb),
+            "connected": _gauge("logjam_relay_output_connected", "1 when connected", lb),
+            "backlog": _gauge("logjam_relay_output_backlog_records",
+                              "spooled records not yet acknowledged", lb),
+            "backlog_bytes": _gauge("logjam_relay_output_backlog_bytes",
+                                    "spooled bytes not yet acknowledged", lb),
+            "rtt": _gauge("logjam_relay_output_ack_rtt_seconds",
+                          "last window/payload round trip (send to ack)", lb),
+            "age": _gauge("logjam_relay_output_oldest_unacked_age_seconds",
+                          "age of the oldest unacknowledged record (segment granularity)", lb),
+            "lost": _counter("logjam_relay_spool_lost_records",
+                             "records deleted by drop_oldest before this output acked them", lb),
+        }
+        for sup in r.outputs:
+            st = sup.stats()
+            sp = st.get("spool", {})
+            lbl = [d, sup.name]
+            attempts = st.get("connect_attempts", st.get("connections", 0) +
+                              st.get("reconnects", 0))
+            reconnects = st.get("reconnects", max(0, attempts - 1))
+            fams["sent"].add_metric(lbl, st.get("events_sent", 0))
+            fams["acked"].add_metric(lbl, st.get("events_acked", 0))
+            fams["resent"].add_metric(lbl, st.get("events_resent", 0))
+            fams["reconnects"].add_metric(lbl, reconnects)
+            fams["failures"].add_metric(lbl, st.get("connect_failures", 0))
+            fams["crashes"].add_metric(lbl, st.get("crashes", 0))
+            fams["connected"].add_metric(lbl, st.get("connected", 0))
+            fams["backlog"].add_metric(lbl, sp.get("backlog_records", 0))
+            fams["backlog_bytes"].add_metric(lbl, sp.get("backlog_bytes", 0))
+            fams["rtt"].add_metric(lbl, st.get("window_rtt_last_seconds",
+                                               st.get("payload_rtt_last_seconds", 0.0)))
+            fams["age"].add_metric(lbl, sp.get("oldest_unacked_age_s", 0.0))
+            fams["lost"].add_metric(lbl, sp.get("lost", 0))
+        yield from fams.values()
+
+        st = r.spool.stats()
+        dl = [d]
+        for name, key, doc, kind in (
+                ("logjam_relay_spool_bytes", "bytes", "bytes the spool uses on disk", _gauge),
+                ("logjam_relay_spool_max_bytes", "max_bytes", "disk budget of the spool", _gauge),
+                ("logjam_relay_spool_segments", "segments", "segment files", _gauge),
+                ("logjam_relay_spool_full", "full", "1 when the spool is at max_bytes", _gauge),
+                ("logjam_relay_spool_appended_records", "appends", "records appended", _counter),
+                ("logjam_relay_spool_appended_bytes", "bytes_appended", "bytes appended",
+                 _counter),
+                ("logjam_relay_spool_fsyncs", "fsyncs", "fsync calls", _counter),
+                ("logjam_relay_spool_write_errors", "write_errors", "failed writes", _counter),
+                ("logjam_relay_spool_corrupt_records", "corrupt_records",
+                 "corrupt records found while reading", _counter),
+                ("logjam_relay_spool_corrupt_tails_cut", "corrupt_tails_cut",
+                 "torn or corrupt segment tails cut at start", _counter),
+                ("logjam_relay_spool_dropped_segments", "dropped_segments",
+                 "segments deleted by drop_oldest", _counter)):
+            m = kind(name, doc)
+            m.add_metric(dl, st.get(key, 0))
+            yield m
+        yield _one(_counter, "logjam_relay_spool_blocked_seconds", "time ingress was paused because the spool was full",
+                   dl, r.spool_blocked_seconds)
+
+
+def make_registry(relay) -> tuple[CollectorRegistry, RelayCollector]:
+    reg = CollectorRegistry(auto_describe=False)
+    col = RelayCollector(relay)
+    reg.register(col)
+    return reg, col
+
+
+def metrics_handler(registry: CollectorRegistry):
+    def handler():
+        return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+    return handler

@@ -1,0 +1,73 @@
+"""TCP/TLS helpers shared by the upstream writers and the in-repo peers."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from dataclasses import dataclass
+
+import trio
+
+
+@dataclass(frozen=True, slots=True)
+class TLSSettings:
+    """TLS options of one output (client side)."""
+
+    enabled: bool = True
+    ca: str | None = None          # CA bundle file; None = system trust store
+    cert: str | None = None        # client certificate (PEM)
+    key: str | None = None         # client key (PEM)
+    server_name: str | None = None  # SNI / name to verify; None = the host we connect to
+    verify: bool = True
+
+    def client_context(self) -> ssl.SSLContext | None:
+        if not self.enabled:
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if not self.verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
+def server_context(cert: str, key: str | None = None, ca: str | None = None,
+                   require_client_cert: bool = False) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    if ca:
+        ctx.load_verify_locations(ca)
+    if require_client_cert:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+async def connect(host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+                  server_name: str | None = None, nodelay: bool = True) -> trio.abc.Stream:
+    """Open a TCP connection (TCP_NODELAY on), wrapped in TLS when a context is given."""
+    stream = await trio.open_tcp_stream(host, port)
+    if nodelay:
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if ssl_context is None:
+        return stream
+    tls = trio.SSLStream(stream, ssl_context, server_hostname=server_name or host,
+                         https_compatible=False)
+    try:
+        await tls.do_handshake()
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return tls
+
+
+def parse_hostport(s: str, default_port: int) -> tuple[str, int]:
+    """'host', 'host:port', '[v6]:port' -> (host, port)."""
+    if s.startswith("["):
+        host, _, rest = s[1:].partition("]")
+        port = int(rest[1:]) if rest.startswith(":") else default_port
+        return host, port
+    if s.count(":") == 1:
+        host, port = s.split(":")
+        return host, int(port)
+    return s, default_port

@@ -1,0 +1,402 @@
+"""The relay: one trio nursery supervising ingest, ticker, metrics and outputs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import trio
+import zmq
+
+from ..config import Settings
+from ..io import zmq_trio
+from ..protocols import logjam as L
+from ..ratelimit import RateLimitedLog
+from .pipeline import Pipeline
+from .sequence import SequenceState
+
+log = logging.getLogger("logjam_relay.relay")
+rlog = RateLimitedLog(log)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Relay:
+    """A logjam-device replacement.
+
+    ``await relay.run()`` binds the sockets, reports readiness through
+    ``task_status`` and runs until :meth:`shutdown` is called (SIGTERM/SIGINT
+    in the CLI) or the surrounding scope is cancelled.
+    """
+
+    def __init__(self, settings: Settings, *, zmq_context: zmq.Context | None = None):
+        self.settings = s = settings
+        self.fqdn = s.resolved_fqdn()
+        self.ctx = zmq_context or zmq.Context(io_threads=s.io_threads)
+        self._own_ctx = zmq_context is None
+        state_path = s.resolved_state_dir() / f"sequence-device-{s.device_id}.json"
+        self.sequence_state = SequenceState(state_path, s.device_id)
+        self.pipeline: Pipeline | None = None
+        self.pub: zmq_trio.PubSocket | None = None
+        self.start_time = time.time()
+        self.ready = trio.Event()
+        self.stopped = trio.Event()
+        self.http = None
+        self.metrics_registry = None
+        self.metrics_collector = None
+        self.stopping = False
+        self.loop_lag = 0.0
+        self.loop_lag_max = 0.0
+        self.heartbeats = 0
+        self.reply_drops = 0
+        self.batches = 0
+        self.spool = None                       # set when a spool is configured
+        self.archive = None                     # set when an archive is configured
+        self.cmdp = None
+        self.samwise = None
+        self.outputs: list = []                 # output supervisors (stats())
+        self.spool_write_failures = 0
+        self.spool_blocked_seconds = 0.0
+        self._outputs_scope: trio.CancelScope | None = None
+        self._outputs_done = trio.Event()
+        self._shutdown_requested = trio.Event()
+        self._sockets: list[zmq.Socket] = []
+        self._extra_tasks: list = []            # async starter(nursery), see add_task()
+        self.endpoints: dict[str, str] = {}
+        method = L.COMPRESSION_BY_NAME.get(s.compress or "none", 0)
+        self.compress_method = method
+        self._compress_limiter = trio.CapacityLimiter(s.compressors)
+
+    # ------------------------------------------------------------ life cycle
+    def shutdown(self) -> None:
+        """Stop accepting, flush what was accepted, persist state, return from run()."""
+        self._shutdown_requested.set()
+
+    def _bind(self, kind: int, port: int, options: dict[int, int]) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Options must be set before bind: accepted connections copy them from the listener.
+        for opt, value in options.items():
+            sock.setsockopt(opt, value)
+        self._sockets.append(sock)
+        ep = self.settings.endpoint(port)
+        try:
+            sock.bind(ep)
+        except zmq.ZMQError as e:
+            raise OSError(f"cannot bind {ep}: {e}") from None
+        return sock
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        s = self.settings
+        spool_last = self.spool.last_sequence() if self.spool is not None else None
+        first = self.sequence_state.load(spool_last)
+        try:
+            pub_sock = self._bind(zmq.XPUB, s.pub_port, {zmq.SNDHWM: s.snd_hwm})
+            self.pub = zmq_trio.PubSocket(pub_sock)
+            self.pipeline = Pipeline(s.device_id, first, self.pub.publish4,
+                                     fqdn=self.fqdn.encode(), allow_invalid_meta=s.allow_invalid_meta,
+                                     compress_method=self.compress_method)
+            self.sequence_state.reserve(self.pipeline.seq)
+            stats_sock = self._bind(zmq.PUB, s.stats_port, {zmq.SNDHWM: 1000}) \
+                if s.stats_port else None
+            # Replies can never outnumber the requests the ROUTER may queue (rcv_hwm), so
+            # the reply queue gets the same bound; ROUTER_MANDATORY makes a reply that
+            # still cannot be queued (peer gone, queue full) an error we count.
+            router = self._bind(zmq.ROUTER, s.router_port,
+                                {zmq.RCVHWM: s.rcv_hwm, zmq.SNDHWM: s.rcv_hwm,
+                                 zmq.ROUTER_MANDATORY: 1}) if s.router_port else None
+            pull = self._bind(zmq.PULL, s.pull_port, {zmq.RCVHWM: s.rcv_hwm}) \
+                if s.pull_port else None
+            for name, sock in (("pub", pub_sock), ("stats", stats_sock), ("router", router),
+                               ("pull", pull)):
+                if sock is not None:
+                    self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+            async with trio.open_nursery() as nursery:
+                ingest = trio.CancelScope()
+
+                async def ingest_tasks():
+                    with ingest:
+                        async with trio.open_nursery() as inner:
+                            if router is not None:
+                                inner.start_soon(self._ingest, router, True)
+                            if pull is not None:
+                                inner.start_soon(self._ingest, pull, False)
+
+                nursery.start_soon(ingest_tasks)
+                nursery.start_soon(self._ticker, stats_sock)
+                nursery.start_soon(self._lag_monitor)
+                if self.spool is not None:
+                    nursery.start_soon(self.spool.run)
+                if self.outputs:
+                    nursery.start_soon(self._run_outputs)
+                for starter in self._extra_tasks:
+                    await starter(nursery)
+                self.ready.set()
+                log.info("relay device %d ready: %s (sequence continues at %d, %s)",
+                         s.device_id, ", ".join(f"{k}={v}" for k, v in self.endpoints.items()),
+                         first, self.sequence_state.recovered_from)
+                task_status.started(self)
+                await self._shutdown_requested.wait()
+                # ---- graceful shutdown: stop reading, flush, persist
+                self.stopping = True
+                ingest.cancel()
+                await self._drain_final(router, pull)
+                await self._stop_outputs()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._close()
+            self.stopped.set()
+
+    async def _run_outputs(self) -> None:
+        with trio.CancelScope() as scope:
+            self._outputs_scope = scope
+            async with trio.open_nursery() as nursery:
+                for sup in self.outputs:
+                    nursery.start_soon(sup.run)
+        self._outputs_done.set()
+
+    async def _stop_outputs(self) -> None:
+        """Ask outputs to finish what is in flight; cancel what is left after the budget."""
+        if not self.outputs:
+            return
+        graceful = [s for s in self.outputs if hasattr(s.output, "request_shutdown")]
+        for sup in self.outputs:
+            await sup.stop(0)
+        if graceful and len(graceful) == len(self.outputs):
+            with trio.move_on_after(self.settings.shutdown_timeout / 3):
+                await self._outputs_done.wait()
+        if self._outputs_scope is not None:
+            self._outputs_scope.cancel()
+
+    def add_task(self, starter) -> None:
+        """Register ``async starter(nursery)`` to start more tasks in the relay's nursery."""
+        self._extra_tasks.append(starter)
+
+    def _close(self) -> None:
+        p = self.pipeline
+        if self.spool is not None:
+            try:
+                self.spool.close()          # persists every output's cursor
+            except Exception:
+                log.exception("closing the spool failed")
+        if p is not None:
+            self.sequence_state.save_clean(p.seq)
+        linger = int(self.settings.shutdown_timeout * 1000)
+        pub = self.pub.sock if self.pub is not None else None
+        for sock in self._sockets:
+            try:
+                sock.close(linger=linger if sock is pub else 0)
+            except zmq.ZMQError:
+                pass
+        if self._own_ctx:
+            self.ctx.term()
+        log.info("relay stopped at sequence %d", p.seq if p else 0)
+
+    # --------------------------------------------------------------- ingest
+    async def _ingest(self, sock: zmq.Socket, is_router: bool) -> None:
+        limit = self.settings.batch_size
+        drain = zmq_trio.drain
+        spool = self.spool
+        while True:
+            if spool is not None and spool.would_block():
+                # policy "block": stop reading; ZeroMQ's HWM pushes back to the clients
+                t0 = trio.current_time()
+                rlog.warning("spool_full", "spool is full (%d bytes): ingress paused until "
+                             "outputs catch up", spool.max_bytes)
+                await spool.wait_writable()
+                self.spool_blocked_seconds += trio.current_time() - t0
+            batch = drain(sock, limit)
+            if not batch:
+                await zmq_trio.wait_for(sock, zmq.POLLIN)
+                continue
+            # A drained batch is processed to the end even when shutdown starts.
+            with trio.CancelScope(shield=True):
+                await self._process(sock, batch, is_router)
+            await trio.lowlevel.checkpoint()
+
+    async def _process(self, sock: zmq.Socket, batch: list[list[bytes]], is_router: bool) -> None:
+        p = self.pipeline
+        self.batches += 1
+        replies: list[list[bytes]] = []
+        acc = p.prepare_router(batch, replies) if is_router else p.prepare_pull(batch)
+        if acc:
+            if self.compress_method:
+                idx = p.needs_compression(acc)
+                if idx:
+                    await self._compress(acc, idx)
+            records = p.commit(acc, now_ms())
+            if p.seq >= self.sequence_state.reserved:
+                self.sequence_state.reserve(p.seq, len(records))
+            if self.spool is not None:
+                await self._spool_write(records)
+        if replies:
+            send = sock.send
+            for r in replies:
+                try:
+                    send(r[0], zmq.NOBLOCK | zmq.SNDMORE)
+                    for f in r[1:-1]:
+                        send(f, zmq.SNDMORE)
+                    send(r[-1])
+                except zmq.ZMQError:
+                    # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost,
+                    # as with logjam-device, but counted.
+                    self.reply_drops += 1
+
+    async def _spool_write(self, records: list[tuple]) -> None:
+        """Append a committed batch; on a write error keep the batch, pause, retry.
+
+        Replies are sent only after this returns, so a 202 always means "in the spool"
+        (and, with spool_fsync=batch, on disk: the fdatasync runs in a worker thread while
+        the event loop goes on).  The caller is shielded from cancellation; during shutdown
+        we give up after one more attempt (the batch was published on PUB, not spooled).
+        """
+        from ..spool.spool import SpoolWriteError
+        spool = self.spool
+        delay = 0.05
+        written = False
+        while True:
+            try:
+                if not written:
+                    spool.append_batch(records)
+                    written = True
+                if spool.defer_batch_sync:
+                    await spool.sync_async()
+                return
+            except SpoolWriteError as e:
+                self.spool_write_failures += 1
+                rlog.error("spool_write", "spool %s failed (%s): %s; ingress paused, retrying",
+                           "sync" if written else "write", e.reason, e)
+                if self.stopping:
+                    return
+                await trio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _compress(self, acc: list[tuple], idx: list[int]) -> None:
+        p = self.pipeline
+        n = len(idx)
+        workers = min(self.settings.compressors, max(1, n // 128))
+        if workers == 1:
+            await trio.to_thread.run_sync(p.compress_in_place, acc, idx,
+                                          limiter=self._compress_limiter)
+        else:
+            step = math.ceil(n / workers)
+            async with trio.open_nursery() as nursery:
+                for start in range(0, n, step):
+                    nursery.start_soon(self._compress_chunk, acc, idx, start, start + step)
+        p.count_compressed(acc, idx)
+
+    async def _compress_chunk(self, acc, idx, start, stop) -> None:
+        await trio.to_thread.run_sync(self.pipeline.compress_in_place, acc, idx, start, stop,
+                                      limiter=self._compress_limiter)
+
+    async def _drain_final(self, router, pull) -> None:
+        """After ingest stopped: take what is already queued in the sockets, then stop."""
+        with trio.move_on_after(self.settings.shutdown_timeout / 2) as scope:
+            scope.shield = True
+            for sock, is_router in ((router, True), (pull, False)):
+                if sock is None:
+                    continue
+                while True:
+                    batch = zmq_trio.drain(sock, self.settings.batch_size)
+                    if not batch:
+                        break
+                    await self._process(sock, batch, is_router)
+
+    # --------------------------------------------------------------- ticker
+    async def _ticker(self, stats_sock: zmq.Socket | None) -> None:
+        s = self.settings
+        p = self.pipeline
+        hb_every = s.heartbeat_interval
+        st_every = s.stats_interval
+        pub_port = s.pub_port
+        if pub_port == 0 and "pub" in self.endpoints:
+            pub_port = int(self.endpoints["pub"].rsplit(":", 1)[1])
+        clock = trio.current_time
+        next_hb = clock() + hb_every
+        next_st = clock() + st_every
+        next_ckpt = clock() + 1.0
+        last_seq_ckpt = p.seq
+        while True:
+            await trio.sleep_until(min(next_hb, next_st, next_ckpt))
+            t = clock()
+            if t >= next_hb:
+                next_hb += hb_every
+                if next_hb < t:
+                    next_hb = t + hb_every
+                frames = L.heartbeat_frames(self.fqdn, pub_port, s.device_id, now_ms(),
+                                            p.next_sequence())
+                self.pub.publish(frames)
+                self.heartbeats += 1
+                if self.spool is not None:
+                    # spooled too, so the archive holds every sequence number (loss report);
+                    # the upstream outputs skip heartbeats
+                    try:
+                        self.spool.append_batch([frames])
+                    except Exception as e:
+                        rlog.error("spool_write", "spooling a heartbeat failed: %s", e)
+            if t >= next_st:
+                next_st += st_every
+                if next_st < t:
+                    next_st = t + st_every
+                if stats_sock is not None:
+                    try:
+                        zmq_trio.send_multipart_nowait(stats_sock,
+                                                       L.stats_frames(s.device_id, p.seq))
+                    except zmq.ZMQError:
+                        pass
+            if t >= next_ckpt:
+                next_ckpt = t + 1.0
+                self.pub.poll_subscriptions()
+                rate = p.seq - last_seq_ckpt
+                last_seq_ckpt = p.seq
+                if p.seq + 2 * rate >= self.sequence_state.reserved:
+                    self.sequence_state.reserve(p.seq, rate)
+
+    async def _lag_monitor(self) -> None:
+        period = 0.1
+        clock = trio.current_time
+        while True:
+            t0 = clock()
+            await trio.sleep(period)
+            lag = max(0.0, clock() - t0 - period)
+            self.loop_lag = lag
+            if lag > self.loop_lag_max:
+                self.loop_lag_max = lag
+
+    # ---------------------------------------------------------------- stats
+    def readiness_problems(self) -> list[str]:
+        """Why the relay is not ready (empty list = ready)."""
+        problems = []
+        if not self.ready.is_set():
+            problems.append("sockets not bound yet")
+        if self.stopping:
+            problems.append("shutting down")
+        for out in self.outputs:
+            why = out.readiness_problem() if hasattr(out, "readiness_problem") else None
+            if why:
+                problems.append(why)
+        return problems
+
+    def cpu_seconds(self) -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def stats(self) -> dict:
+        p = self.pipeline
+        c = p.counters if p else None
+        return {
+            "sequence": p.seq if p else 0,
+            "msgs_received": c.received if c else 0,
+            "bytes_received": c.received_bytes if c else 0,
+            "invalid": dict(c.invalid_by_reason) if c else {},
+            "pings": c.pings if c else 0,
+            "pub_drops": self.pub.drops if self.pub else 0,
+            "heartbeats": self.heartbeats,
+            "loop_lag": self.loop_lag,
+        }
+

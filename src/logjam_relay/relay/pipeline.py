@@ -1,0 +1,260 @@
+"""The hot path: validate a drained batch, stamp it, publish it, hand it to the spool.
+
+Work is split in two synchronous steps so that compression can run in worker
+threads between them without reordering a stream:
+
+* :meth:`Pipeline.prepare` classifies a batch (ROUTER or PULL).  Valid data
+  messages become small tuples ``(app_env, topic, body, compression,
+  created_ms_bytes)``; replies for invalid requests and pings are collected.
+* :meth:`Pipeline.commit` assigns sequence numbers in order, builds the meta
+  frame from precomputed prefixes, publishes on PUB and returns the stamped
+  records for the spool.
+
+The common case (4 frames, cached stream and topic, good meta) takes a handful
+of bytecodes per message; everything else goes through the complete
+classifier in :mod:`logjam_relay.protocols.logjam`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from ..protocols import logjam as L
+from ..ratelimit import RateLimitedLog
+
+log = RateLimitedLog(logging.getLogger("logjam_relay.ingest"))
+
+_ZERO8 = b"\0" * 8
+_TAGS = (b"\xca\xbd", b"\xbd\xca")
+_EMPTY = b""
+
+
+class Counters:
+    """Plain counters read by the metrics collector at scrape time."""
+
+    __slots__ = ("received", "received_bytes", "received_max_bytes", "published", "invalid",
+                 "invalid_by_reason", "broken_meta", "broken_meta_by_stream", "pings",
+                 "pings_by_stream", "bad_pings", "replies_202", "replies_400", "compressed",
+                 "compressed_bytes", "compress_errors", "router", "pull", "legacy")
+
+    def __init__(self):
+        self.received = 0           # valid data messages accepted
+        self.received_bytes = 0     # their body bytes (as received)
+        self.received_max_bytes = 0
+        self.published = 0
+        self.invalid = 0
+        self.invalid_by_reason: Counter[str] = Counter()
+        self.broken_meta = 0
+        self.broken_meta_by_stream: Counter[str] = Counter()
+        self.pings = 0
+        self.pings_by_stream: Counter[str] = Counter()
+        self.bad_pings = 0
+        self.replies_202 = 0
+        self.replies_400 = 0
+        self.compressed = 0
+        self.compressed_bytes = 0
+        self.compress_errors = 0
+        self.router = 0
+        self.pull = 0
+        self.legacy = 0
+
+
+_BROKEN_META = frozenset({"meta_size", "meta_tag", "meta_version"})
+_MAX_LABELS = 1000  # bound label cardinality of per-stream counters
+
+
+def _label(b: bytes | None) -> str:
+    if not b:
+        return "unknown-unknown"
+    return b[:80].decode("ascii", "replace")
+
+
+class Pipeline:
+    """Validation, stamping and publishing of drained batches.
+
+    ``publish4(app_env, topic, body, meta)`` is the PUB adapter's hot method.
+    """
+
+    def __init__(self, device: int, first_sequence: int, publish4, *, fqdn: bytes,
+                 allow_invalid_meta: bool = False, compress_method: int = 0, clock_ms=None):
+        self.device = device
+        self.seq = first_sequence - 1      # last number used
+        self.publish4 = publish4
+        self.fqdn = fqdn
+        self.allow_invalid_meta = allow_invalid_meta
+        self.compress_method = compress_method
+        self.validator = L.Validator()
+        self.counters = Counters()
+        dev = device.to_bytes(4, "big")
+        # meta prefix (tag, compression, version, device) for every compression byte
+        self._prefix = [b"\xca\xbd" + bytes([c, 1]) + dev for c in range(256)]
+        self._clock_ms = clock_ms
+        self.now8 = _ZERO8
+
+    # -------------------------------------------------------------- prepare
+    def prepare_pull(self, batch: list[list[bytes]]) -> list[tuple]:
+        acc: list[tuple] = []
+        append = acc.append
+        gs = self.validator.good_streams
+        gt = self.validator.good_topics
+        nbytes = 0
+        maxb = self.counters.received_max_bytes
+        for frames in batch:
+            if len(frames) == 4:
+                a, t, b, m = frames
+                if (a in gs and t in gt) and len(m) == 24 and m[3] == 1 and m[:2] in _TAGS:
+                    append((a, t, b, m[2], m[8:16]))
+                    lb = len(b)
+                    nbytes += lb
+                    if lb > maxb:
+                        maxb = lb
+                    continue
+            self._slow(frames, None, acc)
+        c = self.counters
+        c.pull += len(batch)
+        c.received_max_bytes = maxb
+        c.received_bytes += nbytes
+        return acc
+
+    def prepare_router(self, batch: list[list[bytes]], replies: list[list[bytes]]) -> list[tuple]:
+        """Like :meth:`prepare_pull`; reply frames (with routing id) go to ``replies``.
+
+        Replies for accepted requests are appended too: the caller sends them
+        only after the batch was committed (and spooled).
+        """
+        acc: list[tuple] = []
+        append = acc.append
+        rappend = replies.append
+        gs = self.validator.good_streams
+        gt = self.validator.good_topics
+        nbytes = 0
+        n202 = 0
+        maxb = self.counters.received_max_bytes
+        for frames in batch:
+            n = len(frames)
+            if n == 6 and frames[1] == _EMPTY:      # request: wants a reply
+                ident, _, a, t, b, m = frames
+            elif n == 5:                             # async, no empty frame: no reply
+                ident, a, t, b, m = frames
+            else:
+                m = None
+            if m is not None and (a in gs and t in gt) and len(m) == 24 and m[3] == 1 \
+                    and m[:2] in _TAGS:
+                append((a, t, b, m[2], m[8:16]))
+                if n == 6:
+                    rappend([ident, a, L.ACCEPTED])
+                    n202 += 1
+                lb = len(b)
+                nbytes += lb
+                if lb > maxb:
+                    maxb = lb
+                continue
+            self._slow(frames[1:], frames[0], acc, replies)
+        c = self.counters
+        c.router += len(batch)
+        c.replies_202 += n202
+        c.received_max_bytes = maxb
+        c.received_bytes += nbytes
+        return acc
+
+    def _slow(self, frames: list[bytes], ident: bytes | None, acc: list[tuple],
+              replies: list[list[bytes]] | None = None) -> None:
+        """Everything off the fast path: first sight of a stream, legacy, pings, errors."""
+        c = self.counters
+        if ident is None:
+            ev = L.classify_pull(frames, validator=self.validator,
+                                 allow_invalid_meta=self.allow_invalid_meta)
+        else:
+            ev = L.classify_router(frames, self.fqdn, validator=self.validator,
+                                   allow_invalid_meta=self.allow_invalid_meta)
+        if isinstance(ev, L.Data):
+            if ev.meta is None:
+                c.legacy += 1
+                acc.append((ev.app_env, ev.topic, ev.body, 0, _ZERO8))
+            else:
+                acc.append((ev.app_env, ev.topic, ev.body, ev.meta.compression,
+                            frames[-1][8:16]))
+            lb = len(ev.body)
+            c.received_bytes += lb
+            if lb > c.received_max_bytes:
+                c.received_max_bytes = lb
+            if ev.reply is not None:
+                replies.append([ident, *ev.reply])
+                c.replies_202 += 1
+            return
+        if isinstance(ev, L.Ping):
+            c.pings += 1
+            if len(c.pings_by_stream) < _MAX_LABELS or _label(ev.app_env) in c.pings_by_stream:
+                c.pings_by_stream[_label(ev.app_env)] += 1
+            if not ev.valid:
+                c.bad_pings += 1
+            if ev.reply is not None:
+                replies.append([ident, *ev.reply])
+                if not ev.valid:
+                    c.replies_400 += 1
+            return
+        # Invalid
+        c.invalid += 1
+        c.invalid_by_reason[ev.reason] += 1
+        if ev.reason in _BROKEN_META:
+            c.broken_meta += 1
+            lbl = _label(ev.app_env)
+            if len(c.broken_meta_by_stream) < _MAX_LABELS or lbl in c.broken_meta_by_stream:
+                c.broken_meta_by_stream[lbl] += 1
+        if ev.reply is not None:
+            replies.append([ident, *ev.reply])
+            c.replies_400 += 1
+        log.warning(ev.reason, "invalid message (%s) from %s: %d frames", ev.reason,
+                    _label(ev.app_env), len(frames))
+
+    # ----------------------------------------------------------- compression
+    def needs_compression(self, acc: list[tuple]) -> list[int]:
+        """Indexes of accepted messages whose bodies the relay must compress."""
+        if not self.compress_method:
+            return []
+        return [i for i, x in enumerate(acc) if x[3] == 0]
+
+    def compress_in_place(self, acc: list[tuple], idx: list[int], start: int = 0,
+                          stop: int | None = None) -> None:
+        """Compress ``acc[i]`` for i in idx[start:stop]. Runs in worker threads."""
+        method = self.compress_method
+        comp = L.compress
+        for i in idx[start:stop]:
+            a, t, b, _, cr = acc[i]
+            try:
+                acc[i] = (a, t, comp(b, method), method, cr)
+            except Exception:  # pragma: no cover - compressors do not fail on bytes
+                self.counters.compress_errors += 1
+
+    def count_compressed(self, acc: list[tuple], idx: list[int]) -> None:
+        c = self.counters
+        c.compressed += len(idx)
+        c.compressed_bytes += sum(len(acc[i][2]) for i in idx)
+
+    # ---------------------------------------------------------------- commit
+    def commit(self, acc: list[tuple], now_ms: int) -> list[tuple]:
+        """Stamp and publish in order; return the records [app, topic, body, meta] to spool."""
+        now8 = now_ms.to_bytes(8, "big")
+        prefix = self._prefix
+        pub = self.publish4
+        seq = self.seq
+        out = []
+        oappend = out.append
+        for a, t, b, comp, cr in acc:
+            seq += 1
+            if cr == _ZERO8:
+                cr = now8
+            m = prefix[comp] + cr + seq.to_bytes(8, "big")
+            pub(a, t, b, m)
+            oappend((a, t, b, m))
+        self.seq = seq
+        n = len(acc)
+        self.counters.received += n
+        self.counters.published += n
+        return out
+
+    def next_sequence(self) -> int:
+        """Take one number (heartbeats share the counter with data)."""
+        self.seq += 1
+        return self.seq

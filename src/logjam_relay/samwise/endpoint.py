@@ -1,0 +1,328 @@
+"""The samwise endpoint: a ROUTER serving samd's REQ (and DEALER) clients.
+
+Flow of a publish: receive a batch of requests -> parse (``protocols.samwise``)
+-> pick the target broker(s) -> ``store.append_batch`` (the spool) -> reply
+``[0]`` / ``[0, '']``.  The reply therefore means "accepted and in the spool".
+One :class:`~logjam_relay.samwise.amqp.BrokerOutput` per broker reads its own
+spool reader and publishes the records addressed to it with confirms.
+
+Spool record (``KIND_SAMWISE``): ``[b"broker-a,broker-b", *request frames as received]``.
+
+The store is any object with ``append_batch(list[(kind, frames)])`` (sync, or
+returning an awaitable) and ``reader(name) -> SpoolReader``;
+:class:`MemoryStore` is the in-memory one for tests.  Wiring the real spool
+is ``SamwiseService(config, store=spool)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+from typing import Protocol
+
+import trio
+import zmq
+
+from ..io import zmq_trio
+from ..protocols import samwise as proto
+from ..ratelimit import RateLimitedLog
+from ..spool.api import KIND_SAMWISE, MemorySource, Position, SpoolReader
+from .amqp import BrokerOutput, make_record
+from .config import SamwiseConfig
+
+log = logging.getLogger("logjam_relay.samwise")
+_rl = RateLimitedLog(log)
+
+IMMEDIATE_UNSUPPORTED = b"immediate flag not supported by RabbitMQ"
+NOT_ENOUGH_BROKERS = b"redundancy exceeds the number of brokers"
+USER_ID_MISMATCH = b"user_id must be the broker user"
+SPOOL_ERROR = b"spool error"
+UNKNOWN_BROKER = b"unknown broker"
+CONTROL_REFUSED = b"action not permitted"
+
+
+class SpoolFull(Exception):
+    pass
+
+
+class SamwiseStore(Protocol):
+    """``append_records`` (or ``append_batch``) of ``(kind, frames)``; sync or async.
+    Optional ``would_block()``: true while the spool is full (publishes get an error)."""
+
+    def append_records(self, records: list[tuple[int, list[bytes]]]): ...
+    def reader(self, name: str) -> SpoolReader: ...
+
+
+class MemoryStore:
+    """In-memory store: every appended record goes to every reader (same positions)."""
+
+    def __init__(self):
+        self._readers: dict[str, MemorySource] = {}
+        self.appended = 0
+
+    def reader(self, name: str) -> MemorySource:
+        if name not in self._readers:
+            if self.appended:
+                raise RuntimeError("MemoryStore: create readers before appending")
+            self._readers[name] = MemorySource(name)
+        return self._readers[name]
+
+    def append_batch(self, records: list[tuple[int, list[bytes]]]) -> list[Position]:
+        out = []
+        for kind, frames in records:
+            for r in self._readers.values():
+                pos = r.append(frames, kind)
+            out.append(pos)
+            self.appended += 1
+        return out
+
+    append_records = append_batch
+
+    def append(self, frames: list[bytes], kind: int = KIND_SAMWISE) -> Position:
+        return self.append_batch([(kind, frames)])[0]
+
+
+class Distributor:
+    """samd's rotation: a cursor over the brokers in config order; connected ones first."""
+
+    def __init__(self, outputs: list[BrokerOutput]):
+        self.outputs = outputs
+        self._cursor = 0
+
+    def pick(self, n: int) -> list[str]:
+        outs = self.outputs
+        k = len(outs)
+        order = [(self._cursor + i) % k for i in range(k)]
+        up = [i for i in order if outs[i].connected]
+        down = [i for i in order if not outs[i].connected]
+        chosen = (up + down)[:n]
+        self._cursor = (chosen[0] + 1) % k
+        return [outs[i].name for i in chosen]
+
+
+class SamwiseService:
+    """Endpoint + broker outputs.  ``await nursery.start(service.run)``."""
+
+    def __init__(self, config: SamwiseConfig, store: SamwiseStore, *,
+                 zmq_context: zmq.Context | None = None):
+        self.config = config
+        self.store = store
+        self.ctx = zmq_context or zmq.Context.instance()
+        self.outputs = [
+            BrokerOutput(b, store.reader(config.reader_name(b.name)),
+                         max_inflight=config.max_inflight, read_batch=config.read_batch,
+                         on_delivered=self._on_delivered)
+            for b in config.brokers
+        ]
+        self.by_name = {o.name: o for o in self.outputs}
+        self.users = {b.user for b in config.brokers}
+        self.distributor = Distributor(self.outputs)
+        self.bound: list[str] = []     # actual endpoints (ephemeral ports resolved)
+        self._sock: zmq.Socket | None = None
+        # metrics
+        self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.accepted = 0
+        self.delivered = 0
+        self.replies_dropped = 0
+        self.spool_errors = 0
+        self._copies_left: dict[Position, set[str]] = {}
+        # the real Spool has append_records((kind, frames)) and append_batch (logjam only)
+        self._append = getattr(store, "append_records", None) or store.append_batch
+        self._would_block = getattr(store, "would_block", None)
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable reply -> error, counted
+        try:
+            for ep in self.config.endpoints:
+                sock.bind(ep)
+                self.bound.append(sock.get(zmq.LAST_ENDPOINT).decode())
+            self._sock = sock
+            async with trio.open_nursery() as nursery:
+                for o in self.outputs:
+                    await nursery.start(o.run)
+                task_status.started(self.bound)
+                await self._serve(sock, nursery)
+        finally:
+            self._sock = None
+            sock.close(linger=0)
+
+    async def _serve(self, sock: zmq.Socket, nursery: trio.Nursery) -> None:
+        limit = self.config.recv_batch
+        while True:
+            batch = await zmq_trio.recv_batch(sock, limit)
+            await self._handle_batch(batch, nursery)
+
+    async def _handle_batch(self, batch: list[list[bytes]], nursery: trio.Nursery) -> None:
+        replies: list = []             # (envelope, frames) or (envelope, publish-index)
+        records: list[tuple[int, list[bytes]]] = []
+        pub_versions: list[tuple[int, list[str]]] = []
+        for msg in batch:
+            if len(msg) < 2:
+                continue  # ROUTER never delivers fewer than identity + 1 frame
+            if msg[1] == b"":
+                env, body = msg[:2], msg[2:]
+            else:  # a DEALER without the empty delimiter
+                env, body = msg[:1], msg[1:]
+            try:
+                ev = proto.parse_request(body)
+            except proto.SamwiseError as e:
+                self._count(body, e.reason)
+                _rl.warning(e.reason, "samwise: rejected request: %s", e)
+                replies.append((env, proto.error_reply(e.message)))
+                continue
+            if isinstance(ev, proto.Publish):
+                err = self._check_publish(ev)
+                if err is not None:
+                    self.requests[("publish", "rejected")] += 1
+                    replies.append((env, proto.error_reply(err)))
+                    continue
+                targets = self.distributor.pick(ev.copies)
+                records.append((KIND_SAMWISE, make_record(targets, body)))
+                pub_versions.append((ev.version, targets))
+                replies.append((env, len(records) - 1))
+            elif isinstance(ev, proto.Ping):
+                self.requests[("ping", "ok")] += 1
+                replies.append((env, proto.ok_reply(ev.version)))
+            elif isinstance(ev, proto.Status):
+                self.requests[("status", "ok")] += 1
+                replies.append((env, proto.ok_reply(ev.version, self.status_text().encode())))
+            elif isinstance(ev, proto.Rpc):
+                if ev.broker and ev.broker not in self.by_name:
+                    self.requests[("rpc", "rejected")] += 1
+                    replies.append((env, proto.error_reply(UNKNOWN_BROKER)))
+                else:
+                    nursery.start_soon(self._rpc, env, ev)
+            else:  # Control: stop / restart
+                self.requests[(ev.action, "rejected")] += 1
+                replies.append((env, proto.error_reply(CONTROL_REFUSED)))
+
+        stored = False
+        if records:
+            try:
+                if self._would_block is not None and self._would_block():
+                    raise SpoolFull
+                r = self._append(records)
+                if inspect.isawaitable(r):
+                    r = await r
+                stored = True
+            except SpoolFull:
+                self.spool_errors += 1
+                _rl.error("spool-full", "samwise: spool full, refusing publishes")
+            except Exception:
+                self.spool_errors += 1
+                log.exception("samwise: spool append failed")
+            if stored:
+                self.requests[("publish", "accepted")] += len(pub_versions)
+                self.accepted += len(pub_versions)
+            else:
+                self.requests[("publish", "spool_error")] += len(pub_versions)
+            if stored and isinstance(r, list) and len(r) == len(pub_versions):
+                for (_version, targets), pos in zip(pub_versions, r, strict=True):
+                    if len(targets) > 1 and isinstance(pos, Position):
+                        self._copies_left[pos] = set(targets)
+        for env, rep in replies:
+            if isinstance(rep, int):
+                version = pub_versions[rep][0]
+                rep = proto.ok_reply(version) if stored else proto.error_reply(SPOOL_ERROR)
+            self._reply(env, rep)
+
+    def _check_publish(self, ev: proto.Publish) -> bytes | None:
+        if ev.immediate:
+            return IMMEDIATE_UNSUPPORTED
+        if ev.copies > len(self.outputs):
+            return NOT_ENOUGH_BROKERS
+        uid = ev.properties.user_id
+        if uid is not None and (len(self.users) != 1 or uid not in self.users):
+            # RabbitMQ closes the channel (406) when user_id is not the connection's user
+            return USER_ID_MISMATCH
+        return None
+
+    def _count(self, body: list[bytes], reason: str) -> None:
+        action = proto.cstr(body[1]).decode("ascii", "replace")[:16] if len(body) > 1 else ""
+        if action not in ("publish", "rpc", "ping", "status"):
+            action = "other"
+        self.requests[(action, reason)] += 1
+
+    def _reply(self, env: list[bytes], frames: list[bytes]) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            if not zmq_trio.send_multipart_nowait(sock, env + frames):
+                self.replies_dropped += 1
+        except zmq.ZMQError:  # peer gone (ROUTER_MANDATORY: EHOSTUNREACH)
+            self.replies_dropped += 1
+
+    async def _rpc(self, env: list[bytes], ev: proto.Rpc) -> None:
+        outs = [self.by_name[ev.broker]] if ev.broker else self.outputs
+        timeout = self.config.rpc_timeout
+        errors: list[str] = []
+
+        async def one(o: BrokerOutput):
+            err = await o.rpc(ev.method, ev.exchange, ev.exchange_type, timeout)
+            if err is not None:
+                errors.append(f"{o.name}: {err}")
+
+        async with trio.open_nursery() as n:
+            for o in outs:
+                n.start_soon(one, o)
+        if errors:
+            self.requests[("rpc", "broker_error")] += 1
+            self._reply(env, proto.error_reply("; ".join(sorted(errors)).encode()[:1000]))
+        else:
+            self.requests[("rpc", "ok")] += 1
+            self._reply(env, proto.ok_reply(ev.version))
+
+    def _on_delivered(self, pos: Position, broker: str) -> None:
+        left = self._copies_left.get(pos)
+        if left is None:
+            self.delivered += 1
+            return
+        left.discard(broker)
+        if not left:
+            del self._copies_left[pos]
+            self.delivered += 1
+
+    # ------------------------------------------------------------------ stats
+
+    def backlog(self) -> int:
+        total = 0
+        for o in self.outputs:
+            try:
+                total += int(o.reader.stats().get("backlog_records", 0))
+            except Exception:
+                pass
+        return total
+
+    def stats(self) -> dict:
+        return {
+            "requests": {f"{a}:{r}": v for (a, r), v in sorted(self.requests.items())},
+            "accepted": self.accepted,
+            "delivered": self.delivered,
+            "replies_dropped": self.replies_dropped,
+            "spool_errors": self.spool_errors,
+            "backlog_records": self.backlog(),
+            "brokers": {o.name: o.stats() for o in self.outputs},
+        }
+
+    def status_text(self) -> str:
+        lines = ["", "BACKENDS:", f"{len(self.outputs)} backend(s) registered:", ""]
+        for o in self.outputs:
+            s = o.stats()
+            lines += [
+                f"{o.name} ({o.cfg.display}):",
+                f"  connected: {'yep' if o.connected else 'nope'}",
+                f"  in flight: {s['inflight']}",
+                f"  backlog: {s.get('reader', {}).get('backlog_records', '?')}",
+                f"  results: {s['results']}",
+                f"  disconnects: {s['disconnects']}" + (f" (last: {o.last_error})" if o.last_error else ""),
+                "",
+            ]
+        lines += ["METRICS:", "", "samwise:", f"  accepted requests: {self.accepted}",
+                  f"  delivered: {self.delivered}", ""]
+        return "\n".join(lines)

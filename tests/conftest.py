@@ -1,0 +1,58 @@
+import os
+import random
+import socket
+import time
+
+import pytest
+import trustme
+
+
+_HANDED_OUT: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.monotonic_ns())
+_PORT_RANGE = (20000, 32767)  # below Linux's ephemeral range (32768-60999): outgoing
+                              # connections never take these behind a test's back
+
+
+def free_port() -> int:
+    """A TCP port free right now on every interface and never handed out before in this
+    process. Ports come from below the kernel's ephemeral range, so neither a second call
+    nor a client connection made meanwhile can get the same number (the kernel's own
+    bind-to-0 does hand the same port out twice in a row)."""
+    for _ in range(1000):
+        port = _rng.randint(*_PORT_RANGE)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free TCP port found in %d-%d" % _PORT_RANGE)
+
+
+@pytest.fixture
+def port_factory():
+    return free_port
+
+
+@pytest.fixture(scope="session")
+def tls_ca():
+    """A throw-away CA (trustme) with a server certificate for localhost/127.0.0.1."""
+    return trustme.CA()
+
+
+@pytest.fixture(scope="session")
+def tls_files(tls_ca, tmp_path_factory):
+    """Paths: ca.pem, server.pem (cert+key), client.pem (cert+key)."""
+    d = tmp_path_factory.mktemp("tls")
+    ca = d / "ca.pem"
+    tls_ca.cert_pem.write_to_path(str(ca))
+    server = tls_ca.issue_cert("localhost", "127.0.0.1")
+    srv = d / "server.pem"
+    server.private_key_and_cert_chain_pem.write_to_path(str(srv))
+    client = tls_ca.issue_cert("relay-client")
+    cli = d / "client.pem"
+    client.private_key_and_cert_chain_pem.write_to_path(str(cli))
+    return {"ca": str(ca), "server": str(srv), "client": str(cli)}

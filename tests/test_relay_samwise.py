@@ -1,0 +1,39 @@
+"""The relay with --samwise/--amqp-broker: requests spooled, published to a real RabbitMQ."""
+
+import trio
+import zmq
+
+from conftest import free_port
+from logjam_relay.io import zmq_trio
+from logjam_relay.protocols import samwise as p
+from relay_harness import running_relay
+from test_samwise_rabbitmq import Queue, get_all, rabbit  # noqa: F401  (rabbit: fixture)
+
+
+async def test_relay_samwise_endpoint_publishes_to_rabbitmq(tmp_path, rabbit):  # noqa: F811
+    port = free_port()
+    q = await trio.to_thread.run_sync(Queue, "/")
+    async with running_relay(tmp_path, samwise=[f"tcp://127.0.0.1:{port}"],
+                             amqp_brokers=["main=amqp://guest:guest@127.0.0.1:5672/%2F"]) \
+            as (relay, cl):
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            replies = []
+            for i in range(20):
+                await zmq_trio.send_multipart(
+                    sock, [b"", *p.build_publish("amq.direct", q.key, b"m%d" % i)])
+                with trio.fail_after(10):
+                    replies.append(await zmq_trio.recv_multipart(sock))
+            assert all(r == [b"", b"0", b""] for r in replies), replies[:3]
+            await zmq_trio.send_multipart(sock, [b"", b"120", b"publish"])   # malformed
+            with trio.fail_after(10):
+                bad = await zmq_trio.recv_multipart(sock)
+            assert bad[1] == b"-1" and len(bad) == 3
+            got = await get_all(q, expect=20)
+        finally:
+            ctx.destroy(linger=0)
+        assert relay.samwise.stats()["accepted"] == 20
+    assert sorted(body for _props, body in got) == sorted(b"m%d" % i for i in range(20))

@@ -1,0 +1,619 @@
+"""The durable spool: appends, per-reader cursors, deletion, full policies, recovery, errors."""
+
+import errno
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+
+import pytest
+import trio
+
+from logjam_relay.spool import segment as fmt
+from logjam_relay.spool import spool as spool_mod
+from logjam_relay.spool.api import KIND_LOGJAM, KIND_SAMWISE, Position
+from logjam_relay.spool.spool import Spool, SpoolError, SpoolLockedError, SpoolWriteError
+
+
+def meta(seq: int) -> bytes:
+    return struct.pack(">HBBIQQ", 0xCABD, 1, 1, 7, 1_700_000_000_000 + seq, seq)
+
+
+def msg(i: int, size: int = 300) -> list[bytes]:
+    return [b"myapp-production", b"logs.web", i.to_bytes(4, "big") * (size // 4), meta(i)]
+
+
+def seq_of(rec) -> int:
+    return struct.unpack(">HBBIQQ", rec.frames[3])[5]
+
+
+def drain(reader, batch=1000) -> list:
+    out = []
+    while True:
+        got = reader.read(batch)
+        if not got:
+            return out
+        out.extend(got)
+
+
+def open_spool(path, readers=("a", "b"), **kw):
+    kw.setdefault("segment_bytes", 16 * 1024)
+    kw.setdefault("max_bytes", 64 << 20)
+    kw.setdefault("fsync", "never")
+    return Spool(path, readers=list(readers), **kw)
+
+
+def segment_files(path):
+    return sorted(f for f in os.listdir(path) if fmt.parse_segment_name(f))
+
+
+def fill(sp, start, n, batch=10, size=300):
+    for k in range(start, start + n, batch):
+        sp.append_batch([msg(i, size) for i in range(k, min(k + batch, start + n))])
+
+
+# ---------------------------------------------------------------------------- basics
+
+def test_round_trip_many_segments(tmp_path):
+    sp = open_spool(tmp_path)
+    fill(sp, 0, 500)
+    assert sp.stats()["segments"] > 5
+    for name in ("a", "b"):
+        recs = drain(sp.reader(name), batch=37)
+        assert [seq_of(r) for r in recs] == list(range(500))
+        assert recs[3].frames == msg(3) and recs[3].kind == KIND_LOGJAM
+        assert [r.position for r in recs] == sorted(r.position for r in recs)
+    files = segment_files(tmp_path)
+    assert all(f.endswith(".seg") for f in files[:-1]) and files[-1].endswith(".open")
+    for f in files[:-1]:
+        assert fmt.read_seal(tmp_path / f) is not None      # sealed files are self-describing
+    assert sp.stats()["appends"] == 500
+    sp.close()
+
+
+def test_mixed_kinds(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"])
+    sp.append_records([(KIND_SAMWISE, [b"req", b"body"]), (KIND_LOGJAM, msg(1))])
+    sp.append(msg(2))
+    sp.append([b"x"], kind=KIND_SAMWISE)
+    recs = sp.reader("a").read(10)
+    assert [(r.kind, r.frames) for r in recs] == [
+        (KIND_SAMWISE, [b"req", b"body"]), (KIND_LOGJAM, msg(1)), (KIND_LOGJAM, msg(2)),
+        (KIND_SAMWISE, [b"x"])]
+    assert sp.last_sequence() == 2
+    sp.close()
+
+
+def test_unknown_reader_and_bad_config(tmp_path):
+    sp = open_spool(tmp_path / "x", readers=["a"])
+    with pytest.raises(KeyError, match="no spool reader 'zz'"):
+        sp.reader("zz")
+    sp.close()
+    with pytest.raises(ValueError):
+        open_spool(tmp_path / "y", readers=["../evil"])
+    with pytest.raises(ValueError):
+        open_spool(tmp_path / "y", policy="wait")
+    with pytest.raises(ValueError):
+        open_spool(tmp_path / "y", fsync="sometimes")
+
+
+def test_second_process_is_locked_out(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"])
+    code = textwrap.dedent(f"""
+        from logjam_relay.spool.spool import Spool, SpoolLockedError
+        try:
+            Spool({str(tmp_path)!r}, readers=["a"])
+        except SpoolLockedError as e:
+            print("LOCKED", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert "LOCKED" in out.stdout and "in use by another process" in out.stdout, out.stderr
+    sp.close()
+    assert SpoolLockedError.__mro__[1] is SpoolError
+
+
+# ---------------------------------------------------------------------------- cursors
+
+def test_cursor_persists_across_reopen(tmp_path):
+    sp = open_spool(tmp_path)
+    fill(sp, 0, 300)
+    a, b = sp.reader("a"), sp.reader("b")
+    recs = a.read(120)
+    a.ack(recs[99].position)                 # 100 acknowledged, 20 read but not acked
+    b.ack(b.read(7)[-1].position)
+    sp.close()
+    sp = open_spool(tmp_path)
+    assert [seq_of(r) for r in drain(sp.reader("a"))] == list(range(100, 300))
+    assert [seq_of(r) for r in drain(sp.reader("b"))] == list(range(7, 300))
+    st = sp.reader("a").stats()
+    assert st["backlog_records"] == 200
+    sp.close()
+
+
+def test_stale_cursor_only_duplicates_after_crash(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"], cursor_flush_s=3600)
+    fill(sp, 0, 200)
+    a = sp.reader("a")
+    a.ack(a.read(50)[-1].position)
+    a.persist()                              # cursor on disk: 50
+    a.ack(a.read(100)[-1].position)          # 150 in memory only
+    # crash: the object is abandoned without close()
+    sp2 = open_spool(tmp_path, readers=["a"])
+    seqs = [seq_of(r) for r in drain(sp2.reader("a"))]
+    # restarts from the persisted cursor (50), or from the first segment still on disk if
+    # segments that were acknowledged in memory were already deleted: duplicates, no gap
+    assert 50 <= seqs[0] < 150 and seqs == list(range(seqs[0], 200))
+    sp2.close()
+    # with a second reader holding the segments, the restart is exactly at the cursor
+    d = tmp_path / "two"
+    sp = open_spool(d, readers=["a", "hold"], cursor_flush_s=3600)
+    fill(sp, 0, 200)
+    a = sp.reader("a")
+    a.ack(a.read(50)[-1].position)
+    a.persist()
+    a.ack(a.read(100)[-1].position)
+    sp2 = open_spool(d, readers=["a", "hold"])
+    assert [seq_of(r) for r in drain(sp2.reader("a"))] == list(range(50, 200))
+    sp2.close()
+
+
+def test_ack_in_the_middle_and_out_of_order(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"])
+    fill(sp, 0, 100)
+    a = sp.reader("a")
+    recs = a.read(100)
+    a.ack(recs[40].position)                 # not the last served: looked up on disk
+    a.ack(recs[10].position)                 # older ack is ignored
+    assert a.stats()["backlog_records"] == 59
+    a.rewind()
+    assert seq_of(a.read(1)[0]) == 41
+    with pytest.raises(ValueError):
+        a.ack(Position(recs[-1].position.segment, 10**9))
+    sp.close()
+
+
+def test_rewind(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"])
+    fill(sp, 0, 100)
+    a = sp.reader("a")
+    first = a.read(30)
+    a.ack(first[9].position)
+    a.read(30)
+    a.rewind()
+    assert [seq_of(r) for r in a.read(5)] == [10, 11, 12, 13, 14]
+    a.rewind()
+    assert [seq_of(r) for r in drain(a)] == list(range(10, 100))
+    sp.close()
+
+
+async def test_wait_wakes_on_append(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"])
+    a = sp.reader("a")
+    got = []
+
+    async def consumer():
+        await a.wait()
+        got.extend(a.read(10))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(consumer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got
+        sp.append_batch([msg(1), msg(2)])
+    assert [seq_of(r) for r in got] == [1, 2]
+    assert a.read(0) == []
+    sp.append_batch([msg(3)])
+    with trio.fail_after(5):
+        await a.wait()                        # data available: returns at once
+    sp.close()
+
+
+# ---------------------------------------------------------------------------- deletion
+
+def test_segments_deleted_when_consumed_by_all_readers(tmp_path):
+    sp = open_spool(tmp_path)
+    fill(sp, 0, 400)
+    nseg = len(segment_files(tmp_path))
+    a, b = sp.reader("a"), sp.reader("b")
+    a.ack(drain(a)[-1].position)
+    assert len(segment_files(tmp_path)) == nseg          # b still needs them
+    recs = drain(b)
+    b.ack(recs[len(recs) // 2].position)
+    mid = len(segment_files(tmp_path))
+    assert 1 < mid < nseg
+    b.ack(recs[-1].position)
+    assert segment_files(tmp_path) == [fmt.segment_name(sp._active.segno, False)]
+    sp.seal()                                              # consumed active -> deleted too
+    assert segment_files(tmp_path) == []
+    assert sp.stats()["bytes"] == 0
+    fill(sp, 400, 10)                                      # numbering continues
+    assert [seq_of(r) for r in a.read(100)] == list(range(400, 410))
+    sp.close()
+    sp = open_spool(tmp_path)
+    assert [seq_of(r) for r in drain(sp.reader("b"))] == list(range(400, 410))
+    assert sp.stats()["next_seq"] == 410
+    sp.close()
+
+
+def test_numbering_survives_restart_with_empty_spool(tmp_path):
+    sp = open_spool(tmp_path)
+    fill(sp, 0, 300)
+    for r in sp.readers.values():
+        r.ack(drain(r)[-1].position)
+    sp.close(seal=True)
+    assert segment_files(tmp_path) == []
+    sp = open_spool(tmp_path)
+    fill(sp, 300, 5)
+    assert [seq_of(r) for r in drain(sp.reader("a"))] == list(range(300, 305))
+    assert min(int(f[:20]) for f in segment_files(tmp_path)) > 0
+    sp.close()
+
+
+# ---------------------------------------------------------------------------- full policies
+
+async def test_block_policy(tmp_path):
+    sp = open_spool(tmp_path, readers=["a", "b"], segment_bytes=8192, max_bytes=40_000,
+                    policy="block")
+    n = 0
+    while not sp.would_block():
+        fill(sp, n, 10)
+        n += 10
+        assert n < 1000
+    assert sp.full and sp.stats()["full"] == 1
+    assert sp.stats()["bytes"] < 40_000 + 10 * 400 + fmt.HEADER_LEN     # bound: one batch
+    woke = []
+
+    async def writer():
+        await sp.wait_writable()
+        woke.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer)
+        await trio.testing.wait_all_tasks_blocked()
+        a, b = sp.reader("a"), sp.reader("b")
+        a.ack(drain(a)[-1].position)
+        assert sp.would_block()                # b has not acknowledged yet
+        await trio.testing.wait_all_tasks_blocked()
+        assert not woke
+        b.ack(drain(b)[-1].position)
+        assert not sp.would_block()
+    assert woke
+    assert sp.reader("a").stats()["lost"] == 0 and sp.reader("b").stats()["lost"] == 0
+    sp.close()
+
+
+def test_drop_oldest_counts_lost_per_reader(tmp_path):
+    sp = open_spool(tmp_path, readers=["fast", "slow", "mid"], segment_bytes=8192,
+                    max_bytes=40_000, policy="drop_oldest")
+    fast, slow, mid = sp.reader("fast"), sp.reader("slow"), sp.reader("mid")
+    total = 0
+    mid_read = []
+    for k in range(30):
+        fill(sp, total, 10)
+        total += 10
+        recs = fast.read(1000)
+        fast.ack(recs[-1].position)
+        if k == 2:
+            mid_read = mid.read(15)
+            mid.ack(mid_read[4].position)     # acked 5, 10 more read but unacked
+        assert sp.stats()["bytes"] <= 40_000
+    st = sp.stats()
+    assert st["dropped_segments"] > 0 and not sp.would_block()
+    assert fast.stats()["lost"] == 0
+    slow_recs = drain(slow)
+    slow_seqs = [seq_of(r) for r in slow_recs]
+    assert slow_seqs == list(range(slow_seqs[0], total))      # contiguous newest part
+    assert slow.stats()["lost"] == slow_seqs[0] == total - len(slow_seqs)
+    mid_recs = drain(mid)
+    assert mid.stats()["lost"] == seq_of(mid_recs[0]) - 5     # unacked-but-read count as lost
+    sp.close()
+
+
+# ---------------------------------------------------------------------------- recovery
+
+def _closed_spool_with_open_segment(path, n=6):
+    sp = open_spool(path, readers=["a"], segment_bytes=1 << 20)
+    fill(sp, 0, n, batch=3, size=40)
+    sp.close()                      # leaves the active segment as .open
+    (open_name,) = segment_files(path)
+    assert open_name.endswith(".open")
+    return path / open_name
+
+
+def test_recovery_cuts_torn_tail_at_every_byte_of_last_record(tmp_path):
+    src = tmp_path / "src"
+    seg = _closed_spool_with_open_segment(src)
+    data = seg.read_bytes()
+    offs = []
+    pos = fmt.HEADER_LEN
+    while pos < len(data):
+        offs.append(pos)
+        pos += fmt.PREFIX_LEN + fmt.PREFIX.unpack_from(data, pos)[0]
+    last = offs[-1]
+    work = tmp_path / "work"
+    for cut in range(last + 1, len(data)):
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(src, work)
+        with open(work / seg.name, "r+b") as f:
+            f.truncate(cut)
+        sp = open_spool(work, readers=["a"])
+        st = sp.stats()
+        assert (st["corrupt_tails_cut"], st["corrupt_bytes_cut"]) == (1, cut - last), cut
+        assert [seq_of(r) for r in drain(sp.reader("a"))] == [0, 1, 2, 3, 4]
+        assert sp.last_sequence() == 4
+        sp.append_batch([msg(100, 40)])          # continues in a fresh segment
+        assert [seq_of(r) for r in sp.reader("a").read(10)] == [100]
+        sp.close()
+    # cut exactly at a record boundary: nothing to cut, the segment is continued
+    shutil.rmtree(work)
+    shutil.copytree(src, work)
+    with open(work / seg.name, "r+b") as f:
+        f.truncate(last)
+    sp = open_spool(work, readers=["a"])
+    assert sp.stats()["corrupt_tails_cut"] == 0
+    assert len(drain(sp.reader("a"))) == 5
+    sp.close()
+
+
+def test_recovery_cuts_corrupt_record_in_open_segment(tmp_path):
+    seg = _closed_spool_with_open_segment(tmp_path, n=9)
+    data = bytearray(seg.read_bytes())
+    # corrupt a byte in the body of record #4 (each record is 20+16+68 bytes)
+    rec_len = len(data[fmt.HEADER_LEN:]) // 9
+    data[fmt.HEADER_LEN + 4 * rec_len + 50] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    sp = open_spool(tmp_path, readers=["a"])
+    assert [seq_of(r) for r in drain(sp.reader("a"))] == [0, 1, 2, 3]   # 5..8 not served
+    st = sp.stats()
+    assert st["corrupt_tails_cut"] == 1 and st["corrupt_bytes_cut"] == 5 * rec_len
+    sp.close()
+
+
+def test_corrupt_record_in_sealed_segment_is_not_served(tmp_path):
+    sp = open_spool(tmp_path, readers=["a", "b"], segment_bytes=4096)
+    fill(sp, 0, 60, size=100)
+    sp.seal()
+    first = sorted(segment_files(tmp_path))[1]            # a middle sealed segment
+    with open(tmp_path / first, "rb") as f:
+        firstseq = fmt.decode_header(f.read(fmt.HEADER_LEN)).first_seq
+    offs = [o for o, _, _ in fmt.iter_records(tmp_path / first)]
+    count = len(offs)
+    with open(tmp_path / first, "r+b") as f:              # flip a byte inside record #2
+        f.seek(offs[2] + 30)
+        b = f.read(1)
+        f.seek(offs[2] + 30)
+        f.write(bytes([b[0] ^ 1]))
+    a = sp.reader("a")
+    seqs = [seq_of(r) for r in drain(a, batch=7)]
+    bad = set(range(firstseq + 2, firstseq + count))
+    assert not bad & set(seqs)                             # nothing after the damage served
+    assert seqs == [s for s in range(60) if s not in bad]
+    st = sp.stats()
+    assert st["corrupt_records"] == 1
+    assert a.stats()["lost"] == len(bad)
+    a.rewind()                                   # nothing acked: the same records again
+    assert [seq_of(r) for r in drain(a)] == seqs
+    assert sp.stats()["corrupt_records"] == 1 and a.stats()["lost"] == len(bad)
+    b = sp.reader("b")                           # the other reader skips it too, counted
+    assert [seq_of(r) for r in drain(b)] == seqs and b.stats()["lost"] == len(bad)
+    sp.close()
+
+
+def test_corrupt_sealed_segment_loss_is_counted_on_ack(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"], segment_bytes=4096)
+    fill(sp, 0, 40, size=100)
+    sp.seal()
+    name = segment_files(tmp_path)[0]
+    offs = [o for o, _, _ in fmt.iter_records(tmp_path / name)]
+    with open(tmp_path / name, "r+b") as f:
+        f.seek(offs[1] + 25)
+        f.write(b"\xff\xff")
+    a = sp.reader("a")
+    recs = drain(a)
+    a.ack(recs[-1].position)
+    assert a.stats()["lost"] == len(offs) - 1
+    assert a.stats()["backlog_records"] == 0
+    assert len(recs) == 40 - (len(offs) - 1)
+    sp.close()
+
+
+def test_crash_without_close_then_reopen(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"])
+    fill(sp, 0, 123)
+    a = sp.reader("a")
+    a.ack(a.read(23)[-1].position)
+    a.persist()
+    # no close(): fds are left open, nothing flushed beyond what append handed to the OS
+    sp2 = open_spool(tmp_path, readers=["a"])
+    assert [seq_of(r) for r in drain(sp2.reader("a"))] == list(range(23, 123))
+    assert sp2.last_sequence() == 122
+    fill(sp2, 123, 2)
+    assert [seq_of(r) for r in sp2.reader("a").read(10)] == [123, 124]
+    sp2.close()
+
+
+def test_sigkill_during_appends(tmp_path):
+    """A real crash: a child appends (fsync=never) and is SIGKILLed mid-stream."""
+    code = textwrap.dedent(f"""
+        import struct, sys
+        from logjam_relay.spool.spool import Spool
+        sp = Spool({str(tmp_path)!r}, readers=["a"], segment_bytes=65536, fsync="never")
+        i = 0
+        while True:
+            sp.append_batch([[b"e", b"t", b"x" * 300,
+                              struct.pack(">HBBIQQ", 0xCABD, 0, 1, 0, 0, i + k)]
+                             for k in range(50)])
+            i += 50
+            if i == 2000:
+                print("ready", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    sp = open_spool(tmp_path, readers=["a"])
+    seqs = [seq_of(r) for r in drain(sp.reader("a"))]
+    assert len(seqs) >= 2000 and seqs == list(range(len(seqs)))
+    assert sp.last_sequence() == len(seqs) - 1
+    sp.close()
+
+
+def test_segment_age_roll_and_seal_listener(tmp_path):
+    now = [1_700_000_000.0]
+    sealed = []
+    sp = open_spool(tmp_path, readers=["a"], segment_age_s=10, clock=lambda: now[0],
+                    on_seal=lambda segno, path: sealed.append((segno, path,
+                                                               fmt.read_seal(path))))
+    fill(sp, 0, 5)
+    sp.tick()
+    assert sealed == []
+    now[0] += 11
+    assert sp.reader("a").stats()["oldest_unacked_age_s"] == pytest.approx(11)
+    sp.tick()                                   # idle segment rolled by age
+    assert len(sealed) == 1
+    segno, path, seal = sealed[0]
+    assert path.endswith(".seg") and seal[0] == 5
+    os.link(path, tmp_path / "archived.seg")    # what the archive output does
+    fill(sp, 5, 5)
+    now[0] += 11
+    fill(sp, 10, 5)                             # age roll on append
+    assert len(sealed) == 2
+    a = sp.reader("a")
+    a.ack(drain(a)[-1].position)
+    sp.seal()
+    assert not os.path.exists(path)             # consumed -> deleted; the hard link survives
+    assert [f for _, _, f in fmt.iter_records(tmp_path / "archived.seg")] == \
+        [msg(i) for i in range(5)]
+    sp.close()
+
+
+def test_last_meta_after_reopen(tmp_path):
+    sp = open_spool(tmp_path, readers=[])
+    assert sp.last_meta() is None
+    fill(sp, 0, 30)
+    sp.append_records([(KIND_SAMWISE, [b"not logjam"])])
+    sp.close(seal=True)
+    sp = open_spool(tmp_path, readers=[])
+    assert sp.last_meta() == (0xCABD, 1, 1, 7, 1_700_000_000_029, 29)
+    assert sp.last_sequence() == 29
+    sp.close()
+
+
+# ---------------------------------------------------------------------------- errors
+
+def test_write_error_enospc_injected(tmp_path, monkeypatch):
+    """Simulated: os.write is replaced by a function that writes part of the data and then
+    raises ENOSPC, like a file system running full mid-write."""
+    sp = open_spool(tmp_path, readers=["a"])
+    fill(sp, 0, 20)
+    real = spool_mod._write
+
+    def failing(fd, data):
+        real(fd, bytes(data[:100]))           # a partial record reaches the file
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(spool_mod, "_write", failing)
+    for _ in range(3):
+        with pytest.raises(SpoolWriteError) as e:
+            sp.append_batch([msg(99)])
+        assert e.value.reason == "enospc" and e.value.errno == errno.ENOSPC
+        assert "No space left on device" in str(e.value) and "disk is full" in str(e.value)
+    st = sp.stats()
+    assert st["write_errors"] == 3 and st["write_errors_by_reason"] == {"enospc": 3}
+    assert st["appends"] == 20
+    monkeypatch.setattr(spool_mod, "_write", real)
+    sp.append_batch([msg(20)])
+    assert [seq_of(r) for r in drain(sp.reader("a"))] == list(range(21))
+    sp.close()
+    sp = open_spool(tmp_path, readers=["a"])
+    assert sp.stats()["corrupt_tails_cut"] == 0          # the partial write was cut at once
+    assert len(drain(sp.reader("a"))) == 21
+    sp.close()
+
+
+def test_write_error_directory_replaced_by_file(tmp_path):
+    """Real kernel error (we run as root, so EACCES cannot be provoked): the spool
+    directory is moved away and a plain file takes its place -> ENOTDIR on the next
+    segment creation."""
+    d = tmp_path / "spool"
+    sp = open_spool(d, readers=["a"], segment_bytes=4096)
+    fill(sp, 0, 5)
+    sp.seal()
+    os.rename(d, tmp_path / "moved")
+    d.write_bytes(b"not a directory")
+    with pytest.raises(SpoolWriteError) as e:
+        sp.append_batch([msg(5)])
+    assert e.value.reason == "enotdir"
+    assert "creating segment" in str(e.value) and str(d) in str(e.value)
+    assert sp.stats()["write_errors_by_reason"] == {"enotdir": 1}
+    sp.close()
+
+
+def test_open_on_a_file_gives_clear_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(SpoolWriteError) as e:
+        open_spool(f / "spool")
+    assert e.value.reason == "enotdir" and "opening spool directory" in str(e.value)
+
+
+# ---------------------------------------------------------------------------- memory
+
+def test_memory_flat_with_large_backlog(tmp_path):
+    sp = open_spool(tmp_path, readers=["down", "up"], segment_bytes=1 << 20)
+    up = sp.reader("up")
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for k in range(0, 20_000, 500):                      # ~7 MB backlog for "down"
+            sp.append_batch([msg(i) for i in range(k, k + 500)])
+            up.ack(up.read(1000)[-1].position)
+        grown = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.reset_peak()
+        n = 0
+        down = sp.reader("down")
+        while recs := down.read(200):
+            n += len(recs)
+            down.ack(recs[-1].position)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert n == 20_000
+    assert grown < 1_000_000, grown          # the backlog is on disk, not in memory
+    assert peak < 3_000_000, peak            # reader: one chunk + one batch
+    assert sp.stats()["bytes"] < 2 << 20     # consumed segments were deleted
+    sp.close()
+
+
+async def test_batch_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
+    synced = []
+    real = spool_mod._fdatasync
+
+    def spy(fd):
+        synced.append(trio.lowlevel.in_trio_run())
+        real(fd)
+
+    monkeypatch.setattr(spool_mod, "_fdatasync", spy)
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch", segment_bytes=64 * 1024)
+    sp.defer_batch_sync = True
+    sp.append_batch([msg(i) for i in range(10)])
+    assert synced == [] and sp.fsyncs == 0          # the append itself did not fsync
+    await sp.sync_async()
+    assert sp.fsyncs == 1 and len(synced) == 1
+    assert synced[0] is False                       # ran outside the trio thread
+    await sp.sync_async()                            # nothing new: no second fsync
+    assert sp.fsyncs == 1
+    # a seal between the append and the sync is harmless (works on a dup'd descriptor)
+    sp.append_batch([msg(i) for i in range(10, 20)])
+    sp.seal()
+    await sp.sync_async()
+    sp.close()
+    r = Spool(tmp_path / "sp", readers=["a"]).reader("a")
+    assert len(r.read(100)) == 20

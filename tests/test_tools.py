@@ -1,0 +1,106 @@
+"""The operator subcommands `tail` and `send`, against a real relay and a real PUB."""
+
+import io
+import threading
+import time
+import zlib
+
+import trio
+import zmq
+
+from conftest import free_port
+from logjam_relay.cli import main as cli_main
+from logjam_relay.protocols import logjam as L
+from logjam_relay.tools.tail import GapTracker
+from relay_harness import running_relay, sync_sub
+
+
+def run_cli(argv):
+    out = io.StringIO()
+    if argv[0] == "tail":
+        from logjam_relay.tools.tail import main
+    else:
+        from logjam_relay.tools.send import main
+    rc = main(argv[1:], out=out)
+    return rc, out.getvalue()
+
+
+async def test_send_sync_ping_and_tail_through_relay(tmp_path):
+    async with running_relay(tmp_path, device_id=5) as (relay, cl):
+        s = cl.settings
+        sub = cl.sub()
+        await sync_sub(sub)
+        tail_result = {}
+
+        def tail():
+            tail_result["v"] = run_cli(["tail", "-c", f"tcp://127.0.0.1:{s.pub_port}",
+                                        "-a", "tools-", "-n", "3", "--timeout", "10"])
+
+        t = threading.Thread(target=tail)
+        t.start()
+        await trio.sleep(0.5)   # let the subscription reach the relay
+        for compress in ("zlib", "lz4"):
+            rc, out = await trio.to_thread.run_sync(run_cli, [
+                "send", "-c", f"tcp://127.0.0.1:{s.router_port}", "--sync", "-x", compress,
+                "-a", "tools-test", "-t", "logs.tools", "-b", f'{{"hello":"{compress}"}}'])
+            assert rc == 0 and "1 x tools-test 202 Accepted" in out
+        rc, out = await trio.to_thread.run_sync(run_cli, [
+            "send", "--pull", "-c", f"tcp://127.0.0.1:{s.pull_port}", "-n", "1",
+            "-a", "tools-test", "-t", "logs.tools", "-b", '{"hello":"pull"}'])
+        assert rc == 0
+        rc, out = await trio.to_thread.run_sync(run_cli, [
+            "send", "-c", f"tcp://127.0.0.1:{s.router_port}", "--ping", "-a", "tools-test"])
+        assert out.strip() == "ping 200 OK vm"
+        await trio.to_thread.run_sync(t.join, 15)
+    rc, out = tail_result["v"]
+    lines = out.strip().splitlines()
+    assert len(lines) == 3, out
+    assert lines[0].startswith("tools-test logs.tools device=5 seq=")
+    assert lines[0].endswith('{"hello":"zlib"}') and "comp=zlib" in lines[0]
+    assert lines[1].endswith('{"hello":"lz4"}') and "comp=lz4" in lines[1]
+    assert lines[2].endswith('{"hello":"pull"}') and "comp=none" in lines[2]
+    assert "!!" not in out   # tail subscribed to tools- only, so heartbeats are not seen
+
+
+def test_tail_reports_gaps_and_filters_topics():
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    result = {}
+
+    def tail():
+        result["v"] = run_cli(["tail", "-c", f"tcp://127.0.0.1:{port}", "-t", "logs",
+                               "--timeout", "2"])
+
+    t = threading.Thread(target=tail)
+    t.start()
+    time.sleep(0.5)
+    for seq, topic in ((1, b"logs.a"), (2, b"events.b"), (5, b"logs.c"), (6, b"logs.d")):
+        pub.send_multipart([b"gap-test", topic, zlib.compress(b"{}"),
+                            L.encode_meta(1, 9, 1700000000000, seq)])
+    t.join(10)
+    ctx.destroy(linger=0)
+    rc, out = result["v"]
+    assert rc == 0
+    assert "!! GAP device 9: 2 missing (3..4)" in out
+    assert "events.b" not in out and "logs.c" in out
+    assert "missing by device: 9=2" in out
+
+
+def test_gap_tracker():
+    g = GapTracker()
+    assert g.see(1, 10) is None and g.see(1, 11) is None
+    assert "GAP" in g.see(1, 13)
+    assert "SEQUENCE" in g.see(1, 5)
+    assert g.see(2, 1) is None
+    assert g.missing == {1: 1}
+
+
+def test_cli_check_config_and_errors(tmp_path, capsys):
+    assert cli_main(["--check-config", "-d", "7", "-x", "lz4"]) == 0
+    out = capsys.readouterr().out
+    assert "device_id = 7  (--device-id)" in out and "compress = 'lz4'" in out
+    assert cli_main(["--check-config", "--compress", "gzip"]) == 2
+    err = capsys.readouterr().err
+    assert "compress (--compress): must be one of zlib, snappy, lz4, got 'gzip'" in err
