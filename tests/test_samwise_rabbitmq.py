@@ -22,7 +22,9 @@ import zmq
 from logjam_relay.io import zmq_trio
 from logjam_relay.protocols import samwise as p
 from logjam_relay.samwise.config import BrokerConfig, SamwiseConfig
+from logjam_relay.samwise.amqp import make_record
 from logjam_relay.samwise.endpoint import MemoryStore, SamwiseService
+from logjam_relay.spool.api import KIND_SAMWISE
 
 HOST, PORT = "127.0.0.1", 5672
 HOW = ("RabbitMQ is not reachable on 127.0.0.1:5672 (guest/guest); start it with "
@@ -71,9 +73,9 @@ def broker(name, vhost, port=PORT) -> BrokerConfig:
 
 
 @contextlib.asynccontextmanager
-async def running(brokers, wait_connected=None, **kw):
+async def running(brokers, wait_connected=None, store=None, **kw):
     cfg = SamwiseConfig(("tcp://127.0.0.1:0",), tuple(brokers), **kw)
-    svc = SamwiseService(cfg, MemoryStore())
+    svc = SamwiseService(cfg, store or MemoryStore())
     async with trio.open_nursery() as n:
         eps = await n.start(svc.run)
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -219,7 +221,8 @@ async def test_round_robin_and_redundant_across_two_brokers(vhosts):
 async def test_round_robin_skips_unreachable_broker(vhosts, port_factory):
     q = await make_queue(vhosts[0])
     dead = broker("dead", "/", port=port_factory())
-    async with running([dead, broker("a", vhosts[0])], wait_connected={"a"}) as (svc, sock):
+    async with running([dead, broker("a", vhosts[0])], wait_connected={"a"},
+                       handoff_after=0) as (svc, sock):
         for i in range(6):
             assert await request(sock, p.build_publish("amq.direct", q.key, b"m%d" % i)) == [b"0", b""]
         # redundant 2 with one broker down: accepted, one copy delivered, one waits in the spool
@@ -235,6 +238,51 @@ async def test_round_robin_skips_unreachable_broker(vhosts, port_factory):
         assert st["brokers"]["dead"]["sent"] == 0
         assert st["delivered"] == 6
     assert [b for _, b in await get_all(q, 7)] == [b"m%d" % i for i in range(6)] + [b"r"]
+
+
+async def test_messages_waiting_for_a_down_broker_are_handed_to_brokers_that_are_up(
+        vhosts, port_factory):
+    """Records addressed to a broker that then died (as after a crash while it was the
+    round-robin choice) move to brokers that are up once it has been down for
+    handoff_after; a redundant copy goes to a broker that does not have it yet; a record
+    that every other broker already has keeps waiting, and so does what follows it."""
+    qa, qb = await make_queue(vhosts[0]), await make_queue(vhosts[1])
+    key = qa.key
+
+    def bind_b():
+        c = pika.BlockingConnection(_params(vhosts[1]))
+        c.channel().queue_bind(qb.name, "amq.direct", key)
+        c.close()
+    await trio.to_thread.run_sync(bind_b)
+    brokers = [broker("dead", "/", port=port_factory()), broker("a", vhosts[0]),
+               broker("b", vhosts[1])]
+    store = MemoryStore()
+    for name in SamwiseConfig(("tcp://127.0.0.1:0",), tuple(brokers)).reader_names():
+        store.reader(name)
+    pub = p.build_publish
+    waiting = [(["dead"], pub("amq.direct", key, b"rr%d" % i)) for i in range(5)]
+    waiting.append((["dead", "a"], pub("amq.direct", key, b"red", copies=2)))
+    waiting.append((["dead", "a", "b"], pub("amq.direct", key, b"all3", copies=3)))
+    waiting.append((["dead"], pub("amq.direct", key, b"behind")))
+    store.append_records([(KIND_SAMWISE, make_record(t, r)) for t, r in waiting])
+    async with running(brokers, wait_connected={"a", "b"}, store=store,
+                       handoff_after=0.3) as (svc, sock):
+        dead = svc.by_name["dead"]
+        with trio.fail_after(15):
+            while dead.handed_off < 6 or svc.by_name["a"].reader.stats()["backlog_records"] \
+                    or svc.by_name["b"].reader.stats()["backlog_records"]:
+                await trio.sleep(0.02)
+        await trio.sleep(0.5)  # more hand-off rounds: nothing else may move
+        st = svc.stats()["brokers"]
+        assert st["dead"]["handed_off"] == 6 and st["dead"]["sent"] == 0
+        # "all3" and "behind" still wait for the dead broker
+        assert st["dead"]["reader"]["backlog_records"] == 2 + 6  # + the 6 re-addressed copies
+    a = sorted(b for _, b in await get_all(qa, 5))
+    b = sorted(b for _, b in await get_all(qb, 5))
+    assert sorted(a + b) == sorted([b"rr%d" % i for i in range(5)] + [b"red", b"red",
+                                                                       b"all3", b"all3"])
+    assert b"red" in a and b"red" in b           # original copy on a, handed-off copy on b
+    assert b"behind" not in a + b
 
 
 async def test_rpc_declare_delete_and_errors(vhosts):

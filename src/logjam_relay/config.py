@@ -268,6 +268,10 @@ class Settings:
     samwise_spool_dir: str | None = opt(None, opt_string, "spool of accepted samwise requests "
                                         "(default <state_dir>/samwise-spool)",
                                         "--samwise-spool-dir", metavar="DIR")
+    samwise_handoff_after: float = opt(10.0, duration, "a broker down this long hands the "
+                                       "messages waiting for it to brokers that are up "
+                                       "(0 = wait for it)", "--samwise-handoff-after",
+                                       metavar="DURATION")
     outputs: list[str] = opt([], string_list, "reliable output URL (repeatable), e.g. "
                              "lumberjack://host:5044?window=1000&tls=off", "--output",
                              action="append", metavar="URL")

@@ -13,7 +13,7 @@ import resource
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 
@@ -129,6 +129,8 @@ class RelayCollector:
         yield _one(_gauge, "logjam_relay_up_seconds", "seconds since start",
                    dl, time.time() - r.start_time)
         yield from self._outputs_and_spool(d)
+        if r.samwise is not None:
+            yield from self._samwise(d, r.samwise)
         for extra in self.extra:
             yield from extra.collect()
 
@@ -204,6 +206,74 @@ class RelayCollector:
             yield m
         yield _one(_counter, "logjam_relay_spool_blocked_seconds", "time ingress was paused because the spool was full",
                    dl, r.spool_blocked_seconds)
+
+
+    @staticmethod
+    def _samwise(d: str, svc):
+        """The samwise endpoint: requests, per-broker publishes, confirms, backlog."""
+        st = svc.stats()
+        dl = [d]
+        m = _counter("logjam_relay_samwise_requests", "samwise requests by action and outcome",
+                     ("device", "action", "outcome"))
+        for (action, outcome), n in sorted(svc.requests.items()):
+            m.add_metric([d, action, outcome], n)
+        yield m
+        for name, key, doc, kind in (
+                ("logjam_relay_samwise_accepted", "accepted",
+                 "publish requests accepted into the samwise spool", _counter),
+                ("logjam_relay_samwise_delivered", "delivered",
+                 "publish requests confirmed by as many brokers as they asked for", _counter),
+                ("logjam_relay_samwise_reply_drops", "replies_dropped",
+                 "replies that could not be sent", _counter),
+                ("logjam_relay_samwise_spool_errors", "spool_errors",
+                 "batches refused because the samwise spool failed or was full", _counter),
+                ("logjam_relay_samwise_backlog_records", "backlog_records",
+                 "spooled records not yet settled, summed over brokers", _gauge)):
+            yield _one(kind, name, doc, dl, st.get(key, 0))
+        lb = ("device", "broker")
+        fams = {
+            "connected": _gauge("logjam_relay_samwise_broker_connected", "1 when connected", lb),
+            "inflight": _gauge("logjam_relay_samwise_broker_inflight",
+                               "publishes waiting for a confirm", lb),
+            "backlog": _gauge("logjam_relay_samwise_broker_backlog_records",
+                              "spooled records this broker has not settled", lb),
+            "sent": _counter("logjam_relay_samwise_broker_sent", "publishes sent", lb),
+            "disconnects": _counter("logjam_relay_samwise_broker_disconnects",
+                                    "connections lost", lb),
+            "handed_off": _counter("logjam_relay_samwise_handed_off",
+                                   "waiting messages handed to other brokers while down", lb),
+            "bad_records": _counter("logjam_relay_samwise_bad_records",
+                                    "unreadable spool records dropped", lb),
+        }
+        results = _counter("logjam_relay_samwise_publishes", "publishes by broker and result "
+                           "(ack, nack, returned, no_exchange)", ("device", "broker", "result"))
+        latency = SummaryMetricFamily("logjam_relay_samwise_confirm_latency_seconds",
+                                      "publish to publisher-confirm latency", labels=list(lb))
+        latency_max = _gauge("logjam_relay_samwise_confirm_latency_max_seconds",
+                             "largest publish to confirm latency seen", lb)
+        for name, b in st.get("brokers", {}).items():
+            lbl = [d, name]
+            fams["connected"].add_metric(lbl, b.get("connected", 0))
+            fams["inflight"].add_metric(lbl, b.get("inflight", 0))
+            fams["backlog"].add_metric(lbl, b.get("reader", {}).get("backlog_records", 0))
+            for key in ("sent", "disconnects", "handed_off", "bad_records"):
+                fams[key].add_metric(lbl, b.get(key, 0))
+            for result, n in sorted(b.get("results", {}).items()):
+                results.add_metric([d, name, result], n)
+            latency.add_metric(lbl, b.get("confirm_latency_seconds_count", 0),
+                               b.get("confirm_latency_seconds_sum", 0.0))
+            latency_max.add_metric(lbl, b.get("confirm_latency_seconds_max", 0.0))
+        yield from fams.values()
+        yield results
+        yield latency
+        yield latency_max
+        spool_stats = getattr(svc.store, "stats", None)
+        if spool_stats is not None:
+            sp = spool_stats()
+            yield _one(_gauge, "logjam_relay_samwise_spool_bytes",
+                       "bytes the samwise spool uses on disk", dl, sp.get("bytes", 0))
+            yield _one(_gauge, "logjam_relay_samwise_spool_segments",
+                       "segment files of the samwise spool", dl, sp.get("segments", 0))
 
 
 def make_registry(relay) -> tuple[CollectorRegistry, RelayCollector]:

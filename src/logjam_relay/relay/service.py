@@ -106,7 +106,8 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
     from ..samwise.endpoint import SamwiseService
     from ..spool.spool import Spool
 
-    cfg = SamwiseConfig.from_args(settings.samwise, settings.amqp_brokers)
+    cfg = SamwiseConfig.from_args(settings.samwise, settings.amqp_brokers,
+                                  handoff_after=settings.samwise_handoff_after)
     spool_dir = settings.samwise_spool_dir or str(settings.resolved_state_dir() /
                                                   "samwise-spool")
     spool = Spool(spool_dir, readers=cfg.reader_names(),

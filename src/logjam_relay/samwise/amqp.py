@@ -473,7 +473,8 @@ class BrokerOutput:
     """Publishes the spool records addressed to one broker; acks the spool in order."""
 
     def __init__(self, cfg: BrokerConfig, reader: SpoolReader, *, max_inflight: int = 2000,
-                 read_batch: int = 500, on_delivered=None):
+                 read_batch: int = 500, on_delivered=None, handoff=None,
+                 handoff_after: float = 10.0):
         self.cfg = cfg
         self.name = cfg.name
         self._bname = cfg.name.encode()
@@ -481,6 +482,12 @@ class BrokerOutput:
         self.max_inflight = max_inflight
         self.read_batch = read_batch
         self._on_delivered = on_delivered   # callback(position) when this broker confirmed
+        # async callback(broker, [(position, targets, request)]) -> how many of them were
+        # re-addressed to other brokers (in order); used while this broker is down
+        self._handoff = handoff
+        self.handoff_after = handoff_after
+        self._down_since = time.monotonic()
+        self.handed_off = 0
         self.link: AmqpLink | None = None
         self.connected = False
         self.gen = 0
@@ -536,7 +543,15 @@ class BrokerOutput:
     async def _feed(self) -> None:
         reader = self.reader
         while True:
-            if not self.connected or len(self._pending) >= self.max_inflight:
+            if not self.connected:
+                if (self._handoff is not None
+                        and time.monotonic() - self._down_since >= self.handoff_after
+                        and await self._hand_off_backlog()):
+                    continue
+                with trio.move_on_after(min(1.0, self.handoff_after)):
+                    await self._sleep_until_poked()
+                continue
+            if len(self._pending) >= self.max_inflight:
                 await self._sleep_until_poked()
                 continue
             recs = reader.read(min(self.read_batch, self.max_inflight - len(self._pending)))
@@ -555,6 +570,44 @@ class BrokerOutput:
                 continue
             self._send(recs)
             await trio.lowlevel.checkpoint()
+
+    async def _hand_off_backlog(self) -> bool:
+        """This broker has been down for ``handoff_after``: re-address the records waiting
+        for it to brokers that are up (the endpoint appends them to the spool again, then
+        this reader acknowledges the originals).  Order is kept: it stops at the first
+        record no other broker can take (``redundant n`` already on every other broker).
+        True if it made progress."""
+        reader = self.reader
+        recs = reader.read(self.read_batch)
+        if not recs:
+            return False
+        items = []
+        for rec in recs:
+            if rec.kind == KIND_SAMWISE and rec.frames:
+                targets, req = split_record(rec.frames)
+                if self._bname in targets:
+                    items.append((rec, targets, req))
+        try:
+            taken = await self._handoff(self.name, [(r.position, t, q) for r, t, q in items])
+        except Exception:
+            log.exception("samwise broker %s: hand-off failed", self.name)
+            taken = 0
+        if taken >= len(items):
+            last = recs[-1].position
+        else:
+            # acknowledge up to the record before the first one nobody else took
+            blocked = items[taken][0].position
+            before = [r.position for r in recs if r.position < blocked]
+            last = before[-1] if before else None
+        if last is not None:
+            reader.ack(last)
+        reader.rewind()
+        self.handed_off += taken
+        if taken:
+            _rl.warning("handoff", "samwise broker %s: down for %.0f s, handed %d waiting "
+                        "message(s) to other brokers", self.name,
+                        time.monotonic() - self._down_since, taken)
+        return last is not None
 
     def _send(self, recs) -> None:
         items = []
@@ -624,6 +677,8 @@ class BrokerOutput:
 
     def _lost(self) -> None:
         """Connection gone: everything unconfirmed is re-sent from the spool later."""
+        if self.connected:
+            self._down_since = time.monotonic()
         self.connected = False
         self._pending.clear()
         self._window.clear()
@@ -692,6 +747,7 @@ class BrokerOutput:
             "sent": self.sent,
             "results": dict(self.results),
             "disconnects": self.disconnects,
+            "handed_off": self.handed_off,
             "bad_records": self.bad_records,
             "confirm_latency_seconds_sum": self.confirm_latency_sum,
             "confirm_latency_seconds_count": self.confirm_count,

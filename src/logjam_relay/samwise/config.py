@@ -48,6 +48,8 @@ class SamwiseConfig:
     read_batch: int = 500              # spool records read at once per broker
     recv_batch: int = 500              # requests handled per wake-up of the endpoint
     rpc_timeout: float = 5.0
+    handoff_after: float = 10.0        # a broker down this long hands its waiting messages
+                                       # to brokers that are up (0 = wait for it forever)
     reader_prefix: str = "samwise."    # spool reader name = prefix + broker name
 
     def __post_init__(self):
@@ -59,6 +61,8 @@ class SamwiseConfig:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"samwise: duplicate broker name(s): {', '.join(sorted(dup))}")
+        if self.handoff_after < 0:
+            raise ValueError("samwise: handoff_after must be >= 0 seconds")
         if self.max_inflight < 1 or self.read_batch < 1 or self.recv_batch < 1:
             raise ValueError("samwise: max_inflight, read_batch and recv_batch must be >= 1")
 

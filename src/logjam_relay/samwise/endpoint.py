@@ -112,7 +112,9 @@ class SamwiseService:
         self.outputs = [
             BrokerOutput(b, store.reader(config.reader_name(b.name)),
                          max_inflight=config.max_inflight, read_batch=config.read_batch,
-                         on_delivered=self._on_delivered)
+                         on_delivered=self._on_delivered,
+                         handoff=self._hand_off if config.handoff_after > 0 else None,
+                         handoff_after=config.handoff_after)
             for b in config.brokers
         ]
         self.by_name = {o.name: o for o in self.outputs}
@@ -127,6 +129,8 @@ class SamwiseService:
         self.replies_dropped = 0
         self.spool_errors = 0
         self._copies_left: dict[Position, set[str]] = {}
+        self._handoff_alias: dict[Position, tuple[Position, str]] = {}
+        self._handoff_rr = 0
         # the real Spool has append_records((kind, frames)) and append_batch (logjam only)
         self._append = getattr(store, "append_records", None) or store.append_batch
         self._would_block = getattr(store, "would_block", None)
@@ -278,7 +282,39 @@ class SamwiseService:
             self.requests[("rpc", "ok")] += 1
             self._reply(env, proto.ok_reply(ev.version))
 
+    async def _hand_off(self, broker: str, items: list) -> int:
+        """Re-address records waiting for the down ``broker`` to brokers that are up and
+        not already among each record's targets; append them to the spool again.
+        Returns how many (a prefix of ``items``) were taken."""
+        up = [o.name for o in self.outputs if o.connected and o.name != broker]
+        records: list[tuple[int, list[bytes]]] = []
+        origins: list[Position] = []
+        for pos, targets, req in items:
+            names = {t.decode() for t in targets}
+            cands = [n for n in up if n not in names]
+            if not cands:
+                break
+            new = cands[self._handoff_rr % len(cands)]
+            self._handoff_rr += 1
+            records.append((KIND_SAMWISE, make_record([new], req)))
+            origins.append(pos)
+        if not records:
+            return 0
+        if self._would_block is not None and self._would_block():
+            return 0
+        r = self._append(records)
+        if inspect.isawaitable(r):
+            r = await r
+        if isinstance(r, list) and len(r) == len(origins):
+            for newpos, pos in zip(r, origins, strict=True):
+                if pos in self._copies_left:
+                    self._handoff_alias[newpos] = (pos, broker)
+        return len(records)
+
     def _on_delivered(self, pos: Position, broker: str) -> None:
+        alias = self._handoff_alias.pop(pos, None)
+        if alias is not None:
+            pos, broker = alias
         left = self._copies_left.get(pos)
         if left is None:
             self.delivered += 1
