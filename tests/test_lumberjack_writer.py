@@ -534,3 +534,20 @@ def test_zlib_window_is_one_c_frame():
     assert w[:6] == lj.encode_window_frame(50) and w[6:8] == b"1C"
     assert 12 + struct.unpack(">I", w[8:12])[0] == len(w)
     assert zlib.decompress(w[12:]) == frames
+
+
+async def test_stop_and_wait_fallback_is_retried_after_a_while(mock_clock):
+    from logjam_relay.outputs.lumberjack import PIPELINE_RETRY_AFTER, LumberjackOutput
+    out = LumberjackOutput(make_source(1), config(5044, pipeline=4))
+    host, other = ("127.0.0.1", 5044), ("127.0.0.2", 5044)
+    assert out._depth(host) == 4
+    out._fallback(host, "partial ACK")
+    assert out._depth(host) == 1 and out._depth(other) == 4
+    out._fallback(host, "again")                      # already stop-and-wait: not counted
+    assert out.stats()["pipeline_fallbacks"] == 1
+    mock_clock.jump(PIPELINE_RETRY_AFTER - 1)
+    assert out._depth(host) == 1
+    mock_clock.jump(2)
+    assert out._depth(host) == 4
+    out._fallback(host, "partial ACK")
+    assert out._depth(host) == 1 and out.stats()["pipeline_fallbacks"] == 2

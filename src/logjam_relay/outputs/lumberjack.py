@@ -11,8 +11,9 @@ One :class:`LumberjackOutput` per configured output.  It reads records from its
   an ACK equal to the count or to the last sequence completes the window, smaller ACKs
   (partial) are ignored, ``A 0`` keep-alives extend the window's deadline;
 * up to ``pipeline`` windows are in flight (ACKs arrive in window order); when a
-  connection with several windows in flight times out before its first ACK, the output
-  falls back to stop-and-wait (``pipeline=1``) for that host;
+  connection with several windows in flight times out before its first ACK, or a partial
+  ACK arrives, the output falls back to stop-and-wait (``pipeline=1``) for that host for
+  ``PIPELINE_RETRY_AFTER`` (10 min), then tries pipelining again;
 * a window is all-or-nothing: on close, timeout or any error the connection is dropped,
   and after a reconnect (exponential backoff with jitter, failover over the hosts) every
   unacknowledged window is resent (duplicates are possible, losses are not);
@@ -49,6 +50,8 @@ DEFAULT_PORT = 5044
 
 #: Compress a window in a worker thread (zlib releases the GIL) when it is larger than this.
 THREAD_COMPRESS_MIN = 256 * 1024
+# after a fallback to stop-and-wait, a host gets pipelined windows again after this long
+PIPELINE_RETRY_AFTER = 600.0
 
 
 # ------------------------------------------------------------------------ config
@@ -305,7 +308,8 @@ class LumberjackOutput:
         self._pending: deque[_Window] = deque()   # unacked windows, oldest first
         self._sent = 0                  # how many of _pending were sent on this connection
         self._host_index = 0
-        self._depth: dict[tuple[str, int], int] = {}   # effective pipeline depth per host
+        # hosts on stop-and-wait after a fallback -> trio time when pipelining is tried again
+        self._stop_and_wait_until: dict[tuple[str, int], float] = {}
         self._space = trio.Event()
         self._recv_scope: trio.CancelScope | None = None
         self._head_since = 0.0
@@ -446,7 +450,7 @@ class LumberjackOutput:
         cfg = self.config
         source = self.source
         while True:
-            depth = self._depth.get(host, cfg.pipeline)
+            depth = self._depth(host)
             if self._sent < len(self._pending):
                 if self._sent < depth:
                     win = self._pending[self._sent]
@@ -537,12 +541,25 @@ class LumberjackOutput:
                 elif type(ev) is lj.ConnectionClosed:
                     raise _SessionEnd("closed_by_peer", "connection closed by the reader")
 
+    def _depth(self, host) -> int:
+        """Windows allowed in flight to ``host``: ``pipeline``, or 1 for a while after a
+        fallback (a reader restarted or replaced may well pipeline again)."""
+        until = self._stop_and_wait_until.get(host)
+        if until is None:
+            return self.config.pipeline
+        if trio.current_time() < until:
+            return 1
+        del self._stop_and_wait_until[host]
+        log.info("lumberjack %s: trying %d windows in flight to %s:%d again",
+                 self.config.name, self.config.pipeline, host[0], host[1])
+        return self.config.pipeline
+
     def _fallback(self, host, why: str) -> None:
-        if self._depth.get(host, self.config.pipeline) > 1:
-            self._depth[host] = 1
+        if self._depth(host) > 1:
+            self._stop_and_wait_until[host] = trio.current_time() + PIPELINE_RETRY_AFTER
             self.pipeline_fallbacks += 1
-            log.warning("lumberjack %s: %s from %s:%d; falling back to stop-and-wait",
-                        self.config.name, why, host[0], host[1])
+            log.warning("lumberjack %s: %s from %s:%d; stop-and-wait for the next %.0f s",
+                        self.config.name, why, host[0], host[1], PIPELINE_RETRY_AFTER)
 
     def _on_ack(self, value: int, host) -> None:
         if not self._pending or self._sent == 0:
