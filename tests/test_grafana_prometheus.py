@@ -1,7 +1,7 @@
 """The Grafana dashboard against a real Prometheus scraping a running relay under load.
 
 A relay runs as a subprocess (real CPU/RSS) with one Lumberjack output pointing at the
-in-repo reader; a real ``prometheus`` (the Debian package, see
+in-repo reader and a samwise endpoint publishing to the local RabbitMQ; a real ``prometheus`` (the Debian package, see
 ``.ci/install-prometheus.sh``) scrapes its metrics port every second while a load of
 valid, invalid and ping messages goes through the PULL and ROUTER ports.  Then every
 panel expression of ``grafana/dashboards/logjam-relay.json`` is evaluated through the
@@ -36,7 +36,9 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from logjam_relay.protocols import samwise
 from relay_harness import meta, relay_settings, start_process, stop_process
+from test_samwise_rabbitmq import rabbit  # noqa: F401  (fixture: RabbitMQ for the samwise panels)
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "grafana" / "dashboards" / "logjam-relay.json"
@@ -208,8 +210,9 @@ def wait_target_up(proc: subprocess.Popen, base: str, log: Path, timeout: float 
                          f"{log.read_text()[-3000:]}")
 
 
-def load(settings, stop: threading.Event) -> int:
-    """Valid messages on PULL, two kinds of invalid ones, pings on ROUTER; until stop."""
+def load(settings, stop: threading.Event, samwise_port: int) -> int:
+    """Valid messages on PULL, two kinds of invalid ones, pings on ROUTER, samwise
+    publishes (and a malformed one); until stop."""
     ctx = zmq.Context()
     sent = 0
     try:
@@ -221,6 +224,11 @@ def load(settings, stop: threading.Event) -> int:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDTIMEO, 1000)
         dealer.connect(f"tcp://127.0.0.1:{settings.router_port}")
+        sam = ctx.socket(zmq.DEALER)
+        sam.setsockopt(zmq.LINGER, 0)
+        sam.setsockopt(zmq.SNDTIMEO, 1000)
+        sam.connect(f"tcp://127.0.0.1:{samwise_port}")
+        publish = samwise.build_publish("amq.direct", "logjam-relay-prometheus-probe", b"probe")
         body = json.dumps({"action": "test#load", "message": "x" * 80}).encode()
         seq = 0
         while not stop.is_set():
@@ -233,6 +241,11 @@ def load(settings, stop: threading.Event) -> int:
             dealer.send_multipart([b"", b"ping", b"probe-test", b"{}", meta()])
             while dealer.poll(0):
                 dealer.recv_multipart()
+            for _ in range(5):
+                sam.send_multipart([b"", *publish])
+            sam.send_multipart([b"", b"120", b"publish"])
+            while sam.poll(0):
+                sam.recv_multipart()
             stop.wait(0.05)
     except zmq.Again:
         pass            # relay gone: the assertions report it
@@ -255,13 +268,15 @@ def prometheus_binary() -> str:
 
 
 @pytest.mark.slow
-async def test_every_panel_has_data_in_real_prometheus(tmp_path, prometheus_binary):
+async def test_every_panel_has_data_in_real_prometheus(tmp_path, prometheus_binary,
+                                                       rabbit):  # noqa: F811
     binary = prometheus_binary
     targets = dashboard_targets(json.loads(DASHBOARD.read_text()))
     assert len(targets) >= 20
 
     reader = LumberjackReader(keep_windows=False)
     settings = relay_settings(tmp_path)
+    samwise_port = free_port()
     stop = threading.Event()
     relay = prom = load_thread = None
     sent_box: list[int] = []
@@ -269,14 +284,16 @@ async def test_every_panel_has_data_in_real_prometheus(tmp_path, prometheus_bina
         lj_port = await nursery.start(reader.serve)
         try:
             relay = await trio.to_thread.run_sync(
-                lambda: start_process(settings, ["--output",
-                                                 f"lumberjack://127.0.0.1:{lj_port}?tls=off"],
-                                      log_path=tmp_path / "relay.log"))
+                lambda: start_process(settings, [
+                    "--output", f"lumberjack://127.0.0.1:{lj_port}?tls=off",
+                    "--samwise", f"tcp://127.0.0.1:{samwise_port}",
+                    "--amqp-broker", "main=amqp://guest:guest@127.0.0.1:5672/%2F"],
+                    log_path=tmp_path / "relay.log"))
             prom, base = start_prometheus(binary, tmp_path, settings.metrics_port)
             await trio.to_thread.run_sync(wait_target_up, prom, base,
                                           tmp_path / "prometheus.log")
             load_thread = threading.Thread(
-                target=lambda: sent_box.append(load(settings, stop)), daemon=True)
+                target=lambda: sent_box.append(load(settings, stop, samwise_port)), daemon=True)
             load_thread.start()
 
             # What the relay exports (after some load, so labelled families have samples).
