@@ -7,7 +7,10 @@ pre-built 300-byte JSON messages) and the same counter (a separate process,
 SUB) are pointed first at ``zmq.proxy`` (C, libzmq) bound on the same ports, then
 at a ``logjam-relay`` subprocess.  The proxy run doubles as the check that the
 generator and counter are not the bottleneck: their rate through the proxy is
-printed.  Reported: msgs/s for both, the ratio relay/proxy, and the relay's CPU
+printed.  Generator and counter are the small C program ``zmq_load.c`` (built here
+with gcc against pyzmq's bundled libzmq) so they run far faster than the proxy
+path; without gcc, ``--python-load`` or a failed build, Python versions are used
+and the proxy figure is then bounded by the Python counter (~110-190k msg/s).  Reported: msgs/s for both, the ratio relay/proxy, and the relay's CPU
 seconds per million messages (from /proc).
 """
 
@@ -16,11 +19,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import zmq
@@ -29,10 +34,18 @@ TOPIC = b"logs.bench"
 APP = b"bench-test"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port not handed out before in this run (bind-to-0 can repeat one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def body300() -> bytes:
@@ -111,6 +124,67 @@ def counter(endpoint: str, n: int, ready, go, done) -> None:
     ctx.destroy(linger=0)
 
 
+def build_c_load() -> str | None:
+    """Compile zmq_load.c against pyzmq's libzmq; the binary's path, or None."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    libdir = os.path.realpath(os.path.join(os.path.dirname(zmq.__file__), "..", "pyzmq.libs"))
+    libs = [f for f in os.listdir(libdir) if f.startswith("libzmq")] if os.path.isdir(libdir) else []
+    if not gcc or not libs:
+        return None
+    out = os.path.join(tempfile.mkdtemp(prefix="bench-zmq-load-"), "zmq_load")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zmq_load.c")
+    r = subprocess.run([gcc, "-O2", "-o", out, src, f"-L{libdir}", f"-l:{libs[0]}",
+                        f"-Wl,-rpath,{libdir}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        print("  (could not build zmq_load.c, using Python load tools)\n" + r.stderr)
+        return None
+    return out
+
+
+def frames_file(directory: str) -> str:
+    meta = struct.pack(">HBBIQQ", 0xCABD, 0, 1, 0, 1700000000123, 1)
+    path = os.path.join(directory, "frames.bin")
+    with open(path, "wb") as fh:
+        for topic in (b"logs.warmup", TOPIC):
+            for frame in (APP, topic, body300(), meta):
+                fh.write(struct.pack(">I", len(frame)) + frame)
+    return path
+
+
+def run_c_load(tool: str, in_ep: str, out_ep: str, kind: str, n: int, pid: int) -> tuple:
+    """Counter and generator as C processes; returns (results, cpu0, cpu1)."""
+    work = tempfile.mkdtemp(prefix="bench-frames-")
+    cnt = subprocess.Popen([tool, "count", out_ep, str(n), TOPIC.decode(), "logs.warmup"],
+                           stdout=subprocess.PIPE, text=True)
+    assert cnt.stdout.readline().strip() == "ready"
+    cpu0 = cpu_seconds(pid)
+    gen = subprocess.Popen([tool, "gen", in_ep, "dealer" if kind == "router" else "push",
+                            str(n), frames_file(work)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    results: dict = {}
+
+    def watch_counter():
+        for line in cnt.stdout:
+            word, *rest = line.split()
+            if word == "go":
+                gen.stdin.write("go\n")
+                gen.stdin.flush()
+            elif word == "count":
+                results["count"] = (float(rest[0]), int(rest[1]))
+                return
+
+    t = threading.Thread(target=watch_counter, daemon=True)
+    t.start()
+    word, secs = gen.stdout.readline().split()
+    results["gen"] = (float(secs),)
+    t.join(600)
+    cpu1 = cpu_seconds(pid)
+    gen.wait(10)
+    cnt.wait(10)
+    shutil.rmtree(work, ignore_errors=True)
+    return results, cpu0, cpu1
+
+
 def proxy(frontend_kind: str, in_port: int, out_port: int) -> None:
     ctx = zmq.Context()
     front = ctx.socket(zmq.ROUTER if frontend_kind == "router" else zmq.PULL)
@@ -132,7 +206,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / tck
 
 
-def run_path(target: str, kind: str, n: int, extra: list[str]) -> dict:
+def run_path(target: str, kind: str, n: int, extra: list[str], tool: str | None,
+             env: dict | None = None) -> dict:
     in_port, out_port = free_port(), free_port()
     mctx = mp.get_context("fork")
     ready, go, done = mctx.Event(), mctx.Event(), mctx.Queue()
@@ -148,22 +223,26 @@ def run_path(target: str, kind: str, n: int, extra: list[str]) -> dict:
         argv = [sys.executable, "-m", "logjam_relay", *in_flag, "-P", str(out_port),
                 "-s", str(free_port()), "-m", "0", "--bind", "127.0.0.1", "--state-dir", state,
                 "-q", *extra]
-        proc = subprocess.Popen(argv)
+        proc = subprocess.Popen(argv, env={**os.environ, **(env or {})})
         pid = proc.pid
         time.sleep(1.0)
-    cnt = mctx.Process(target=counter, args=(f"tcp://127.0.0.1:{out_port}", n, ready, go, done))
-    cnt.start()
-    ready.wait(10)
-    cpu0 = cpu_seconds(pid)
-    gen = mctx.Process(target=generator, args=(f"tcp://127.0.0.1:{in_port}", kind, n, go, done))
-    gen.start()
-    results = {}
-    for _ in range(2):
-        item = done.get(timeout=600)
-        results[item[0]] = item[1:]
-    cpu1 = cpu_seconds(pid)
-    gen.join(10)
-    cnt.join(10)
+    in_ep, out_ep = f"tcp://127.0.0.1:{in_port}", f"tcp://127.0.0.1:{out_port}"
+    if tool:
+        results, cpu0, cpu1 = run_c_load(tool, in_ep, out_ep, kind, n, pid)
+    else:
+        cnt = mctx.Process(target=counter, args=(out_ep, n, ready, go, done))
+        cnt.start()
+        ready.wait(10)
+        cpu0 = cpu_seconds(pid)
+        gen = mctx.Process(target=generator, args=(in_ep, kind, n, go, done))
+        gen.start()
+        results = {}
+        for _ in range(2):
+            item = done.get(timeout=600)
+            results[item[0]] = item[1:]
+        cpu1 = cpu_seconds(pid)
+        gen.join(10)
+        cnt.join(10)
     if target == "proxy":
         proc.kill()
         proc.join()
@@ -182,21 +261,32 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--paths", default="pull,router,lz4")
+    ap.add_argument("--pure-python", action="store_true",
+                    help="also run the relay with LOGJAM_RELAY_PURE_PYTHON=1 (no C loops)")
+    ap.add_argument("--python-load", action="store_true",
+                    help="use the Python generator and counter instead of zmq_load.c")
     args = ap.parse_args()
     n = args.messages
-    print(f"relay bench: {n} messages of {len(body300())} B JSON, 2 cpus shared; "
-          f"load generator and counter are separate processes")
+    tool = None if args.python_load else build_c_load()
+    print(f"relay bench: {n} messages of {len(body300())} B JSON, {os.cpu_count()} cpus shared; "
+          f"load generator and counter are separate {'C' if tool else 'Python'} processes")
     for path in args.paths.split(","):
         kind = "router" if path == "router" else "pull"
         extra = ["-x", "lz4"] if path == "lz4" else []
-        base = run_path("proxy", kind, n, [])
-        relay = run_path("relay", kind, n, extra)
+        base = run_path("proxy", kind, n, [], tool)
+        relay = run_path("relay", kind, n, extra, tool)
         label = {"pull": "PULL -> PUB", "router": "ROUTER (DEALER async) -> PUB",
                  "lz4": "PULL -> PUB with -x lz4"}[path]
         print(f"{label:32s} zmq.proxy {base['rate']:>9,.0f} msg/s (generator alone "
               f"{base['gen_rate']:>9,.0f}/s) | relay {relay['rate']:>9,.0f} msg/s | "
               f"ratio {relay['rate'] / base['rate']:.2f} | relay CPU "
               f"{relay['cpu_per_million']:.2f} s per million")
+        if args.pure_python:
+            pure = run_path("relay", kind, n, extra, tool, {"LOGJAM_RELAY_PURE_PYTHON": "1"})
+            print(f"{'  same, pyzmq loops only':32s} {'':>34s} | relay {pure['rate']:>9,.0f} "
+                  f"msg/s | ratio {pure['rate'] / base['rate']:.2f} | relay CPU "
+                  f"{pure['cpu_per_million']:.2f} s per million | C loops "
+                  f"{relay['rate'] / pure['rate']:.2f}x faster")
     return 0
 
 

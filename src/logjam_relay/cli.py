@@ -46,7 +46,10 @@ def run_parser() -> argparse.ArgumentParser:
         description="A drop-in logjam-device replacement. Subcommands: run (default), tail, "
                     "send. Settings: TOML file < LOGJAM_RELAY_* environment < flags.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--version", action="version", version=f"logjam-relay {__version__}")
+    from .io import zmq_fast
+    fast = "C socket loops" if zmq_fast.AVAILABLE else f"pyzmq loops only: {zmq_fast.WHY_NOT}"
+    p.add_argument("--version", action="version",
+                   version=f"logjam-relay {__version__} ({fast})")
     p.add_argument("--check-config", action="store_true",
                    help="validate the configuration, print it and exit")
     add_arguments(p)

@@ -11,7 +11,7 @@ import trio
 import zmq
 
 from ..config import Settings
-from ..io import zmq_trio
+from ..io import zmq_fast, zmq_trio
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from .pipeline import Pipeline
@@ -97,7 +97,7 @@ class Relay:
         try:
             pub_sock = self._bind(zmq.XPUB, s.pub_port, {zmq.SNDHWM: s.snd_hwm})
             self.pub = zmq_trio.PubSocket(pub_sock)
-            self.pipeline = Pipeline(s.device_id, first, self.pub.publish4,
+            self.pipeline = Pipeline(s.device_id, first, self.pub.publish_batch,
                                      fqdn=self.fqdn.encode(), allow_invalid_meta=s.allow_invalid_meta,
                                      compress_method=self.compress_method)
             self.sequence_state.reserve(self.pipeline.seq)
@@ -137,9 +137,11 @@ class Relay:
                 for starter in self._extra_tasks:
                     await starter(nursery)
                 self.ready.set()
-                log.info("relay device %d ready: %s (sequence continues at %d, %s)",
+                log.info("relay device %d ready: %s (sequence continues at %d, %s; %s)",
                          s.device_id, ", ".join(f"{k}={v}" for k, v in self.endpoints.items()),
-                         first, self.sequence_state.recovered_from)
+                         first, self.sequence_state.recovered_from,
+                         "C socket loops" if zmq_fast.AVAILABLE else
+                         f"pyzmq socket loops only: {zmq_fast.WHY_NOT}")
                 task_status.started(self)
                 await self._shutdown_requested.wait()
                 # ---- graceful shutdown: stop reading, flush, persist
@@ -235,17 +237,9 @@ class Relay:
             if self.spool is not None:
                 await self._spool_write(records)
         if replies:
-            send = sock.send
-            for r in replies:
-                try:
-                    send(r[0], zmq.NOBLOCK | zmq.SNDMORE)
-                    for f in r[1:-1]:
-                        send(f, zmq.SNDMORE)
-                    send(r[-1])
-                except zmq.ZMQError:
-                    # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost,
-                    # as with logjam-device, but counted.
-                    self.reply_drops += 1
+            # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
+            # with logjam-device, but counted.
+            self.reply_drops += zmq_trio.send_replies(sock, replies)
 
     async def _spool_write(self, records: list[tuple]) -> None:
         """Append a committed batch; on a write error keep the batch, pause, retry.

@@ -73,14 +73,15 @@ def _label(b: bytes | None) -> str:
 class Pipeline:
     """Validation, stamping and publishing of drained batches.
 
-    ``publish4(app_env, topic, body, meta)`` is the PUB adapter's hot method.
+    ``publish_batch(records)`` (records of four frames, in order) is the PUB adapter's
+    hot method.
     """
 
-    def __init__(self, device: int, first_sequence: int, publish4, *, fqdn: bytes,
+    def __init__(self, device: int, first_sequence: int, publish_batch, *, fqdn: bytes,
                  allow_invalid_meta: bool = False, compress_method: int = 0, clock_ms=None):
         self.device = device
         self.seq = first_sequence - 1      # last number used
-        self.publish4 = publish4
+        self.publish_batch = publish_batch
         self.fqdn = fqdn
         self.allow_invalid_meta = allow_invalid_meta
         self.compress_method = compress_method
@@ -237,7 +238,6 @@ class Pipeline:
         """Stamp and publish in order; return the records [app, topic, body, meta] to spool."""
         now8 = now_ms.to_bytes(8, "big")
         prefix = self._prefix
-        pub = self.publish4
         seq = self.seq
         out = []
         oappend = out.append
@@ -245,9 +245,8 @@ class Pipeline:
             seq += 1
             if cr == _ZERO8:
                 cr = now8
-            m = prefix[comp] + cr + seq.to_bytes(8, "big")
-            pub(a, t, b, m)
-            oappend((a, t, b, m))
+            oappend((a, t, b, prefix[comp] + cr + seq.to_bytes(8, "big")))
+        self.publish_batch(out)
         self.seq = seq
         n = len(acc)
         self.counters.received += n

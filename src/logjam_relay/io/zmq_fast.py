@@ -1,0 +1,80 @@
+"""The optional C fast path for the hot socket loops (see ``_zmqfast.c``).
+
+``drain(sock, limit)`` receives up to ``limit`` whole messages without blocking, like
+the pyzmq loop in :mod:`logjam_relay.io.zmq_trio`.  ``publish(sock, records, start)``
+sends ``records[start:]`` (each a sequence of frames) in order and returns
+``(index, errno)`` of the first record whose first frame could not be sent (EAGAIN,
+EHOSTUNREACH...), or ``(len(records), 0)``.  Both at a fraction of pyzmq's per-frame
+cost.
+``AVAILABLE`` is False when the extension was not built, libzmq could not be found in
+this process, or ``LOGJAM_RELAY_PURE_PYTHON=1`` is set (benchmarks use that for the
+baseline); callers then use pyzmq alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import zmq
+
+AVAILABLE = False
+WHY_NOT = ""
+drain = publish = None  # type: ignore[assignment]
+
+
+def _loaded_libzmq() -> str | None:
+    """Path of the libzmq pyzmq loaded (Linux: from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                path = line.rstrip("\n").split(None, 5)[-1]
+                if path.startswith("/") and "libzmq" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _setup() -> None:
+    global AVAILABLE, WHY_NOT, drain, publish
+    if os.environ.get("LOGJAM_RELAY_PURE_PYTHON", "") not in ("", "0"):
+        WHY_NOT = "LOGJAM_RELAY_PURE_PYTHON is set"
+        return
+    try:
+        from . import _zmqfast
+    except ImportError as e:
+        WHY_NOT = f"C extension not built ({e})"
+        return
+    zmq.zmq_version()   # pyzmq's backend (and libzmq with it) is loaded by now
+    path = _loaded_libzmq()
+    if path is None:
+        WHY_NOT = "libzmq not found in this process"
+        return
+    try:
+        _zmqfast.init(path)
+    except OSError as e:
+        WHY_NOT = str(e)
+        return
+    fast_drain, fast_publish, Error = _zmqfast.drain, _zmqfast.publish, _zmqfast.ZMQFastError
+
+    def drain_(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
+        if sock.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        try:
+            return fast_drain(sock.underlying, limit)
+        except Error as e:
+            raise zmq.ZMQError(e.errno) from None
+
+    def publish_(sock: zmq.Socket, records, start: int = 0) -> tuple[int, int]:
+        if sock.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        try:
+            return fast_publish(sock.underlying, records, start)
+        except Error as e:
+            raise zmq.ZMQError(e.errno) from None
+
+    drain, publish = drain_, publish_
+    AVAILABLE = True
+
+
+_setup()
