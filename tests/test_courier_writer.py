@@ -68,6 +68,7 @@ def test_parse_url_defaults_and_parameters(tls_files):
     c = parse_url("courier://logs.example:5043")
     assert c.hosts == (("logs.example", 5043),) and c.payload_size == 1000
     assert c.max_pending == 10 and c.network_timeout == 15.0 and c.idle_ping == 10.0
+    assert (c.backoff_initial, c.backoff_max) == (1.0, 30.0)
     assert c.tls.enabled and c.tls.verify
     c = parse_url("courier://a:1,[::1]:2?payload=1000&tls=off&pending=5&timeout=2.5&ping=1"
                   "&backoff=0.5&backoff_max=10&level=6&evnt=off&hostname=h1")

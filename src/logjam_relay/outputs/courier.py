@@ -60,7 +60,7 @@ class CourierConfig:
     network_timeout: float = 15.0         # connect, handshake, ACKN progress, PONG
     idle_ping: float = 10.0               # PING after this long without traffic
     backoff_initial: float = 1.0
-    backoff_max: float = 300.0            # as the Go client
+    backoff_max: float = 30.0             # the Go client caps at 300 s: too long for a relay
     compress_level: int = 3               # as the Go client (78 5e)
     streaming: bool = True                # use EVNT when the receiver offers it
     max_payload_bytes: int = 4 * 1024 * 1024   # uncompressed; a payload is cut earlier
@@ -207,7 +207,7 @@ def parse_url(url: str) -> CourierConfig:
 
     if params:
         raise ValueError(f"courier URL: unknown parameter {sorted(params)[0]!r}")
-    if kw.get("backoff_max", 300.0) < kw.get("backoff_initial", 1.0):
+    if kw.get("backoff_max", 30.0) < kw.get("backoff_initial", 1.0):
         raise ValueError("courier URL: parameter backoff_max must be >= backoff")
     return CourierConfig(hosts=hosts, **kw)
 
