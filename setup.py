@@ -1,11 +1,17 @@
-"""Only for the optional C extension; all metadata is in pyproject.toml.
+"""Only for the optional C extensions; all metadata is in pyproject.toml.
 
-``logjam_relay.io._zmqfast`` (batch receive/publish on pyzmq sockets) is built when a C
-compiler and the Python headers are there; if the build fails, the install goes on and
-the relay uses pyzmq alone (``logjam-relay --version`` says which).
+``logjam_relay.io._zmqfast`` (batch receive/publish on pyzmq sockets) and
+``logjam_relay.spool._segscan`` (the Spark data source's segment walk) are built when a C
+compiler and the Python headers (and zlib.h) are there; if a build fails, the install
+goes on and the pure-Python code is used (``logjam-relay --version`` says which).
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("logjam_relay.io._zmqfast", ["src/logjam_relay/io/_zmqfast.c"],
-                             optional=True, extra_compile_args=["-O2", "-std=c11"])])
+setup(ext_modules=[
+    Extension("logjam_relay.io._zmqfast", ["src/logjam_relay/io/_zmqfast.c"],
+              optional=True, extra_compile_args=["-O2", "-std=c11"]),
+    # the Spark data source's segment walk (needs zlib.h for crc32)
+    Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
+              optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
+])

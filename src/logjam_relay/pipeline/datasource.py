@@ -90,6 +90,10 @@ _FULL_HEAD = struct.Struct("<IIBBHQ")
 _LEN_BE = struct.Struct(">I")
 _crc32 = zlib.crc32
 try:
+    from ..spool import _segscan
+except ImportError:  # the optional C extension was not built
+    _segscan = None
+try:
     import cramjam  # what python-snappy calls; skips a Python wrapper
     _snappy_raw = cramjam.snappy.decompress_raw
 except (ImportError, AttributeError):  # pragma: no cover
@@ -150,7 +154,102 @@ def decode_segment(path: str, segno: int, start: int = 0, stop: int | None = Non
                    stats: DecodeStats | None = None) -> Iterator[pa.RecordBatch]:
     """Arrow batches (:data:`ARROW_SCHEMA`) for records ``start`` (inclusive) to ``stop``
     (exclusive; ``None`` = to the end) of the segment file ``path``.  Never raises on bad
-    data; ``OSError`` for an unreadable file propagates (callers turn it into a row)."""
+    data; ``OSError`` for an unreadable file propagates (callers turn it into a row).
+    Uses the C record walk (``spool/_segscan.c``) when it is built, else
+    :func:`decode_segment_py`; both give the same batches."""
+    if _segscan is None:
+        return decode_segment_py(path, segno, start, stop, batch_rows, stats)
+    return _decode_segment_c(path, segno, start, stop, batch_rows, stats)
+
+
+def _decode_segment_c(path: str, segno: int, start: int, stop: int | None,
+                      batch_rows: int, stats: DecodeStats | None) -> Iterator[pa.RecordBatch]:
+    st = stats if stats is not None else DecodeStats()
+    with open(path, "rb", buffering=0) as f:
+        buf = f.read()
+    try:
+        fmt.decode_header(buf[:fmt.HEADER_LEN])
+    except fmt.SegmentError as e:
+        yield _error_batch(segno, start, f"corrupt:{e.reason}",
+                           {"offset": 0, "message": str(e)}, st)
+        return
+    stop_ = (1 << 62) if stop is None else stop
+    rows_b, pair_offs, pos, idx, status, skipped = _segscan.scan(buf, fmt.HEADER_LEN,
+                                                                  start, stop_)
+    st.skipped_kinds += skipped
+    rows = np.frombuffer(rows_b, dtype=np.int64).reshape(-1, 5)
+    pairs = [(buf[o:o + la], buf[o + la:o + la + lt]) for o, la, lt in pair_offs]
+    npbuf = np.frombuffer(buf, dtype=np.uint8)
+    mv = memoryview(buf)
+    zdecompress = zlib.decompress
+    lz4_decompress = lz4.block.decompress
+    snappy_raw = _snappy_raw
+    len_be = _LEN_BE.unpack_from
+    small_zlib = MAX_DECOMPRESSED // 1100
+    small_snappy = MAX_DECOMPRESSED // 64
+    try:
+        for first in range(0, len(rows), batch_rows):
+            block = rows[first:first + batch_rows]
+            cols = _Cols(start + first)
+            cols.n = n = len(block)
+            cols.pair = block[:, 0]
+            cols.meta_off = block[:, 2]
+            codes = block[:, 1].tolist()
+            body_off = block[:, 3].tolist()
+            body_len = block[:, 4].tolist()
+            errors = cols.errors
+            bodies: list = [None] * n
+            for i in range(n):
+                comp = codes[i]
+                r = body_off[i]
+                lb = body_len[i]
+                if comp == 0:
+                    bodies[i] = buf[r:r + lb]
+                elif comp == -1:
+                    errors[i] = "meta"
+                elif comp == -2:
+                    errors[i] = "frames"
+                else:
+                    s = r + lb
+                    try:
+                        if comp == 1:
+                            bodies[i] = (zdecompress(mv[r:s]) if lb < small_zlib
+                                         else _zlib_bounded(mv[r:s]))
+                        elif comp == 2:
+                            if lb > small_snappy:
+                                _snappy_check(buf[r:r + 5])
+                            bodies[i] = snappy_raw(mv[r:s])
+                        elif comp == 3:
+                            (m,) = len_be(buf, r)
+                            if m > MAX_DECOMPRESSED:
+                                raise ValueError("lz4 length too large")
+                            b = lz4_decompress(mv[r + 4:s], uncompressed_size=m)
+                            if len(b) != m:
+                                raise ValueError("lz4 length mismatch")
+                            bodies[i] = b
+                        else:
+                            raise ValueError(f"unknown compression {comp}")
+                    except Exception:
+                        errors[i] = "decompress"
+            cols.bodies = bodies
+            yield _build(cols, pairs, npbuf, segno, st)
+    finally:
+        mv.release()
+    if status not in ("stop", "seal") and start <= idx < stop_:
+        info = {"offset": pos}
+        seal = fmt.read_seal(path)
+        if seal is not None:
+            info["records_lost"] = max(0, seal[0] - idx)
+        elif status == "no_seal":
+            info["message"] = "segment has no valid seal record (incomplete copy?)"
+        st.corrupt += 1
+        yield _error_batch(segno, idx, f"corrupt:{status}", info, st)
+
+
+def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = None,
+                      batch_rows: int = DEFAULT_BATCH_ROWS,
+                      stats: DecodeStats | None = None) -> Iterator[pa.RecordBatch]:
+    """:func:`decode_segment` in Python alone (the reference for the C walk)."""
     st = stats if stats is not None else DecodeStats()
     with open(path, "rb", buffering=0) as f:
         buf = f.read()

@@ -1,0 +1,185 @@
+/* Walk a spool segment in C: CRC check, frame lengths and (app_env, topic) interning for
+ * every logjam record, so the Spark data source's Python code only decompresses bodies
+ * and builds Arrow columns.  Optional: logjam_relay.pipeline.datasource has the same
+ * walk in Python and tests compare the two (tests/test_segscan.py).
+ *
+ * scan(buf, pos, start, stop) -> (rows, pairs, pos, idx, status, skipped_kinds)
+ *   buf    the whole segment file (bytes-like); pos = offset of the first record
+ *   rows   bytes: int64[nrows][5] = pair, code, meta_off, body_off, body_len, for the
+ *          logjam records with index in [start, stop); code: 0..255 = compression from a
+ *          valid meta frame, -1 = bad meta frame, -2 = not 4 frames (pair = first frame)
+ *   pairs  [(app_env_offset, app_env_len, topic_len)] in order of first appearance
+ *          (for code -2: (first_frame_offset, first_frame_len, 0))
+ *   pos    where the walk stopped; idx = index of the record there
+ *   status "stop" (idx reached stop), "seal", or a corrupt reason:
+ *          "torn", "no_seal", "bad_length", "crc", "frame_lengths"
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <zlib.h>
+
+#define HEADER_MIN 20          /* PREFIX (8) + RECHEAD (12): a record with no frames */
+#define MAX_BODY (1u << 30)
+#define KIND_SEAL 255
+
+static inline uint32_t rd32(const unsigned char *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint16_t rd16(const unsigned char *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+typedef struct { int64_t off; uint32_t la, lt; uint64_t hash; } pair_t;
+
+typedef struct {
+    pair_t *pairs; Py_ssize_t npairs, cap;
+    int32_t *slots; Py_ssize_t nslots;      /* open addressing: index+1, 0 = empty */
+} table_t;
+
+static uint64_t fnv(const unsigned char *p, size_t n, uint32_t la) {
+    uint64_t h = 1469598103934665603ULL ^ la;
+    for (size_t i = 0; i < n; i++) { h ^= p[i]; h *= 1099511628211ULL; }
+    return h;
+}
+
+static int grow(table_t *t) {
+    Py_ssize_t ns = t->nslots ? t->nslots * 2 : 1024;
+    int32_t *slots = PyMem_RawCalloc((size_t)ns, sizeof(int32_t));
+    if (!slots) return -1;
+    for (Py_ssize_t i = 0; i < t->npairs; i++) {
+        Py_ssize_t j = (Py_ssize_t)(t->pairs[i].hash & (uint64_t)(ns - 1));
+        while (slots[j]) j = (j + 1) & (ns - 1);
+        slots[j] = (int32_t)(i + 1);
+    }
+    PyMem_RawFree(t->slots);
+    t->slots = slots;
+    t->nslots = ns;
+    return 0;
+}
+
+static Py_ssize_t intern(table_t *t, const unsigned char *buf, int64_t off, uint32_t la, uint32_t lt) {
+    const unsigned char *key = buf + off;
+    size_t n = (size_t)la + lt;
+    uint64_t h = fnv(key, n, la);
+    if (t->npairs * 2 >= t->nslots && grow(t) < 0) return -1;
+    Py_ssize_t j = (Py_ssize_t)(h & (uint64_t)(t->nslots - 1));
+    while (t->slots[j]) {
+        pair_t *p = &t->pairs[t->slots[j] - 1];
+        if (p->hash == h && p->la == la && p->lt == lt && memcmp(buf + p->off, key, n) == 0)
+            return t->slots[j] - 1;
+        j = (j + 1) & (t->nslots - 1);
+    }
+    if (t->npairs == t->cap) {
+        Py_ssize_t nc = t->cap ? t->cap * 2 : 64;
+        pair_t *np_ = PyMem_RawRealloc(t->pairs, (size_t)nc * sizeof(pair_t));
+        if (!np_) return -1;
+        t->pairs = np_;
+        t->cap = nc;
+    }
+    t->pairs[t->npairs] = (pair_t){off, la, lt, h};
+    t->slots[j] = (int32_t)(t->npairs + 1);
+    return t->npairs++;
+}
+
+static PyObject *scan(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos, start, stop;
+    if (!PyArg_ParseTuple(args, "y*nnn", &view, &pos, &start, &stop)) return NULL;
+    const unsigned char *buf = view.buf;
+    const Py_ssize_t size = view.len;
+    table_t t = {0};
+    int64_t *rows = NULL;
+    Py_ssize_t nrows = 0, rcap = 0, idx = 0, skipped = 0;
+    const char *status = "stop";
+    PyObject *result = NULL;
+
+    Py_BEGIN_ALLOW_THREADS
+    while (idx < stop) {
+        if (size - pos < HEADER_MIN) { status = pos != size ? "torn" : "no_seal"; break; }
+        uint32_t body_len = rd32(buf + pos), crc = rd32(buf + pos + 4);
+        unsigned kind = buf[pos + 8];
+        uint32_t n = rd16(buf + pos + 10);
+        Py_ssize_t rend = pos + 8 + (Py_ssize_t)body_len;
+        if (body_len < 12 + 4 * n || body_len > MAX_BODY) { status = "bad_length"; break; }
+        if (rend > size) { status = "torn"; break; }
+        if ((uint32_t)crc32(0L, buf + pos + 8, body_len) != crc) { status = "crc"; break; }
+        if (kind) {
+            if (kind == KIND_SEAL) { status = "seal"; break; }
+            skipped++;
+            pos = rend;
+            continue;
+        }
+        if (idx < start) { idx++; pos = rend; continue; }
+        const unsigned char *lens = buf + pos + 20;
+        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n, total = 0;
+        for (uint32_t i = 0; i < n; i++) total += rd32(lens + 4 * i);
+        if (p + total != rend) { status = "frame_lengths"; break; }
+        if (nrows == rcap) {
+            Py_ssize_t nc = rcap ? rcap * 2 : 4096;
+            int64_t *nr = PyMem_RawRealloc(rows, (size_t)nc * 5 * sizeof(int64_t));
+            if (!nr) { status = NULL; break; }
+            rows = nr;
+            rcap = nc;
+        }
+        int64_t *row = rows + 5 * nrows;
+        Py_ssize_t k;
+        if (n == 4) {
+            uint32_t la = rd32(lens), lt = rd32(lens + 4), lb = rd32(lens + 8), lm = rd32(lens + 12);
+            Py_ssize_t r = p + la + lt, s = r + lb;
+            k = intern(&t, buf, p, la, lt);
+            int64_t code = -1;
+            if (lm == 24 && buf[s + 3] == 1 &&
+                    ((buf[s] == 0xCA && buf[s + 1] == 0xBD) || (buf[s] == 0xBD && buf[s + 1] == 0xCA)))
+                code = buf[s + 2];
+            row[2] = code == -1 ? 0 : s;
+            row[3] = r;
+            row[4] = lb;
+            row[1] = code;
+        } else {
+            uint32_t l0 = n ? rd32(lens) : 0;
+            k = intern(&t, buf, p, l0, 0);
+            row[1] = -2;
+            row[2] = 0;
+            row[3] = 0;
+            row[4] = 0;
+        }
+        if (k < 0) { status = NULL; break; }
+        row[0] = k;
+        nrows++;
+        idx++;
+        pos = rend;
+    }
+    Py_END_ALLOW_THREADS
+
+    if (status == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    PyObject *pairs = PyList_New(t.npairs);
+    if (!pairs) goto out;
+    for (Py_ssize_t i = 0; i < t.npairs; i++) {
+        PyObject *tup = Py_BuildValue("(LII)", (long long)t.pairs[i].off, t.pairs[i].la, t.pairs[i].lt);
+        if (!tup) { Py_DECREF(pairs); goto out; }
+        PyList_SET_ITEM(pairs, i, tup);
+    }
+    PyObject *rb = PyBytes_FromStringAndSize((const char *)rows, nrows * 5 * (Py_ssize_t)sizeof(int64_t));
+    if (!rb) { Py_DECREF(pairs); goto out; }
+    result = Py_BuildValue("(NNnnsn)", rb, pairs, pos, idx, status, skipped);
+out:
+    PyMem_RawFree(rows);
+    PyMem_RawFree(t.pairs);
+    PyMem_RawFree(t.slots);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS, "scan(buf, pos, start, stop) -> (rows, pairs, pos, idx, status, skipped_kinds)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_segscan", "C walk of spool segment records.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__segscan(void) { return PyModule_Create(&module); }

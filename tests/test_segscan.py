@@ -1,0 +1,91 @@
+"""The C segment walk of the Spark data source (spool/_segscan.c) gives exactly the
+batches and counts of the Python walk, on good, malformed and damaged segments."""
+
+import os
+import random
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("pyspark")
+
+from logjam_relay.pipeline import datasource as ds  # noqa: E402
+from logjam_relay.outputs.archive import Archive  # noqa: E402
+from logjam_relay.pipeline import sample  # noqa: E402
+from logjam_relay.spool import segment as fmt  # noqa: E402
+from logjam_relay.spool.api import KIND_SAMWISE  # noqa: E402
+from logjam_relay.spool.spool import Spool  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def segment(tmp_path_factory):
+    if ds._segscan is None:
+        if os.environ.get("CI"):
+            pytest.fail("the C segment walk (logjam_relay.spool._segscan) must be built in CI")
+        pytest.skip("logjam_relay.spool._segscan is not built")
+    d = tmp_path_factory.mktemp("segscan")
+    msgs = sample.make_messages(3000, malformed=True, gaps=True)
+    archive = Archive(str(d / "archive"), None, fsync=False)
+    sp = Spool(str(d / "spool"), readers=[], segment_bytes=64 << 20, fsync="never",
+               on_seal=archive.on_seal)
+    try:
+        for k in range(0, len(msgs), 250):
+            sp.append_batch([m.frames() for m in msgs[k:k + 250]])
+            # records the data source must skip or report: another kind, wrong frame counts
+            sp.append_records([(KIND_SAMWISE, [b"b1", b"120", b"publish"]),
+                               (0, [b"only-two", b"frames"]), (0, []),
+                               (0, [b"a-b", b"logs", b"{}", b"short meta"]),
+                               (0, [b"ab-c", b"x", b"{}", bytes(24)])])
+        sp.seal()
+    finally:
+        sp.close()
+    (segno, path), = ds.list_segments(str(d / "archive"))
+    return segno, path
+
+
+def both(path, segno, start=0, stop=None, batch_rows=700):
+    out = []
+    for fn in (ds._decode_segment_c, ds.decode_segment_py):
+        st = ds.DecodeStats()
+        batches = list(fn(path, segno, start, stop, batch_rows, st))
+        out.append((pa.Table.from_batches(batches, schema=ds.ARROW_SCHEMA), st))
+    (tc, sc), (tp, sp_) = out
+    assert tc.num_rows == tp.num_rows
+    assert tc.to_pylist() == tp.to_pylist()
+    assert sc == sp_
+    return tc, sc
+
+
+def test_whole_segment_and_slices_match(segment):
+    segno, path = segment
+    table, st = both(path, segno)
+    errors = {e for e in table.column("error").to_pylist() if e}
+    assert {"frames", "meta", "decompress"} <= errors          # the odd records are there
+    assert st.skipped_kinds >= 12 and st.corrupt == 0             # 12 samwise records
+    n = table.num_rows
+    for start, stop in ((0, 1), (5, 900), (n - 3, None), (n, None), (100, 100)):
+        both(path, segno, start, stop, batch_rows=64)
+
+
+def test_damaged_copies_match(segment, tmp_path):
+    segno, path = segment
+    data = open(path, "rb").read()
+    offsets = [off for off, *_ in fmt.iter_records(path)]
+    rng = random.Random(7)
+    copy = tmp_path / os.path.basename(path)
+    cases = [data[:fmt.HEADER_LEN - 1], data[:fmt.HEADER_LEN], data[:-1], data[:-30]]
+    for off in rng.sample(offsets, 6):
+        cases += [data[:off + k] for k in (1, 7, 8, 19, 20, 21, 40)]
+    for _ in range(25):                                      # flipped bytes anywhere
+        b = bytearray(data)
+        b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        cases.append(bytes(b))
+    b = bytearray(data)                                      # a huge body length
+    b[offsets[3]:offsets[3] + 4] = (2 ** 31).to_bytes(4, "little")
+    cases.append(bytes(b))
+    reasons = set()
+    for case in cases:
+        copy.write_bytes(case)
+        table, st = both(str(copy), segno)
+        reasons |= {e for e in table.column("error").to_pylist() if e and e.startswith("corrupt")}
+    assert {"corrupt:torn", "corrupt:crc", "corrupt:bad_length"} <= reasons, reasons
