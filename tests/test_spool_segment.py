@@ -228,3 +228,69 @@ def test_reader_does_not_slurp_file(tmp_path):
     assert n == 3000
     assert peak < 1_500_000, peak
     assert os.path.getsize(tmp_path / "s") > 3_000_000
+
+
+# ----------------------------------------------- the C record walk (spool/_segscan.c)
+
+def _c_parse_or_skip():
+    if fmt._parse_records_c is None:
+        if os.environ.get("CI"):
+            pytest.fail("the C record walk (logjam_relay.spool._segscan) must be built in CI")
+        pytest.skip("logjam_relay.spool._segscan is not built")
+    return fmt._parse_records
+
+
+def _same(a, b):
+    (ra, pa_, sa), (rb, pb, sb) = a, b
+    assert ra == rb and pa_ == pb
+    if isinstance(sa, fmt.SegmentCorrupt) or isinstance(sb, fmt.SegmentCorrupt):
+        assert type(sa) is type(sb)
+        assert (sa.reason, sa.offset, str(sa)) == (sb.reason, sb.offset, str(sb))
+    else:
+        assert sa == sb
+
+
+def _mixed_segment() -> bytes:
+    recs = [(KIND_LOGJAM, msg(i, size=17 * i)) for i in range(40)]
+    recs[7] = (KIND_SAMWISE, [b"b1,b2", b"120", b"publish", b""])
+    recs[9] = (KIND_LOGJAM, [])
+    recs[11] = (KIND_LOGJAM, [b"x"] * 9)
+    data = fmt.encode_header(3, 1234, 10) + fmt.encode_records(recs, 10)
+    return data + fmt.encode_seal(50, 40, len(data), 99)
+
+
+@pytest.mark.parametrize("max_records", [1, 3, 1000])
+def test_c_parse_records_equals_python_on_a_mixed_segment(max_records):
+    c_parse = _c_parse_or_skip()
+    data = _mixed_segment()
+    pos = fmt.HEADER_LEN
+    for base in (0, 4096):
+        p = pos
+        while True:
+            a = c_parse(data, p, len(data), max_records, base)
+            _same(a, fmt.parse_records_py(data, p, len(data), max_records, base))
+            if not a[0]:
+                assert a[2] == "seal"
+                break
+            p = a[1]
+
+
+def test_c_parse_records_equals_python_on_every_truncation_and_bit_flip():
+    c_parse = _c_parse_or_skip()
+    data = _mixed_segment()
+    start = fmt.HEADER_LEN
+    for end in range(start, len(data) + 1, 7):
+        _same(c_parse(data, start, end, 1 << 30, 0),
+              fmt.parse_records_py(data, start, end, 1 << 30, 0))
+    for i in range(start, len(data), 5):
+        b = bytearray(data)
+        b[i] ^= 0x10
+        b = bytes(b)
+        _same(c_parse(b, start, len(b), 1 << 30, 0), fmt.parse_records_py(b, start, len(b), 1 << 30, 0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_c_parse_records_equals_python_on_random_bytes(blob):
+    c_parse = _c_parse_or_skip()
+    _same(c_parse(blob, 0, len(blob), 100, 0), fmt.parse_records_py(blob, 0, len(blob), 100, 0))

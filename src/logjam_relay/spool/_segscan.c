@@ -20,6 +20,10 @@
 #include <string.h>
 #include <zlib.h>
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "little-endian hosts only (the pure-Python walk is used elsewhere)"
+#endif
+
 #define HEADER_MIN 20          /* PREFIX (8) + RECHEAD (12): a record with no frames */
 #define MAX_BODY (1u << 30)
 #define KIND_SEAL 255
@@ -173,8 +177,77 @@ out:
     return result;
 }
 
+/* parse_records(buf, pos, end, max_records, base) -> (records, pos, status): exactly
+ * segment.parse_records_py: records are (file_offset, kind, seq, [frames], record_end)
+ * with verified CRCs; status None, "partial", "seal" or (reason, message, file_offset)
+ * for a corrupt record (the caller raises SegmentCorrupt from it). */
+static PyObject *parse_records(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos, end, max_records, base;
+    if (!PyArg_ParseTuple(args, "y*nnnn", &view, &pos, &end, &max_records, &base)) return NULL;
+    const unsigned char *buf = view.buf;
+    PyObject *out = PyList_New(0), *status = NULL, *result = NULL;
+    if (!out) goto done;
+    if (end > view.len) end = view.len;
+    while (pos < end && PyList_GET_SIZE(out) < max_records) {
+        if (end - pos < HEADER_MIN) { status = PyUnicode_FromString("partial"); break; }
+        uint32_t body_len = rd32(buf + pos), crc = rd32(buf + pos + 4);
+        unsigned kind = buf[pos + 8];
+        uint32_t n = rd16(buf + pos + 10);
+        uint64_t seq;
+        memcpy(&seq, buf + pos + 12, 8);               /* little-endian hosts only (x86, arm) */
+        Py_ssize_t rend = pos + 8 + (Py_ssize_t)body_len;
+        if (body_len < 12 + 4 * n || body_len > MAX_BODY) {
+            status = Py_BuildValue("(sNn)", "bad_length",
+                                   PyUnicode_FromFormat("bad record length %u", body_len),
+                                   base + pos);
+            break;
+        }
+        if (rend > end) { status = PyUnicode_FromString("partial"); break; }
+        if ((uint32_t)crc32(0L, buf + pos + 8, body_len) != crc) {
+            status = Py_BuildValue("(s, s, n)", "crc", "record CRC mismatch", base + pos);
+            break;
+        }
+        const unsigned char *lens = buf + pos + 20;
+        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n, total = 0;
+        for (uint32_t i = 0; i < n; i++) total += rd32(lens + 4 * i);
+        if (p + total != rend) {
+            status = Py_BuildValue("(s, s, n)", "frame_lengths", "frame lengths do not add up",
+                                   base + pos);
+            break;
+        }
+        if (kind == KIND_SEAL) { status = PyUnicode_FromString("seal"); break; }
+        PyObject *frames = PyList_New(n);
+        if (!frames) goto fail;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t ln = rd32(lens + 4 * i);
+            PyObject *f = PyBytes_FromStringAndSize((const char *)buf + p, ln);
+            if (!f) { Py_DECREF(frames); goto fail; }
+            PyList_SET_ITEM(frames, i, f);
+            p += ln;
+        }
+        PyObject *rec = Py_BuildValue("(nIKNn)", base + pos, kind, (unsigned long long)seq,
+                                      frames, base + rend);
+        if (!rec || PyList_Append(out, rec) < 0) { Py_XDECREF(rec); goto fail; }
+        Py_DECREF(rec);
+        pos = rend;
+    }
+    if (!status) { status = Py_None; Py_INCREF(status); }
+    result = Py_BuildValue("(NnN)", out, pos, status);
+    out = NULL;
+    goto done;
+fail:
+    Py_XDECREF(status);
+done:
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "scan(buf, pos, start, stop) -> (rows, pairs, pos, idx, status, skipped_kinds)"},
+    {"parse_records", parse_records, METH_VARARGS,
+     "parse_records(buf, pos, end, max_records, base) -> (records, pos, status)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -186,8 +186,8 @@ def _lens(n: int) -> struct.Struct:
     return s
 
 
-def parse_records(buf: bytes, pos: int, end: int, max_records: int, base: int = 0):
-    """Parse complete records in ``buf[pos:end]``.
+def parse_records_py(buf: bytes, pos: int, end: int, max_records: int, base: int = 0):
+    """Parse complete records in ``buf[pos:end]`` (:func:`parse_records` in Python).
 
     Returns ``(records, pos, status)`` where records are
     ``(file_offset, kind, seq, frames, record_end_file_offset)`` tuples (file
@@ -251,6 +251,23 @@ def parse_records(buf: bytes, pos: int, end: int, max_records: int, base: int = 
     finally:
         mv.release()
     return out, pos, status
+
+
+try:
+    from ._segscan import parse_records as _parse_records_c
+except ImportError:                  # the optional C extension was not built
+    _parse_records_c = None
+
+
+def _parse_records(buf: bytes, pos: int, end: int, max_records: int, base: int = 0):
+    """:func:`parse_records_py` in C (``_segscan.c``): same records, same statuses."""
+    out, pos, status = _parse_records_c(buf, pos, end, max_records, base)
+    if type(status) is tuple:
+        status = SegmentCorrupt(*status)
+    return out, pos, status
+
+
+parse_records = parse_records_py if _parse_records_c is None else _parse_records
 
 
 def decode_seal(frames: list[bytes]) -> tuple[int, int, int]:
