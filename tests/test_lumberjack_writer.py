@@ -1,6 +1,7 @@
 """The Lumberjack output against the in-repo reader over loopback TCP and TLS."""
 
 import json
+import os
 import struct
 import zlib
 
@@ -551,3 +552,52 @@ async def test_stop_and_wait_fallback_is_retried_after_a_while(mock_clock):
     assert out._depth(host) == 4
     out._fallback(host, "partial ACK")
     assert out._depth(host) == 1 and out.stats()["pipeline_fallbacks"] == 2
+
+
+# ------------------------------------------------- the C event mapping (_ljencode.c)
+
+def _c_encoder_or_skip():
+    from logjam_relay.outputs import lumberjack as out
+    if out._ljencode is None:
+        if os.environ.get("CI"):
+            pytest.fail("the C event mapping (logjam_relay.outputs._ljencode) must be built in CI")
+        pytest.skip("logjam_relay.outputs._ljencode is not built")
+    return out
+
+
+def test_c_event_mapping_equals_python_on_every_kind_of_record():
+    from logjam_relay.spool.api import KIND_LOGJAM, Position, Record
+    out = _c_encoder_or_skip()
+    body = b'{"action":"a#b","code":200}'
+    recs = []
+    for comp in (0, 1, 2, 3):
+        recs.append([b"app-prod", b"logs.x", compress(body, comp),
+                     encode_meta(comp, 7, 1_700_000_000_000, 5 + comp)])
+    recs += [
+        [b"app-prod", b"logs.x", b"not zlib", encode_meta(1, 7, 1, 1)],     # undecodable
+        [b"app-prod", b"logs.x", b"\xff\xfe", encode_meta(9, 7, 1, 1)],     # unknown codec
+        [b"app-prod", b"logs.x", body, b"short meta"],
+        [b"app-prod", b"logs.x", body],                                      # 3 frames
+        [], [b"only"],
+        [b"heartbeat", b"tcp://h:9606", b"{}", encode_meta(0, 7, 1, 1)],
+        [b"no-dash", b"\xff topic", b"\xc3\x28 not utf-8", encode_meta(0, 2**32 - 1,
+                                                                         2**64 - 1, 2**64 - 1)],
+        [b"app-prod", b"logs.x", memoryview(body), encode_meta(0, 7, 1, 1)],
+        [b"app-prod", b"logs.x", bytearray(body), encode_meta(0, 7, 1, 1)],
+    ]
+    records = [Record(Position(0, i), KIND_LOGJAM, f) for i, f in enumerate(recs)]
+    records.insert(3, Record(Position(0, 99), KIND_SAMWISE, [b"b1", b"120"]))
+    c, py = out.EventEncoder("relay-1"), out.EventEncoder("relay-1")
+    assert c.encode(records) == py.encode_py(records)
+    assert c.decode_errors == py.decode_errors == 6
+    frames, n = c.encode(records)
+    assert n == len(recs) - 1                         # all but the heartbeat
+    conn = lj.Connection(lj.Role.READER)
+    conn.receive_data(lj.encode_window(frames, n))
+    events = []
+    while (ev := conn.next_event()) is not lj.NEED_DATA:
+        if type(ev) is lj.Data:
+            events.append(ev)
+    assert len(events) == n and events[0].fields["line"] == body.decode()
+    assert events[10].fields["device"] == str(2**32 - 1)
+    assert events[10].fields["sequence"] == str(2**64 - 1)

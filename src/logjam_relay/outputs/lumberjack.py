@@ -176,6 +176,10 @@ def parse_url(url: str, **overrides) -> LumberjackConfig:
 # ----------------------------------------------------------------- event mapping
 
 _u32 = struct.Struct(">I").pack
+try:
+    from . import _ljencode       # the optional C event mapping
+except ImportError:
+    _ljencode = None
 _hdr_d = struct.Struct(">2sII").pack
 
 
@@ -225,50 +229,58 @@ class EventEncoder:
     def encode(self, records: list[Record]) -> tuple[bytes, int]:
         """``1D`` frames (seq 1..n) for the logjam records; (bytes, n).
 
-        Records of other kinds are skipped (not forwarded).
+        Records of other kinds are skipped (not forwarded).  Uses the C mapping
+        (``_ljencode.c``) when it is built; :meth:`encode_py` otherwise (same bytes).
         """
+        if _ljencode is None:
+            return self.encode_py(records)
+        return _ljencode.encode(records, KIND_LOGJAM, self._tail, self._stream_cache,
+                                self._stream_pairs, decompress, self._encode_one)
+
+    def encode_py(self, records: list[Record]) -> tuple[bytes, int]:
+        """:meth:`encode` in Python alone (the reference for the C mapping)."""
         parts: list[bytes] = []
         append = parts.append
-        tail = self._tail
         seq = 0
+        encode_one = self._encode_one
         for rec in records:
-            if rec.kind != KIND_LOGJAM or rec.frames[0] == HEARTBEAT:
+            frames = rec.frames
+            if rec.kind != KIND_LOGJAM or (frames and frames[0] == HEARTBEAT):
                 continue            # heartbeats are spooled for the gapless archive only
             seq += 1
-            frames = rec.frames
-            ok = True
-            try:
-                app_env, topic, body, meta = frames
-                _tag, comp, _ver, device, created_ms, sequence = unpack_meta(meta)
-            except (ValueError, struct.error):
-                ok = False
-                app_env = frames[0] if frames else b""
-                topic = frames[1] if len(frames) > 1 else b""
-                body = frames[2] if len(frames) > 2 else b""
-                d = s = c = b""
-            else:
-                d = b"%d" % device
-                s = b"%d" % sequence
-                c = b"%d" % created_ms
-                if comp:
-                    try:
-                        body = decompress(body, comp)
-                    except LogjamError:
-                        ok = False
-            if not ok:
-                self.decode_errors += 1
-                body = bytes(body).decode("utf-8", "replace").encode()
-            append(_hdr_d(b"1D", seq, _PAIRS_OK if ok else _PAIRS_ERROR))
-            append(_K_LINE)
-            append(_u32(len(body)))
-            append(body)
-            append(self._stream_pairs(app_env, topic))
-            append(_K_DEVICE + _u32(len(d)) + d + _K_SEQUENCE + _u32(len(s)) + s
-                   + _K_CREATED + _u32(len(c)) + c)
-            append(tail)
-            if not ok:
-                append(_TAG_DECODE_ERROR)
+            append(encode_one(frames, seq))
         return b"".join(parts), seq
+
+    def _encode_one(self, frames, seq: int) -> bytes:
+        """The ``1D`` frame of one logjam message (any frames, decodable or not)."""
+        ok = True
+        try:
+            app_env, topic, body, meta = frames
+            _tag, comp, _ver, device, created_ms, sequence = unpack_meta(meta)
+        except (ValueError, struct.error):
+            ok = False
+            app_env = frames[0] if frames else b""
+            topic = frames[1] if len(frames) > 1 else b""
+            body = frames[2] if len(frames) > 2 else b""
+            d = s = c = b""
+        else:
+            d = b"%d" % device
+            s = b"%d" % sequence
+            c = b"%d" % created_ms
+            if comp:
+                try:
+                    body = decompress(body, comp)
+                except LogjamError:
+                    ok = False
+        if not ok:
+            self.decode_errors += 1
+            body = bytes(body).decode("utf-8", "replace").encode()
+        return b"".join((
+            _hdr_d(b"1D", seq, _PAIRS_OK if ok else _PAIRS_ERROR), _K_LINE, _u32(len(body)),
+            body, self._stream_pairs(app_env, topic),
+            _K_DEVICE, _u32(len(d)), d, _K_SEQUENCE, _u32(len(s)), s,
+            _K_CREATED, _u32(len(c)), c, self._tail,
+            b"" if ok else _TAG_DECODE_ERROR))
 
 
 # ------------------------------------------------------------------------ output

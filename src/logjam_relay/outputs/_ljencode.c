@@ -1,0 +1,173 @@
+/* The Lumberjack output's event mapping in C: logjam records -> consecutive 1D frames.
+ *
+ * encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback)
+ *     -> (bytes, n)
+ *
+ * Exactly EventEncoder.encode_py for every record it handles itself: a logjam record
+ * (kind == kind_logjam, first frame != b"heartbeat") with 4 frames, a 24-byte meta frame
+ * and a body that is plain or that ``decompress(body, comp)`` decodes.  Anything else
+ * (wrong frame count, bad meta, a body that does not decompress) is handed to
+ * ``fallback(frames, seq) -> bytes`` (the Python mapping, which also counts the decode
+ * error), so both paths give byte-identical frames.  ``cache`` maps (app_env, topic) to
+ * the encoded app/env/topic pairs; on a miss ``stream_pairs(app_env, topic)`` builds them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef struct { char *p; size_t len, cap; } buf_t;
+
+static int reserve(buf_t *b, size_t more) {
+    if (b->len + more <= b->cap) return 0;
+    size_t nc = b->cap ? b->cap : 1 << 16;
+    while (nc < b->len + more) nc *= 2;
+    char *np_ = PyMem_Realloc(b->p, nc);
+    if (!np_) { PyErr_NoMemory(); return -1; }
+    b->p = np_;
+    b->cap = nc;
+    return 0;
+}
+
+static inline void put(buf_t *b, const void *src, size_t n) { memcpy(b->p + b->len, src, n); b->len += n; }
+static inline void put32(buf_t *b, uint32_t v) {
+    unsigned char x[4] = {v >> 24, v >> 16, v >> 8, v};
+    put(b, x, 4);
+}
+static inline void putkv(buf_t *b, const char *key, size_t klen, const char *val, size_t vlen) {
+    put32(b, (uint32_t)klen); put(b, key, klen); put32(b, (uint32_t)vlen); put(b, val, vlen);
+}
+static inline uint64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+static PyObject *encode(PyObject *self, PyObject *args) {
+    PyObject *records, *tail, *cache, *stream_pairs, *decompress, *fallback;
+    int kind_logjam;
+    if (!PyArg_ParseTuple(args, "OiSO!OOO", &records, &kind_logjam, &tail, &PyDict_Type, &cache,
+                          &stream_pairs, &decompress, &fallback))
+        return NULL;
+    PyObject *seq_ = PySequence_Fast(records, "records must be a sequence");
+    if (!seq_) return NULL;
+    Py_ssize_t nrec = PySequence_Fast_GET_SIZE(seq_);
+    buf_t b = {0};
+    uint32_t seq = 0;
+    const char *tailp = PyBytes_AS_STRING(tail);
+    size_t taillen = (size_t)PyBytes_GET_SIZE(tail);
+    for (Py_ssize_t i = 0; i < nrec; i++) {
+        PyObject *rec = PySequence_Fast_GET_ITEM(seq_, i);
+        if (!PyTuple_Check(rec) || PyTuple_GET_SIZE(rec) < 3) {
+            PyErr_SetString(PyExc_TypeError, "records must be (position, kind, frames) tuples");
+            goto fail;
+        }
+        long kind = PyLong_AsLong(PyTuple_GET_ITEM(rec, 1));
+        if (kind == -1 && PyErr_Occurred()) goto fail;
+        PyObject *frames = PyTuple_GET_ITEM(rec, 2);
+        if (kind != kind_logjam) continue;
+        if (!PyList_Check(frames) && !PyTuple_Check(frames)) {
+            PyErr_SetString(PyExc_TypeError, "frames must be a list");
+            goto fail;
+        }
+        PyObject **fr = PySequence_Fast_ITEMS(frames);
+        Py_ssize_t nf = PySequence_Fast_GET_SIZE(frames);
+        if (nf > 0 && PyBytes_Check(fr[0]) && PyBytes_GET_SIZE(fr[0]) == 9 &&
+                memcmp(PyBytes_AS_STRING(fr[0]), "heartbeat", 9) == 0)
+            continue;                       /* heartbeats are spooled for the archive only */
+        seq++;
+        int clean = nf == 4 && PyBytes_CheckExact(fr[0]) && PyBytes_CheckExact(fr[1]) &&
+                    PyBytes_CheckExact(fr[2]) && PyBytes_CheckExact(fr[3]) &&
+                    PyBytes_GET_SIZE(fr[3]) == 24;
+        PyObject *body = NULL;              /* new reference when set */
+        const unsigned char *meta = NULL;
+        if (clean) {
+            meta = (const unsigned char *)PyBytes_AS_STRING(fr[3]);
+            if (meta[2] == 0) {
+                body = fr[2];
+                Py_INCREF(body);
+            } else {
+                body = PyObject_CallFunction(decompress, "Oi", fr[2], (int)meta[2]);
+                if (!body || !PyBytes_Check(body)) {
+                    if (!body && !PyErr_ExceptionMatches(PyExc_Exception)) goto fail;
+                    PyErr_Clear();
+                    Py_XDECREF(body);
+                    body = NULL;
+                    clean = 0;
+                }
+            }
+        }
+        if (!clean) {
+            PyObject *one = PyObject_CallFunction(fallback, "OI", frames, seq);
+            if (!one) goto fail;
+            if (!PyBytes_Check(one)) {
+                Py_DECREF(one);
+                PyErr_SetString(PyExc_TypeError, "fallback must return bytes");
+                goto fail;
+            }
+            if (reserve(&b, (size_t)PyBytes_GET_SIZE(one)) < 0) { Py_DECREF(one); goto fail; }
+            put(&b, PyBytes_AS_STRING(one), (size_t)PyBytes_GET_SIZE(one));
+            Py_DECREF(one);
+            continue;
+        }
+        PyObject *key = PyTuple_Pack(2, fr[0], fr[1]);
+        if (!key) { Py_DECREF(body); goto fail; }
+        PyObject *pairs = PyDict_GetItemWithError(cache, key);     /* borrowed */
+        if (pairs) {
+            Py_INCREF(pairs);
+        } else if (PyErr_Occurred()) {
+            Py_DECREF(key); Py_DECREF(body); goto fail;
+        } else {
+            pairs = PyObject_CallFunctionObjArgs(stream_pairs, fr[0], fr[1], NULL);
+            if (!pairs || !PyBytes_Check(pairs)) {
+                Py_XDECREF(pairs);
+                Py_DECREF(key); Py_DECREF(body);
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "stream_pairs must return bytes");
+                goto fail;
+            }
+        }
+        Py_DECREF(key);
+        char d[24], s[24], c[24];
+        int dl = snprintf(d, sizeof d, "%lu", (unsigned long)(((uint32_t)meta[4] << 24) |
+                          ((uint32_t)meta[5] << 16) | ((uint32_t)meta[6] << 8) | meta[7]));
+        int cl = snprintf(c, sizeof c, "%llu", (unsigned long long)be64(meta + 8));
+        int sl = snprintf(s, sizeof s, "%llu", (unsigned long long)be64(meta + 16));
+        size_t blen = (size_t)PyBytes_GET_SIZE(body), plen = (size_t)PyBytes_GET_SIZE(pairs);
+        if (reserve(&b, 10 + 8 + 4 + blen + plen + 3 * 22 + dl + sl + cl + taillen) < 0) {
+            Py_DECREF(body); Py_DECREF(pairs); goto fail;
+        }
+        put(&b, "1D", 2);
+        put32(&b, seq);
+        put32(&b, 9);
+        putkv(&b, "line", 4, PyBytes_AS_STRING(body), blen);
+        put(&b, PyBytes_AS_STRING(pairs), plen);
+        putkv(&b, "device", 6, d, (size_t)dl);
+        putkv(&b, "sequence", 8, s, (size_t)sl);
+        putkv(&b, "created_ms", 10, c, (size_t)cl);
+        put(&b, tailp, taillen);
+        Py_DECREF(body);
+        Py_DECREF(pairs);
+    }
+    Py_DECREF(seq_);
+    PyObject *out = PyBytes_FromStringAndSize(b.p ? b.p : "", (Py_ssize_t)b.len);
+    PyMem_Free(b.p);
+    if (!out) return NULL;
+    return Py_BuildValue("(NI)", out, seq);
+fail:
+    Py_DECREF(seq_);
+    PyMem_Free(b.p);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", encode, METH_VARARGS,
+     "encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback) -> (bytes, n)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_ljencode", "Lumberjack event mapping in C.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__ljencode(void) { return PyModule_Create(&module); }
