@@ -1,7 +1,8 @@
 """Only for the optional C extensions; all metadata is in pyproject.toml.
 
 ``logjam_relay.io._zmqfast`` (batch receive/publish on pyzmq sockets),
-``logjam_relay.outputs._ljencode`` (the Lumberjack event mapping) and
+``logjam_relay.outputs._ljencode`` (the Lumberjack event mapping),
+``logjam_relay.relay._recompress`` (batch recompression without the GIL) and
 ``logjam_relay.spool._segscan`` (record parsing, the Spark data source's walk) are built when a C
 compiler and the Python headers (and zlib.h) are there; if a build fails, the install
 goes on and the pure-Python code is used (``logjam-relay --version`` says which).
@@ -12,6 +13,9 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("logjam_relay.io._zmqfast", ["src/logjam_relay/io/_zmqfast.c"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
+    # batch recompression (-x zlib|lz4) with the GIL released
+    Extension("logjam_relay.relay._recompress", ["src/logjam_relay/relay/_recompress.c"],
+              optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # the Lumberjack output's event mapping
     Extension("logjam_relay.outputs._ljencode", ["src/logjam_relay/outputs/_ljencode.c"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),

@@ -21,6 +21,24 @@ import logging
 from collections import Counter
 
 from ..protocols import logjam as L
+
+
+def _load_recompress():
+    """The C batch compressor, bound to the liblz4 inside python-lz4 (or None)."""
+    import os
+    if os.environ.get("LOGJAM_RELAY_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        import lz4.block._block as lz4_ext
+
+        from . import _recompress as mod
+        mod.init(lz4_ext.__file__)
+        return mod
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+_recompress = _load_recompress()
 from ..ratelimit import RateLimitedLog
 
 log = RateLimitedLog(logging.getLogger("logjam_relay.ingest"))
@@ -218,8 +236,16 @@ class Pipeline:
 
     def compress_in_place(self, acc: list[tuple], idx: list[int], start: int = 0,
                           stop: int | None = None) -> None:
-        """Compress ``acc[i]`` for i in idx[start:stop]. Runs in worker threads."""
+        """Compress ``acc[i]`` for i in idx[start:stop]. Runs in worker threads; zlib and
+        lz4 go through the C batch compressor (GIL released for the whole chunk)."""
         method = self.compress_method
+        if _recompress is not None and method in (L.ZLIB_COMPRESSION, L.LZ4_COMPRESSION):
+            chunk = idx[start:stop]
+            outs = _recompress.compress_batch([acc[i][2] for i in chunk], method)
+            for i, b in zip(chunk, outs):
+                a, t, _, _, cr = acc[i]
+                acc[i] = (a, t, b, method, cr)
+            return
         comp = L.compress
         for i in idx[start:stop]:
             a, t, b, _, cr = acc[i]
