@@ -1,7 +1,8 @@
 """Only for the optional C extensions; all metadata is in pyproject.toml.
 
 ``logjam_relay.io._zmqfast`` (batch receive/publish on pyzmq sockets),
-``logjam_relay.outputs._ljencode`` (the Lumberjack event mapping),
+``logjam_relay.outputs._ljencode`` and ``_courierenc`` (the Lumberjack and Courier event
+mappings),
 ``logjam_relay.relay._recompress`` (batch recompression without the GIL) and
 ``logjam_relay.spool._segscan`` (record parsing, the Spark data source's walk) are built when a C
 compiler and the Python headers (and zlib.h) are there; if a build fails, the install
@@ -16,6 +17,9 @@ setup(ext_modules=[
     # batch recompression (-x zlib|lz4) with the GIL released
     Extension("logjam_relay.relay._recompress", ["src/logjam_relay/relay/_recompress.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
+    # the Courier output's event mapping (common case)
+    Extension("logjam_relay.outputs._courierenc", ["src/logjam_relay/outputs/_courierenc.c"],
+              optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Lumberjack output's event mapping
     Extension("logjam_relay.outputs._ljencode", ["src/logjam_relay/outputs/_ljencode.c"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),

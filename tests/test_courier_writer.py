@@ -6,11 +6,14 @@ suite stays short; the ratios between them are kept, which is what the behaviour
 """
 
 import json
+import os
 import socket
 import struct
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from logjam_relay.io.net import TLSSettings, server_context
 from logjam_relay.outputs.courier import (
@@ -489,3 +492,83 @@ async def test_misbehaving_server_closes_and_recovers(nursery, fault, reason):
     reasons = ("io", "eof") if reason == "io" else (reason,)
     assert sum(out.errors.get(r, 0) for r in reasons) >= 1 and out.reconnects >= 1
     assert_in_order_acks(src)
+
+
+# ------------------------------------------------- the C event mapping (_courierenc.c)
+
+def _courierenc_or_skip():
+    from logjam_relay.outputs import courier as co
+    if co._courierenc is None:
+        if os.environ.get("CI"):
+            pytest.fail("the C Courier mapping (logjam_relay.outputs._courierenc) must be built in CI")
+        pytest.skip("logjam_relay.outputs._courierenc is not built")
+    return co
+
+
+def _py_is_json(b: bytes) -> bool:
+    from logjam_relay.outputs.courier import _json_check
+    try:
+        _json_check(b.decode("utf-8"))
+        return True
+    except (ValueError, RecursionError):
+        return False
+
+
+JSON_CASES = [
+    b'{}', b'[]', b' {"a" : [1, -0.5e+3, true, false, null, "x\\u00e9\\n"]} \r\n', b'"s"', b'0',
+    b'-0', b'1E5', b'{"a":{"b":{"c":[[[]]]}}}', b'"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80"',
+    b'', b' ', b'{', b'}', b'[1,]', b'{"a":1,}', b'{"a" 1}', b'{1:2}', b'01', b'1.', b'.5', b'1e',
+    b'1e+', b'-', b'+1', b'NaN', b'Infinity', b'-Infinity', b'[NaN]', b'nul', b'truex', b'"a',
+    b'"\\x"', b'"\\u12"', b'"\\u12g4"', b'"tab\there"', b'"\x7f"', b'{} {}', b'[1 2]',
+    b'"\xff"', b'"\xc0\xaf"', b'"\xed\xa0\x80"', b'"\xf4\x90\x80\x80"', b'"\xe2\x82"',
+    b'\xef\xbb\xbf{}', b'{"a":"b"}\x00', b'[' * 10 + b']' * 10, b'"\\ud800"', b'1 ',
+]
+
+
+def test_c_json_check_equals_python_on_the_edge_cases():
+    co = _courierenc_or_skip()
+    for case in JSON_CASES:
+        assert co._courierenc.is_json(case) == _py_is_json(case), case
+    deep = b"[" * 2000 + b"]" * 2000
+    assert co._courierenc.is_json(deep) is None          # too deep: Python decides
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False,
+                                                                          allow_infinity=False)
+                    | st.text(), lambda ch: st.lists(ch) | st.dictionaries(st.text(), ch),
+                    max_leaves=20),
+       st.integers(0, 50), st.binary(max_size=3))
+def test_c_json_check_equals_python_on_generated_documents(doc, cut, junk):
+    co = _courierenc_or_skip()
+    text = json.dumps(doc, ensure_ascii=bool(cut % 2)).encode()
+    for case in (text, text[:cut], text + junk, junk + text, text.replace(b",", b",,", 1)):
+        assert co._courierenc.is_json(case) == _py_is_json(case), case
+
+
+def test_c_courier_mapping_equals_python_on_every_kind_of_record():
+    co = _courierenc_or_skip()
+    from logjam_relay.spool.api import KIND_LOGJAM, Position, Record
+    body = b'{"action":"a#b","code":200}'
+    frames = []
+    for comp in (0, 1, 2, 3):
+        frames.append([b"app-prod", b"logs.x", compress(body, comp),
+                       encode_meta(comp, 7, 1_700_000_000_123, 5 + comp)])
+    frames += [
+        [b"app-prod", b"logs.x", b"not json", encode_meta(0, 7, 1, 1)],
+        [b"app-prod", b"logs.x", b"\xff", encode_meta(0, 7, 1, 1)],
+        [b"app-prod", b"logs.x", b"xx", encode_meta(1, 7, 1, 1)],            # bad zlib
+        [b"app-prod", b"logs.x", body, encode_meta(9, 7, 1, 1)],             # unknown codec
+        [b"app-prod", b"logs.x", body, b"short"],
+        [b"app-prod", b"logs.x", body, b"\x12\x34" + encode_meta(0, 7, 1, 1)[2:]],  # bad tag
+        [b"app-prod", b"logs.x", body, b"\xbd\xca" + encode_meta(0, 7, 1, 1)[2:]],  # swapped
+        [b"no-dash", b"\xff\"topic", body, encode_meta(0, 2**32 - 1, 0, 2**64 - 1)],
+        [b"app-prod", b"logs.x", body, encode_meta(0, 7, 2**64 - 1, 1)],     # year > 9999
+        [b"app-prod", b"logs.x", body, encode_meta(0, 7, 253402300799999, 1)],
+        [b"app-prod", b"logs.x", memoryview(body), encode_meta(0, 7, 1, 1)],
+        [b"heartbeat", b"tcp://h:1", b"{}", encode_meta(0, 7, 1, 1)],
+        [b"a-b", b"t", b"{}"],
+    ]
+    for i, f in enumerate(frames):
+        rec = Record(Position(0, i), KIND_LOGJAM, f)
+        assert co.record_to_event(rec, "relay\u00e9") == co.record_to_event_py(rec, "relay\u00e9"), f

@@ -222,6 +222,11 @@ def _reject_constant(name):
 # NaN/Infinity are accepted by Python's json but are not JSON: reject them
 _json_check = json.JSONDecoder(parse_constant=_reject_constant).decode
 
+try:
+    from . import _courierenc          # the optional C mapping of the common case
+except ImportError:
+    _courierenc = None
+
 
 _ts_cache: dict[int, bytes] = {}
 
@@ -267,6 +272,22 @@ BAD_META_TAG = "_logjam_bad_meta"
 def record_to_event(record: Record, hostname: str) -> bytes | None:
     """One logjam record -> one JSON event (bytes), or None when it is not a logjam record.
 
+    The common case (good meta, JSON body) is mapped in C (``_courierenc.c``) when it is
+    built; everything else, and everything without it, by :func:`record_to_event_py`.
+    """
+    frames = record.frames
+    if record.kind != KIND_LOGJAM or len(frames) < 4 or frames[0] == b"heartbeat":
+        return None     # heartbeats are spooled for the gapless archive only
+    if _courierenc is not None:
+        ev = _courierenc.event(frames, _prefix(frames[0], frames[1], hostname), decompress)
+        if ev is not None:
+            return ev
+    return record_to_event_py(record, hostname)
+
+
+def record_to_event_py(record: Record, hostname: str) -> bytes | None:
+    """:func:`record_to_event` in Python alone (the reference for the C mapping).
+
     ``{"@timestamp", "app", "env", "topic", "host", "logjam": {"device", "sequence",
     "created_ms"}, "payload": <decoded JSON body>}``; a body that is not JSON becomes
     ``"message": <text>, "tags": ["_logjam_body_not_json"]`` (see docs/courier.md).
@@ -280,7 +301,7 @@ def record_to_event(record: Record, hostname: str) -> bytes | None:
     else:
         tag = BAD_META_TAG
         comp = device = created_ms = seq = 0
-    raw = body
+    raw = body if type(body) is bytes else bytes(body)
     if comp:
         try:
             raw = decompress(body, comp)
