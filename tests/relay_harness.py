@@ -127,9 +127,11 @@ def relay_argv(settings: config.Settings, extra: list[str] = ()) -> list[str]:
             "--heartbeat-interval", str(settings.heartbeat_interval), *extra]
 
 
-def start_process(settings: config.Settings, extra: list[str] = (), log_path=None):
+def start_process(settings: config.Settings, extra: list[str] = (), log_path=None,
+                  env_extra: dict | None = None):
     env = dict(os.environ)
     env.pop("LOGJAM_RELAY_CONFIG", None)
+    env.update(env_extra or {})
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(relay_argv(settings, extra), env=env, stdout=out, stderr=out)
     wait_http(settings.metrics_port, proc)

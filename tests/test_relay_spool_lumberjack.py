@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import sys
 import urllib.request
 
 import trio
@@ -196,3 +197,58 @@ def test_sigkill_mid_stream_loses_nothing_accepted(tmp_path):
     got = set(numbers(reader))
     assert len(accepted) >= 2000
     assert accepted <= got, f"missing upstream: {sorted(accepted - got)[:10]}"
+
+
+def test_pure_python_relay_end_to_end(tmp_path):
+    """LOGJAM_RELAY_PURE_PYTHON=1: none of the C twins (socket loops, spool parsing,
+    Lumberjack mapping, recompression) is used; the relay does the same job: replies,
+    gapless PUB with -x lz4, every message delivered upstream."""
+    from logjam_relay.protocols.logjam import decode_meta, decompress
+    port = free_port()
+    s = relay_settings(tmp_path, outputs=[lj_url(port)], spool_dir=str(tmp_path / "spool"))
+    extra = ["--output", lj_url(port), "--spool-dir", str(tmp_path / "spool"), "-x", "lz4"]
+
+    async def main():
+        reader = LumberjackReader(port=port)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.serve)
+            proc = await trio.to_thread.run_sync(
+                lambda: start_process(s, extra, log_path=tmp_path / "relay.log",
+                                      env_extra={"LOGJAM_RELAY_PURE_PYTHON": "1"}))
+            ctx = zmq.Context()
+            try:
+                sub = ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.SUBSCRIBE, b"spool-test")
+                sub.connect(f"tcp://127.0.0.1:{s.pub_port}")
+                await trio.sleep(0.5)          # slow joiner
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.connect(f"tcp://127.0.0.1:{s.router_port}")
+                push = ctx.socket(zmq.PUSH)
+                push.connect(f"tcp://127.0.0.1:{s.pull_port}")
+                for i in range(300):
+                    await send(dealer, [b"", b"spool-test", b"logs.spool", BODY % i, meta()])
+                    assert (await recv(dealer))[1] == b"202 Accepted"
+                for i in range(300, 600):
+                    await send(push, [b"spool-test", b"logs.spool", BODY % i, meta(comp=0)])
+                published = []
+                with trio.fail_after(20):
+                    while len(published) < 600:
+                        published.append(await zmq_trio.recv_multipart(sub))
+                await wait_events(reader, 600)
+                version = (await trio.run_process(
+                    [sys.executable, "-m", "logjam_relay", "--version"], capture_stdout=True,
+                    env={**os.environ, "LOGJAM_RELAY_PURE_PYTHON": "1"})).stdout
+                assert stop_process(proc) == 0
+            finally:
+                ctx.destroy(linger=0)
+            nursery.cancel_scope.cancel()
+        return reader, published, version
+
+    reader, published, version = trio.run(main)
+    assert b"C: none" in version
+    metas = [decode_meta(m[3]) for m in published]
+    assert all(m.compression == 3 for m in metas)                     # -x lz4 applied
+    seqs = [m.sequence for m in metas]
+    assert seqs == sorted(set(seqs))            # increasing (heartbeats take numbers too)
+    assert sorted(json.loads(decompress(m[2], 3))["n"] for m in published) == list(range(600))
+    assert sorted(numbers(reader)) == list(range(600))

@@ -40,16 +40,30 @@ def setup_logging(verbose: int = 0, quiet: bool = False, fmt: str = "text") -> N
     root.setLevel(level)
 
 
+def c_parts() -> str:
+    """Which optional C extensions this installation has (the rest runs in Python)."""
+    from . import _native
+    from .io import zmq_fast
+    parts = {label: _native.load(mod) is not None for label, mod in _native.EXTENSIONS.items()}
+    parts["socket loops"] = zmq_fast.AVAILABLE
+    on = [k for k, v in parts.items() if v]
+    off = [k for k, v in parts.items() if not v]
+    text = "C: " + (", ".join(on) if on else "none")
+    if off:
+        text += "; in Python: " + ", ".join(off)
+    if not zmq_fast.AVAILABLE:
+        text += f" ({zmq_fast.WHY_NOT})"
+    return text
+
+
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="logjam-relay",
         description="A drop-in logjam-device replacement. Subcommands: run (default), tail, "
                     "send. Settings: TOML file < LOGJAM_RELAY_* environment < flags.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from .io import zmq_fast
-    fast = "C socket loops" if zmq_fast.AVAILABLE else f"pyzmq loops only: {zmq_fast.WHY_NOT}"
     p.add_argument("--version", action="version",
-                   version=f"logjam-relay {__version__} ({fast})")
+                   version=f"logjam-relay {__version__} ({c_parts()})")
     p.add_argument("--check-config", action="store_true",
                    help="validate the configuration, print it and exit")
     add_arguments(p)

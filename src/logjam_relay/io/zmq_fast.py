@@ -37,13 +37,13 @@ def _loaded_libzmq() -> str | None:
 
 def _setup() -> None:
     global AVAILABLE, WHY_NOT, drain, publish
-    if os.environ.get("LOGJAM_RELAY_PURE_PYTHON", "") not in ("", "0"):
+    from .. import _native
+    if _native.PURE_PYTHON:
         WHY_NOT = "LOGJAM_RELAY_PURE_PYTHON is set"
         return
-    try:
-        from . import _zmqfast
-    except ImportError as e:
-        WHY_NOT = f"C extension not built ({e})"
+    _zmqfast = _native.load("logjam_relay.io._zmqfast")
+    if _zmqfast is None:
+        WHY_NOT = "C extension not built"
         return
     zmq.zmq_version()   # pyzmq's backend (and libzmq with it) is loaded by now
     path = _loaded_libzmq()

@@ -30,6 +30,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import trio
 
+from .. import _native
 from ..io.net import TLSSettings, connect
 from ..protocols.courier import (
     MAX_LENGTH,
@@ -222,10 +223,7 @@ def _reject_constant(name):
 # NaN/Infinity are accepted by Python's json but are not JSON: reject them
 _json_check = json.JSONDecoder(parse_constant=_reject_constant).decode
 
-try:
-    from . import _courierenc          # the optional C mapping of the common case
-except ImportError:
-    _courierenc = None
+_courierenc = _native.load("logjam_relay.outputs._courierenc")   # optional C, common case
 
 
 _ts_cache: dict[int, bytes] = {}

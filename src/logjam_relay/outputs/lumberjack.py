@@ -38,6 +38,7 @@ from urllib.parse import parse_qsl
 
 import trio
 
+from .. import _native
 from ..io.net import TLSSettings, connect, parse_hostport
 from ..protocols import lumberjack as lj
 from ..protocols.logjam import HEARTBEAT, LogjamError, decompress, split_app_env, unpack_meta
@@ -176,10 +177,7 @@ def parse_url(url: str, **overrides) -> LumberjackConfig:
 # ----------------------------------------------------------------- event mapping
 
 _u32 = struct.Struct(">I").pack
-try:
-    from . import _ljencode       # the optional C event mapping
-except ImportError:
-    _ljencode = None
+_ljencode = _native.load("logjam_relay.outputs._ljencode")   # the optional C event mapping
 _hdr_d = struct.Struct(">2sII").pack
 
 

@@ -89,10 +89,9 @@ _FULL4 = struct.Struct("<IIBBHQIIII")
 _FULL_HEAD = struct.Struct("<IIBBHQ")
 _LEN_BE = struct.Struct(">I")
 _crc32 = zlib.crc32
-try:
-    from ..spool import _segscan
-except ImportError:  # the optional C extension was not built
-    _segscan = None
+from .. import _native
+
+_segscan = _native.load("logjam_relay.spool._segscan")
 try:
     import cramjam  # what python-snappy calls; skips a Python wrapper
     _snappy_raw = cramjam.snappy.decompress_raw

@@ -25,13 +25,12 @@ from ..protocols import logjam as L
 
 def _load_recompress():
     """The C batch compressor, bound to the liblz4 inside python-lz4 (or None)."""
-    import os
-    if os.environ.get("LOGJAM_RELAY_PURE_PYTHON", "") not in ("", "0"):
+    from .. import _native
+    mod = _native.load("logjam_relay.relay._recompress")
+    if mod is None:
         return None
     try:
         import lz4.block._block as lz4_ext
-
-        from . import _recompress as mod
         mod.init(lz4_ext.__file__)
         return mod
     except (ImportError, OSError, AttributeError):

@@ -40,6 +40,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from .. import _native
+
 MAGIC = b"LJSPOOL\x00"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sHHQQQ")          # without the trailing CRC
@@ -253,10 +255,8 @@ def parse_records_py(buf: bytes, pos: int, end: int, max_records: int, base: int
     return out, pos, status
 
 
-try:
-    from ._segscan import parse_records as _parse_records_c
-except ImportError:                  # the optional C extension was not built
-    _parse_records_c = None
+_segscan = _native.load("logjam_relay.spool._segscan")
+_parse_records_c = _segscan.parse_records if _segscan is not None else None
 
 
 def _parse_records(buf: bytes, pos: int, end: int, max_records: int, base: int = 0):
