@@ -572,3 +572,11 @@ def test_c_courier_mapping_equals_python_on_every_kind_of_record():
     for i, f in enumerate(frames):
         rec = Record(Position(0, i), KIND_LOGJAM, f)
         assert co.record_to_event(rec, "relay\u00e9") == co.record_to_event_py(rec, "relay\u00e9"), f
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=40) | st.text(alphabet='{}[]",:0123456789.eE+-tnrufals \\\t\n', max_size=30)
+       .map(str.encode))
+def test_c_json_check_equals_python_on_random_input(blob):
+    co = _courierenc_or_skip()
+    assert co._courierenc.is_json(blob) == _py_is_json(blob), blob

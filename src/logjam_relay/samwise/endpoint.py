@@ -229,11 +229,15 @@ class SamwiseService:
                 for (_version, targets), pos in zip(pub_versions, r, strict=True):
                     if len(targets) > 1 and isinstance(pos, Position):
                         self._copies_left[pos] = set(targets)
+        out = []
         for env, rep in replies:
             if isinstance(rep, int):
                 version = pub_versions[rep][0]
                 rep = proto.ok_reply(version) if stored else proto.error_reply(SPOOL_ERROR)
-            self._reply(env, rep)
+            out.append(env + rep)
+        sock = self._sock
+        if out and sock is not None:
+            self.replies_dropped += zmq_trio.send_replies(sock, out)
 
     def _check_publish(self, ev: proto.Publish) -> bytes | None:
         if ev.immediate:
