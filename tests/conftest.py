@@ -7,6 +7,20 @@ import pytest
 import trustme
 
 
+def require_native(mod, name: str):
+    """``mod``, an optional C twin (``name`` its module), or skip the test when it is not
+    in use: not built, or ``LOGJAM_RELAY_PURE_PYTHON`` set.  With ``CI`` set, a missing
+    build is a failure (CI must build every C twin)."""
+    from logjam_relay import _native
+    if mod is None:
+        if _native.PURE_PYTHON:
+            pytest.skip(f"{name}: LOGJAM_RELAY_PURE_PYTHON is set")
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} must be built in CI")
+        pytest.skip(f"{name} is not built")
+    return mod
+
+
 _HANDED_OUT: set[int] = set()
 _rng = random.Random(os.getpid() ^ time.monotonic_ns())
 _PORT_RANGE = (20000, 32767)  # below Linux's ephemeral range (32768-60999): outgoing

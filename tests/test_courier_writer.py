@@ -6,7 +6,6 @@ suite stays short; the ratios between them are kept, which is what the behaviour
 """
 
 import json
-import os
 import socket
 import struct
 
@@ -15,6 +14,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import require_native
 from logjam_relay.io.net import TLSSettings, server_context
 from logjam_relay.outputs.courier import (
     BAD_META_TAG,
@@ -498,10 +498,7 @@ async def test_misbehaving_server_closes_and_recovers(nursery, fault, reason):
 
 def _courierenc_or_skip():
     from logjam_relay.outputs import courier as co
-    if co._courierenc is None:
-        if os.environ.get("CI"):
-            pytest.fail("the C Courier mapping (logjam_relay.outputs._courierenc) must be built in CI")
-        pytest.skip("logjam_relay.outputs._courierenc is not built")
+    require_native(co._courierenc, "logjam_relay.outputs._courierenc")
     return co
 
 

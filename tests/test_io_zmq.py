@@ -8,6 +8,7 @@ import os
 import pytest
 import zmq
 
+from conftest import require_native
 from logjam_relay.io import zmq_fast, zmq_trio
 
 
@@ -15,11 +16,7 @@ from logjam_relay.io import zmq_fast, zmq_trio
 def impl(request, monkeypatch):
     """Run a test against the C loops and against pyzmq alone."""
     if request.param == "c":
-        if not zmq_fast.AVAILABLE:
-            if os.environ.get("CI"):
-                pytest.fail(f"the C fast path must be built in CI: {zmq_fast.WHY_NOT}")
-            pytest.skip(f"C fast path not available: {zmq_fast.WHY_NOT}")
-        return zmq_fast.drain
+        return require_native(zmq_fast.drain, f"logjam_relay.io._zmqfast ({zmq_fast.WHY_NOT})")
     monkeypatch.setattr(zmq_fast, "publish", None)
     return zmq_trio.drain_py
 

@@ -1,13 +1,13 @@
 """The Lumberjack output against the in-repo reader over loopback TCP and TLS."""
 
 import json
-import os
 import struct
 import zlib
 
 import pytest
 import trio
 
+from conftest import require_native
 from logjam_relay.io.net import TLSSettings, server_context
 from logjam_relay.outputs.lumberjack import (
     EventEncoder,
@@ -558,10 +558,7 @@ async def test_stop_and_wait_fallback_is_retried_after_a_while(mock_clock):
 
 def _c_encoder_or_skip():
     from logjam_relay.outputs import lumberjack as out
-    if out._ljencode is None:
-        if os.environ.get("CI"):
-            pytest.fail("the C event mapping (logjam_relay.outputs._ljencode) must be built in CI")
-        pytest.skip("logjam_relay.outputs._ljencode is not built")
+    require_native(out._ljencode, "logjam_relay.outputs._ljencode")
     return out
 
 

@@ -7,17 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import require_native
 from logjam_relay.protocols import logjam as L
 from logjam_relay.relay import pipeline as P
 
 
 @pytest.fixture
 def rc():
-    if P._recompress is None:
-        if os.environ.get("CI"):
-            pytest.fail("the C batch compressor (logjam_relay.relay._recompress) must be built in CI")
-        pytest.skip("logjam_relay.relay._recompress is not built")
-    return P._recompress
+    return require_native(P._recompress, "logjam_relay.relay._recompress")
 
 
 @settings(max_examples=150, deadline=None)

@@ -142,6 +142,15 @@ async def make_queue(vhost, exchange="amq.direct"):
     return await trio.to_thread.run_sync(Queue, vhost, exchange)
 
 
+async def bind_queue(vhost, queue, key, exchange="amq.direct"):
+    """Bind ``queue`` in ``vhost`` to ``exchange`` with one more routing ``key``."""
+    def bind():
+        c = pika.BlockingConnection(_params(vhost))
+        c.channel().queue_bind(queue, exchange, key)
+        c.close()
+    await trio.to_thread.run_sync(bind)
+
+
 async def get_all(q, expect=None):
     return await trio.to_thread.run_sync(q.get_all, expect)
 
@@ -195,12 +204,7 @@ async def test_round_robin_and_redundant_across_two_brokers(vhosts):
     assert qa.key != qb.key
     # bind both queues to the same key in their vhost
     key = qa.key
-
-    def bind_b():
-        c = pika.BlockingConnection(_params(vhosts[1]))
-        c.channel().queue_bind(qb.name, "amq.direct", key)
-        c.close()
-    await trio.to_thread.run_sync(bind_b)
+    await bind_queue(vhosts[1], qb.name, key)
     async with running([broker("a", vhosts[0]), broker("b", vhosts[1])]) as (svc, sock):
         for i in range(10):
             assert await request(sock, p.build_publish("amq.direct", key, b"rr%d" % i)) == [b"0", b""]
@@ -248,12 +252,7 @@ async def test_messages_waiting_for_a_down_broker_are_handed_to_brokers_that_are
     that every other broker already has keeps waiting, and so does what follows it."""
     qa, qb = await make_queue(vhosts[0]), await make_queue(vhosts[1])
     key = qa.key
-
-    def bind_b():
-        c = pika.BlockingConnection(_params(vhosts[1]))
-        c.channel().queue_bind(qb.name, "amq.direct", key)
-        c.close()
-    await trio.to_thread.run_sync(bind_b)
+    await bind_queue(vhosts[1], qb.name, key)
     brokers = [broker("dead", "/", port=port_factory()), broker("a", vhosts[0]),
                broker("b", vhosts[1])]
     store = MemoryStore()

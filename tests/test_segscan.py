@@ -9,6 +9,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark")
 
+from conftest import require_native
 from logjam_relay.pipeline import datasource as ds  # noqa: E402
 from logjam_relay.outputs.archive import Archive  # noqa: E402
 from logjam_relay.pipeline import sample  # noqa: E402
@@ -19,10 +20,7 @@ from logjam_relay.spool.spool import Spool  # noqa: E402
 
 @pytest.fixture(scope="module")
 def segment(tmp_path_factory):
-    if ds._segscan is None:
-        if os.environ.get("CI"):
-            pytest.fail("the C segment walk (logjam_relay.spool._segscan) must be built in CI")
-        pytest.skip("logjam_relay.spool._segscan is not built")
+    require_native(ds._segscan, "logjam_relay.spool._segscan")
     d = tmp_path_factory.mktemp("segscan")
     msgs = sample.make_messages(3000, malformed=True, gaps=True)
     archive = Archive(str(d / "archive"), None, fsync=False)

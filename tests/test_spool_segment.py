@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import require_native
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool.api import KIND_LOGJAM, KIND_SAMWISE
 
@@ -233,10 +234,7 @@ def test_reader_does_not_slurp_file(tmp_path):
 # ----------------------------------------------- the C record walk (spool/_segscan.c)
 
 def _c_parse_or_skip():
-    if fmt._parse_records_c is None:
-        if os.environ.get("CI"):
-            pytest.fail("the C record walk (logjam_relay.spool._segscan) must be built in CI")
-        pytest.skip("logjam_relay.spool._segscan is not built")
+    require_native(fmt._parse_records_c, "logjam_relay.spool._segscan")
     return fmt._parse_records
 
 

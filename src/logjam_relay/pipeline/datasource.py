@@ -180,12 +180,7 @@ def _decode_segment_c(path: str, segno: int, start: int, stop: int | None,
     pairs = [(buf[o:o + la], buf[o + la:o + la + lt]) for o, la, lt in pair_offs]
     npbuf = np.frombuffer(buf, dtype=np.uint8)
     mv = memoryview(buf)
-    zdecompress = zlib.decompress
-    lz4_decompress = lz4.block.decompress
-    snappy_raw = _snappy_raw
-    len_be = _LEN_BE.unpack_from
-    small_zlib = MAX_DECOMPRESSED // 1100
-    small_snappy = MAX_DECOMPRESSED // 64
+    body_of = _decompress_body
     try:
         for first in range(0, len(rows), batch_rows):
             block = rows[first:first + batch_rows]
@@ -209,25 +204,8 @@ def _decode_segment_c(path: str, segno: int, start: int, stop: int | None,
                 elif comp == -2:
                     errors[i] = "frames"
                 else:
-                    s = r + lb
                     try:
-                        if comp == 1:
-                            bodies[i] = (zdecompress(mv[r:s]) if lb < small_zlib
-                                         else _zlib_bounded(mv[r:s]))
-                        elif comp == 2:
-                            if lb > small_snappy:
-                                _snappy_check(buf[r:r + 5])
-                            bodies[i] = snappy_raw(mv[r:s])
-                        elif comp == 3:
-                            (m,) = len_be(buf, r)
-                            if m > MAX_DECOMPRESSED:
-                                raise ValueError("lz4 length too large")
-                            b = lz4_decompress(mv[r + 4:s], uncompressed_size=m)
-                            if len(b) != m:
-                                raise ValueError("lz4 length mismatch")
-                            bodies[i] = b
-                        else:
-                            raise ValueError(f"unknown compression {comp}")
+                        bodies[i] = body_of(buf, mv, r, r + lb, comp)
                     except Exception:
                         errors[i] = "decompress"
             cols.bodies = bodies
@@ -273,12 +251,7 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
     unpack_head = _FULL_HEAD.unpack_from
     crc32 = _crc32
     meta_comp = _META_COMP.get
-    zdecompress = zlib.decompress
-    lz4_decompress = lz4.block.decompress
-    snappy_raw = _snappy_raw
-    len_be = _LEN_BE.unpack_from
-    small_zlib = MAX_DECOMPRESSED // 1100          # zlib expands at most ~1032x
-    small_snappy = MAX_DECOMPRESSED // 64
+    body_of = _decompress_body
     pos = fmt.HEADER_LEN
     idx = 0                       # index of the record at pos (logjam records only)
     cols = _Cols(start)
@@ -339,23 +312,7 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
                 else:
                     ap_meta(s)
                     try:
-                        if comp == 1:
-                            ap_body(zdecompress(mv[r:s]) if lb < small_zlib
-                                    else _zlib_bounded(mv[r:s]))
-                        elif comp == 2:
-                            if lb > small_snappy:
-                                _snappy_check(buf[r:r + 5])
-                            ap_body(snappy_raw(mv[r:s]))
-                        elif comp == 3:
-                            (m,) = len_be(buf, r)
-                            if m > MAX_DECOMPRESSED:
-                                raise ValueError("lz4 length too large")
-                            b = lz4_decompress(mv[r + 4:s], uncompressed_size=m)
-                            if len(b) != m:
-                                raise ValueError("lz4 length mismatch")
-                            ap_body(b)
-                        else:
-                            raise ValueError(f"unknown compression {comp}")
+                        ap_body(body_of(buf, mv, r, s, comp))
                     except Exception:
                         ap_body(None)
                         errors[i] = "decompress"
@@ -417,6 +374,31 @@ def _intern_pair(pair_index: dict, pairs: list, pair_la: list, key: bytes, la: i
     else:
         pair_index[key] = k
     return k
+
+
+_SMALL_ZLIB = MAX_DECOMPRESSED // 1100          # zlib expands at most ~1032x
+_SMALL_SNAPPY = MAX_DECOMPRESSED // 64
+
+
+def _decompress_body(buf: bytes, mv: memoryview, r: int, s: int, comp: int) -> bytes:
+    """The body ``buf[r:s]`` compressed with ``comp`` (1 zlib, 2 snappy, 3 lz4), inflated
+    within :data:`MAX_DECOMPRESSED`; raises on anything undecodable."""
+    lb = s - r
+    if comp == 1:
+        return zlib.decompress(mv[r:s]) if lb < _SMALL_ZLIB else _zlib_bounded(mv[r:s])
+    if comp == 2:
+        if lb > _SMALL_SNAPPY:
+            _snappy_check(buf[r:r + 5])
+        return _snappy_raw(mv[r:s])
+    if comp == 3:
+        (m,) = _LEN_BE.unpack_from(buf, r)
+        if m > MAX_DECOMPRESSED:
+            raise ValueError("lz4 length too large")
+        b = lz4.block.decompress(mv[r + 4:s], uncompressed_size=m)
+        if len(b) != m:
+            raise ValueError("lz4 length mismatch")
+        return b
+    raise ValueError(f"unknown compression {comp}")
 
 
 def _snappy_check(b: bytes) -> None:
