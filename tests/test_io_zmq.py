@@ -58,6 +58,57 @@ def test_drain_whole_messages_in_order_and_stops_at_limit(ctx, impl):
     assert impl(pull, 100) == []                      # nothing queued: no blocking
 
 
+@pytest.fixture(params=["c", "python"])
+def drain_bytes(request):
+    if request.param == "c":
+        return require_native(zmq_fast.drain_bytes,
+                              f"logjam_relay.io._zmqfast ({zmq_fast.WHY_NOT})")
+    return zmq_trio.drain_bytes_py
+
+
+def test_drain_bytes_stops_at_the_byte_bound_and_reports_sizes(ctx, drain_bytes):
+    """The batch stops after the message that reaches max_bytes (at least one message,
+    never more than limit), with the total and the largest frame of what it returns."""
+    pull, push = pair(ctx, zmq.PULL, zmq.PUSH)
+    sizes = [100, 5000, 300, 70000, 10, 10, 1 << 20, 7]
+    msgs = [[b"a-b", b"logs", os.urandom(n)] for n in sizes]
+    for m in msgs:
+        push.send_multipart(m)
+    assert pull.poll(2000)
+    got, batches = [], []
+    while len(got) < len(msgs):
+        batch, total, biggest = drain_bytes(pull, 3, 5200)
+        if not batch:
+            assert pull.poll(2000), "messages did not arrive"
+            continue
+        assert total == sum(len(f) for m in batch for f in m)
+        assert biggest == max(len(f) for m in batch for f in m)
+        assert len(batch) <= 3
+        # every message but the last left the batch under the bound
+        assert sum(len(f) for m in batch[:-1] for f in m) < 5200
+        batches.append([len(m[2]) for m in batch])
+        got.extend(batch)
+    assert got == msgs
+    assert batches == [[100, 5000, 300], [70000], [10, 10, 1 << 20], [7]]
+    assert drain_bytes(pull, 10, 0) == ([], 0, 0)
+    for m in msgs:                                   # max_bytes 0: only the count bounds
+        push.send_multipart(m)
+    got = []
+    while len(got) < len(msgs):
+        batch, total, _ = drain_bytes(pull, 100, 0)
+        if not batch:
+            assert pull.poll(2000)
+        got.extend(batch)
+    assert got == msgs
+
+
+def test_drain_bytes_on_a_closed_socket_raises_zmq_error(ctx, drain_bytes):
+    pull, _ = pair(ctx, zmq.PULL, zmq.PUSH)
+    pull.close()
+    with pytest.raises(zmq.ZMQError):
+        drain_bytes(pull, 10, 100)
+
+
 def test_drain_on_a_closed_socket_raises_zmq_error(ctx, impl):
     pull, _ = pair(ctx, zmq.PULL, zmq.PUSH)
     pull.close()
@@ -130,3 +181,124 @@ def test_publish_accepts_buffers_and_rejects_bad_records(ctx, impl):
     else:
         assert zmq_trio.send_replies(push, [(b"a", bytearray(b"b"), memoryview(b"c"))]) == 0
         assert pull.recv_multipart() == [b"a", b"b", b"c"]
+
+
+def _poll_until(guard, cond, timeout=10.0):
+    import time
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        seen.extend(guard.poll())
+        if cond():
+            return seen
+        time.sleep(0.01)
+    raise AssertionError(f"condition not reached: {guard.stats()}")
+
+
+def test_subscription_guard_caps_cuts_the_flooder_and_forgets_it(ctx):
+    """Over max_subscriptions the sending peer is disconnected and counted; a subscriber
+    within the cap keeps receiving; when the flooder is gone its entries are forgotten and
+    new subscriptions are accepted again."""
+    xpub = ctx.socket(zmq.XPUB)
+    for opt, v in zmq_trio.xpub_options().items():
+        xpub.setsockopt(opt, v)
+    xpub.setsockopt(zmq.LINGER, 0)
+    xpub.bind("tcp://127.0.0.1:*")
+    ep = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+    pub = zmq_trio.PubSocket(xpub, max_subscriptions=500)
+    guard = pub.guard
+    good = ctx.socket(zmq.SUB)
+    good.setsockopt(zmq.LINGER, 0)
+    good.setsockopt(zmq.SUBSCRIBE, b"app-")
+    good.connect(ep)
+    seen = _poll_until(guard, lambda: guard.entries == 1)
+    assert seen == [b"\x01app-"] and guard.topics == {b"app-": 1}
+    flood = ctx.socket(zmq.SUB)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.setsockopt(zmq.SNDHWM, 0)
+    flood.setsockopt(zmq.RECONNECT_IVL, 60_000)      # stays away once cut
+    flood.connect(ep)
+    for i in range(3000):
+        flood.setsockopt(zmq.SUBSCRIBE, b"%08d" % i + os.urandom(8))
+    _poll_until(guard, lambda: guard.disconnected == 1 and guard.entries == 1)
+    assert guard.refused >= 1
+    assert guard.topics == {b"app-": 1}
+    pub.publish([b"app-x", b"logs", b"1", b"m"])
+    pub.publish([b"00000001", b"not for the good one"])
+    assert good.poll(2000)
+    assert good.recv_multipart() == [b"app-x", b"logs", b"1", b"m"]
+    assert not good.poll(100)
+    late = ctx.socket(zmq.SUB)                        # room again
+    late.setsockopt(zmq.LINGER, 0)
+    late.setsockopt(zmq.SUBSCRIBE, b"app-")
+    late.connect(ep)
+    seen = _poll_until(guard, lambda: guard.entries == 2)
+    assert seen == [b"\x01app-"] and guard.topics == {b"app-": 2}
+    good.close()
+    seen = _poll_until(guard, lambda: guard.entries == 1)
+    assert guard.topics == {b"app-": 1} and seen == []   # not the last subscriber
+    late.setsockopt(zmq.UNSUBSCRIBE, b"app-")
+    seen = _poll_until(guard, lambda: guard.entries == 0)
+    assert seen == [b"\x00app-"] and guard.topics == {}
+    assert guard.disconnected == 1
+    guard.close()
+
+
+def test_xpub_refuses_a_topic_longer_than_max_topic_bytes(ctx):
+    xpub = ctx.socket(zmq.XPUB)
+    for opt, v in zmq_trio.xpub_options().items():
+        xpub.setsockopt(opt, v)
+    xpub.setsockopt(zmq.LINGER, 0)
+    xpub.bind("tcp://127.0.0.1:*")
+    pub = zmq_trio.PubSocket(xpub, max_subscriptions=10)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"x" * (zmq_trio.MAX_TOPIC_BYTES + 2))
+    sub.connect(xpub.getsockopt_string(zmq.LAST_ENDPOINT))
+    ok = ctx.socket(zmq.SUB)
+    ok.setsockopt(zmq.LINGER, 0)
+    ok.setsockopt(zmq.SUBSCRIBE, b"y" * zmq_trio.MAX_TOPIC_BYTES)
+    ok.connect(xpub.getsockopt_string(zmq.LAST_ENDPOINT))
+    _poll_until(pub.guard, lambda: pub.guard.entries == 1)
+    import time
+    time.sleep(0.2)
+    pub.guard.poll()
+    assert list(pub.subscriptions) == [b"y" * zmq_trio.MAX_TOPIC_BYTES]
+    pub.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_stalled_subscriber_costs_at_most_snd_hwm_messages(ctx, impl):
+    """300 messages of 1 MiB to a TCP subscriber that never reads: PUB keeps at most
+    snd_hwm of them (the lossy resend drops for the full pipe, it does not buffer).
+    libzmq then leaves the full pipe out of matching until it drains, so ``drops`` counts
+    the first message of such a stall, not every message the subscriber missed."""
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.SNDHWM, 8)
+    xpub.setsockopt(zmq.LINGER, 0)
+    xpub.setsockopt(zmq.SNDBUF, 65536)
+    xpub.bind("tcp://127.0.0.1:*")
+    pub = zmq_trio.PubSocket(xpub)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 1)
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(xpub.getsockopt_string(zmq.LAST_ENDPOINT))
+    assert xpub.poll(2000) and xpub.recv() == b"\x01"
+    body = os.urandom(1 << 20)
+    before = _rss()
+    for k in range(0, 300, 10):
+        pub.publish_batch([(b"a-b", b"logs", body, b"m")] * 10)
+    grown = _rss() - before
+    assert pub.published == 300
+    assert pub.drops >= 1                             # the queue was found full
+    # snd_hwm (8) + what sits in the subscriber's pipe and the socket buffers
+    assert grown < 48 * (1 << 20), f"RSS grew {grown / (1 << 20):.0f} MiB"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import require_native
 from logjam_relay.protocols import logjam as L
-from logjam_relay.relay import pipeline as P
+from logjam_relay.relay import stamping as P
 
 
 @pytest.fixture

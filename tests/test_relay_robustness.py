@@ -168,3 +168,95 @@ def test_restart_after_sigterm_continues_sequence(tmp_path):
             assert stop_process(proc) == 0
             ctx.destroy(linger=0)
     assert seqs[1] > seqs[0], "a restarted relay must not start again at 1"
+
+
+async def test_oversize_messages_are_refused_and_huge_frames_disconnect(tmp_path):
+    """A body over max_event_bytes is answered 400 on ROUTER and dropped on PULL, counted
+    as invalid/too_large, never published; a frame over zmq_max_msg_bytes makes libzmq
+    drop the peer before buffering it.  Good traffic flows before and after."""
+    async with running_relay(tmp_path, max_event_bytes="64KiB",
+                             zmq_max_msg_bytes="256KiB") as (relay, cl):
+        sub, dealer, push = cl.sub(), cl.dealer(), cl.push()
+        await sync_sub(sub)
+        big = [b"big-test", b"logs.big", b"x" * (100 * 1024), meta()]
+        await send(dealer, [b"", *big])
+        assert await recv(dealer) == [b"big-test", b"400 Bad Request"]
+        await send(push, big)
+        huge_dealer = cl.dealer()
+        await send(huge_dealer, [b"", b"huge-test", b"logs.big", b"y" * (1024 * 1024), meta()])
+        await send(dealer, [b"", *GOOD])
+        assert await recv(dealer) == [b"good-test", b"202 Accepted"]
+        await send(push, GOOD)
+        got = [await next_data(sub), await next_data(sub)]
+        assert [m[0] for m in got] == [b"good-test", b"good-test"]
+        c = relay.pipeline.counters
+        with trio.fail_after(5):
+            while c.invalid_by_reason["too_large"] < 2:
+                await trio.sleep(0.01)
+        assert c.invalid_by_reason["too_large"] == 2      # the 1 MiB frame never got in
+        assert c.received == 2
+        with trio.move_on_after(0.5):
+            r = await recv(huge_dealer, 1)
+            raise AssertionError(f"a disconnected peer got a reply: {r}")
+        assert c.invalid_by_reason["too_large"] == 2      # still: libzmq dropped the frame
+        assert c.replies_400 == 1
+
+
+def test_big_messages_queued_behind_a_full_spool_cost_their_bound_and_sigterm_exits_zero(
+        tmp_path):
+    """Output dead, spool full, ingress paused: 30 messages just under max_event_bytes and
+    10 between max_event_bytes and MAXMSGSIZE queue up (the issue's 30 x 50 MB added 1.5 GB
+    and SIGTERM died with MemoryError).  The relay holds no more than its ceiling and
+    SIGTERM still exits 0."""
+    from conftest import free_port
+    from logjam_relay.relay import memory
+    MiB = 1024 * 1024
+    dead = free_port()
+    s = relay_settings(tmp_path, max_event_bytes="1MiB", spool_max_bytes="4MiB",
+                       spool_segment_bytes="1MiB", ingest_max_bytes="2MiB", rcv_hwm=100,
+                       snd_hwm=16, outputs=[f"lumberjack://127.0.0.1:{dead}?tls=off&window=4"])
+    extra = ["--max-event-bytes", "1MiB", "--spool-max-bytes", "4MiB",
+             "--spool-segment-bytes", "1MiB", "--ingest-max-bytes", "2MiB", "--rcv-hwm", "100",
+             "--snd-hwm", "16", "--spool-dir", str(tmp_path / "spool"), "--output",
+             s.outputs[0]]
+    proc = start_process(s, extra, log_path=tmp_path / "relay.log")
+    ctx = zmq.Context()
+    try:
+        def status():
+            with open(f"/proc/{proc.pid}/status") as fh:
+                return {k: int(v.split()[0]) * 1024 for k, _, v in
+                        (ln.partition(":") for ln in fh) if k in ("VmRSS", "VmHWM")}
+        idle = status()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{s.pull_port}")
+        small = [b"big-test", b"logs.big", b"s" * (MiB - 100), meta()]
+        over = [b"big-test", b"logs.big", b"o" * (3 * MiB), meta()]
+        for i in range(30):
+            push.send_multipart(small)
+        for i in range(10):
+            push.send_multipart(over)
+        deadline = time.monotonic() + 15
+        blocked = 0.0
+        while time.monotonic() < deadline:       # until the spool is full and ingest waits
+            text = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics",
+                                          timeout=5).read().decode()
+            full = [ln for ln in text.splitlines() if ln.startswith("logjam_relay_spool_full")]
+            if full and full[0].endswith(" 1.0"):
+                blocked = 1.0
+                break
+            time.sleep(0.1)
+        assert blocked, "the spool never filled"
+        time.sleep(1.0)                          # what was sent is queued in the relay now
+        peak = status()["VmHWM"]
+        ceiling = memory.ceiling(s, baseline=idle["VmRSS"], input_peers=1)
+        print(f"\nidle RSS {idle['VmRSS'] / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB while "
+              f"blocked; {ceiling.describe()}")
+        assert peak < ceiling.total
+        rc = stop_process(proc, signal.SIGTERM, timeout=15)
+        assert rc == 0, (tmp_path / "relay.log").read_text()[-2000:]
+        assert "Traceback" not in (tmp_path / "relay.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        ctx.destroy(linger=0)

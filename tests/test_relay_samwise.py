@@ -35,6 +35,10 @@ async def test_relay_samwise_endpoint_publishes_to_rabbitmq(tmp_path, rabbit):  
             with trio.fail_after(10):
                 bad = await zmq_trio.recv_multipart(sock)
             assert bad[1] == b"-1" and len(bad) == 3
+            # samwise_rpc_allow's default: exchange.delete is refused before any connection
+            await zmq_trio.send_multipart(sock, [b"", *p.build_rpc("exchange.delete", "amq.direct")])
+            with trio.fail_after(10):
+                assert await zmq_trio.recv_multipart(sock) == [b"", b"-1", b"rpc method not allowed"]
             got = await get_all(q, expect=20)
             with trio.fail_after(10):
                 while relay.samwise.stats()["backlog_records"]:
@@ -53,6 +57,7 @@ async def test_relay_samwise_endpoint_publishes_to_rabbitmq(tmp_path, rabbit):  
     assert val("logjam_relay_samwise_requests_total", action="publish", outcome="accepted") == 20
     assert val("logjam_relay_samwise_requests_total", action="publish",
                outcome="malformed_publish") == 1
+    assert val("logjam_relay_samwise_requests_total", action="rpc", outcome="not_allowed") == 1
     assert val("logjam_relay_samwise_accepted_total") == 20
     assert val("logjam_relay_samwise_delivered_total") == 20
     assert val("logjam_relay_samwise_publishes_total", broker="main", result="ack") == 20
@@ -61,5 +66,7 @@ async def test_relay_samwise_endpoint_publishes_to_rabbitmq(tmp_path, rabbit):  
     assert val("logjam_relay_samwise_confirm_latency_seconds_sum", broker="main") > 0
     assert val("logjam_relay_samwise_broker_connected", broker="main") == 1
     assert val("logjam_relay_samwise_backlog_records") == 0
+    assert val("logjam_relay_samwise_rpc_connections") == 0
+    assert val("logjam_relay_samwise_rpc_waiting") == 0
     assert val("logjam_relay_samwise_spool_segments") >= 1
     assert sorted(body for _props, body in got) == sorted(b"m%d" % i for i in range(20))

@@ -145,7 +145,12 @@ async def test_drop_oldest_counts_lost_per_output(tmp_path):
             nursery.cancel_scope.cancel()
     got = set(numbers(reader))
     assert len(got) == n - st["lost"]
-    assert got == set(range(st["lost"], n)), "drop_oldest loses the oldest, never the newest"
+    # drop_oldest loses a contiguous run of the oldest records, never the newest; the
+    # window the output had already read before its segment was dropped may still be
+    # delivered (then it is not counted as lost: acked + backlog + lost == received)
+    missing = sorted(set(range(n)) - got)
+    assert missing == list(range(missing[0], missing[0] + st["lost"]))
+    assert got >= set(range(missing[-1] + 1, n)), "drop_oldest never loses the newest"
 
 
 def test_sigkill_mid_stream_loses_nothing_accepted(tmp_path):

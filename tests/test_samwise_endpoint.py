@@ -4,6 +4,7 @@ every publish is only accepted into the (in-memory) spool."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ import zmq
 
 from logjam_relay.io import zmq_trio
 from logjam_relay.protocols import samwise as p
-from logjam_relay.samwise.amqp import split_record
+from logjam_relay.samwise.output import split_record
 from logjam_relay.samwise.config import BrokerConfig, SamwiseConfig
 from logjam_relay.samwise.endpoint import Distributor, MemoryStore, SamwiseService
 from logjam_relay.spool.api import KIND_SAMWISE
@@ -138,7 +139,8 @@ async def test_concurrent_req_and_dealer_clients(tmp_path, port_factory):
 
 
 async def test_rpc_errors_are_reported(tmp_path, port_factory):
-    async with running(tmp_path, port_factory, rpc_timeout=2.0) as (svc, store, client):
+    async with running(tmp_path, port_factory, rpc_timeout=2.0,
+                       rpc_allow=("exchange.declare", "exchange.delete")) as (svc, store, client):
         s = client()
         rep = await req(s, p.build_rpc("exchange.declare", "x", "direct"))
         assert rep[0] == b"-1" and rep[1].startswith(b"b1: cannot connect") and b"; b2: " in rep[1]
@@ -180,12 +182,39 @@ async def test_spool_failure_is_an_error_reply(tmp_path, port_factory):
         assert svc.stats()["spool_errors"] == 2 and store.appended == 1
 
 
-async def test_no_thread_outlives_the_service(tmp_path, port_factory):
-    async with running(tmp_path, port_factory, n_brokers=3) as (svc, _, client):
-        names = {t.name for t in threading.enumerate()}
-        assert {"samwise-amqp-b1", "samwise-amqp-b2", "samwise-amqp-b3"} <= names
-        assert await req(client(), [b"120", b"ping"]) == [b"0", b""]
-    assert not [t for t in threading.enumerate() if t.name.startswith("samwise-amqp-")]
+async def test_no_thread_and_no_connection_outlives_the_service(tmp_path, port_factory):
+    """The broker links run on the trio thread (no pika thread); a broker that accepts
+    TCP but never speaks AMQP sees every connection closed when the service stops."""
+    conns: list[trio.SocketStream] = []
+    eofs = []
+
+    async def handler(stream):
+        conns.append(stream)
+        while await stream.receive_some(4096):
+            pass
+        eofs.append(stream)
+
+    threads_before = {t.name for t in threading.enumerate()}
+    async with trio.open_nursery() as n:
+        listeners = await n.start(functools.partial(trio.serve_tcp, handler, 0,
+                                                    host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        brokers = tuple(BrokerConfig(name=f"b{i}", host="127.0.0.1", port=port,
+                                     connect_timeout=30.0) for i in range(3))
+        cfg = SamwiseConfig(("tcp://127.0.0.1:0",), brokers)
+        svc = SamwiseService(cfg, MemoryStore())
+        async with trio.open_nursery() as sn:
+            await sn.start(svc.run)
+            with trio.fail_after(10):
+                while len(conns) < 3:
+                    await trio.sleep(0.01)
+            assert {t.name for t in threading.enumerate()} <= threads_before | {"Trio thread cache"}
+            sn.cancel_scope.cancel()
+        with trio.fail_after(5):
+            while len(eofs) < 3:
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert len(conns) == 3
 
 
 def test_distributor_prefers_connected_brokers():
@@ -206,3 +235,139 @@ async def test_samd_crash_input_is_a_clean_error(tmp_path, port_factory, frames)
     async with running(tmp_path, port_factory, n_brokers=1) as (svc, store, client):
         assert await req(client(), frames) == [b"-1", b"malformed publishing request"]
         assert store.appended == 0
+
+
+async def test_rpc_concurrency_and_queue_are_bounded():
+    """A broker that accepts TCP and never answers: with samwise_rpc_max_concurrent=1 and
+    samwise_rpc_max_queued=1, three rpc requests at once open one rpc connection at a
+    time, the third is refused at once, and every request gets one reply."""
+    open_now = 0
+    peak = 0
+
+    async def stall(stream):
+        nonlocal open_now, peak
+        open_now += 1
+        peak = max(peak, open_now)
+        try:
+            while await stream.receive_some(4096):
+                pass
+        finally:
+            open_now -= 1
+
+    async with trio.open_nursery() as n:
+        listeners = await n.start(functools.partial(trio.serve_tcp, stall, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        b = BrokerConfig(name="b1", host="127.0.0.1", port=port, connect_timeout=30.0)
+        cfg = SamwiseConfig(("tcp://127.0.0.1:0",), (b,), rpc_max_concurrent=1,
+                            rpc_max_queued=1, rpc_timeout=0.5)
+        svc = SamwiseService(cfg, MemoryStore())
+        await n.start(svc.run)
+        with trio.fail_after(10):
+            while open_now < 1:                 # the publishing connection (handshaking)
+                await trio.sleep(0.01)
+        d = zmq.Context.instance().socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(svc.bound[0])
+        try:
+            for i in range(3):
+                await zmq_trio.send_multipart(d, [b""] + p.build_rpc("exchange.declare", f"x{i}",
+                                                                     "direct"))
+            with trio.fail_after(10):
+                replies = [(await zmq_trio.recv_multipart(d))[1:] for _ in range(3)]
+        finally:
+            d.close(0)
+        assert replies[0] == [b"-1", b"too many rpc requests"]     # answered at once
+        assert all(r[0] == b"-1" and (r[1] == b"b1: timeout" or r[1] == b"rpc timeout")
+                   for r in replies[1:]), replies
+        assert peak == 2                        # publishing + one rpc at a time
+        assert svc.rpc.peak_connections == 1 and svc.rpc.requests == 0
+        assert svc.requests[("rpc", "overloaded")] >= 1
+        n.cancel_scope.cancel()
+
+
+class ScriptedBroker:
+    """Just enough of an AMQP broker (frames by pika's spec) to open a confirm channel;
+    then each connection runs ``after_open(stream, k)`` (k = connection number)."""
+
+    def __init__(self, after_open, heartbeat=0):
+        self.after_open = after_open
+        self.heartbeat = heartbeat
+        self.connections = 0
+
+    async def _frames(self, stream, buf):
+        from pika import frame as pframe
+        while True:
+            n, f = pframe.decode_frame(bytes(buf)) if buf else (0, None)
+            if n:
+                del buf[:n]
+                return f
+            data = await stream.receive_some(65536)
+            if not data:
+                raise EOFError
+            buf += data
+
+    async def handle(self, stream):
+        from pika import frame as pframe
+        from pika import spec
+
+        def send(ch, m):
+            return stream.send_all(pframe.Method(ch, m).marshal())
+        self.connections += 1
+        k = self.connections
+        buf = bytearray()
+        try:
+            while len(buf) < 8:
+                buf += await stream.receive_some(8)
+            del buf[:8]                                       # protocol header
+            await send(0, spec.Connection.Start(server_properties={}, mechanisms=b"PLAIN",
+                                                locales=b"en_US"))
+            await self._frames(stream, buf)                   # start-ok
+            await send(0, spec.Connection.Tune(2047, 131072, self.heartbeat))
+            await self._frames(stream, buf)                   # tune-ok
+            await self._frames(stream, buf)                   # open
+            await send(0, spec.Connection.OpenOk())
+            await self._frames(stream, buf)                   # channel.open
+            await send(1, spec.Channel.OpenOk())
+            await self._frames(stream, buf)                   # confirm.select
+            await send(1, spec.Confirm.SelectOk())
+            await self.after_open(stream, k)
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+async def test_link_counts_protocol_errors_and_drops_silent_brokers():
+    """Bad bytes from a broker drop that connection (counted by reason, then reconnect);
+    a broker that goes silent is dropped after two heartbeat intervals; connection.blocked
+    is reported."""
+    from pika import frame as pframe
+    from pika import spec
+
+    async def after_open(stream, k):
+        if k == 1:
+            await stream.send_all(pframe.Method(1, spec.Basic.Ack(1)).marshal()[:-1] + b"\x00")
+        elif k == 2:
+            await stream.send_all(pframe.Method(0, spec.Connection.Blocked("low disk")).marshal())
+        await trio.sleep_forever()                    # silent: no heartbeats, no data
+
+    fake = ScriptedBroker(after_open, heartbeat=1)
+    async with trio.open_nursery() as n:
+        listeners = await n.start(functools.partial(trio.serve_tcp, fake.handle, 0,
+                                                    host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        b = BrokerConfig(name="b1", host="127.0.0.1", port=port, backoff_min=0.05,
+                         backoff_max=0.05, heartbeat=1)
+        svc = SamwiseService(SamwiseConfig(("tcp://127.0.0.1:0",), (b,)), MemoryStore())
+        await n.start(svc.run)
+        out = svc.outputs[0]
+        with trio.fail_after(10):
+            while fake.connections < 2 or not out.connected:
+                await trio.sleep(0.01)
+            while not out.stats()["blocked"]:
+                await trio.sleep(0.01)
+            # no data for 2 heartbeat intervals: dropped, reconnected
+            while fake.connections < 3:
+                await trio.sleep(0.05)
+        st = out.stats()
+        assert st["amqp_errors"] == {"bad_frame_end": 1}
+        assert st["disconnects"] >= 1 and "heartbeat" in out.last_error
+        n.cancel_scope.cancel()

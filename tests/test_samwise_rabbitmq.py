@@ -22,7 +22,7 @@ import zmq
 from logjam_relay.io import zmq_trio
 from logjam_relay.protocols import samwise as p
 from logjam_relay.samwise.config import BrokerConfig, SamwiseConfig
-from logjam_relay.samwise.amqp import make_record
+from logjam_relay.samwise.output import make_record
 from logjam_relay.samwise.endpoint import MemoryStore, SamwiseService
 from logjam_relay.spool.api import KIND_SAMWISE
 
@@ -286,7 +286,8 @@ async def test_messages_waiting_for_a_down_broker_are_handed_to_brokers_that_are
 
 async def test_rpc_declare_delete_and_errors(vhosts):
     name = f"x-{uuid.uuid4().hex[:10]}"
-    async with running([broker("a", vhosts[0]), broker("b", vhosts[1])]) as (svc, sock):
+    async with running([broker("a", vhosts[0]), broker("b", vhosts[1])],
+                       rpc_allow=("exchange.declare", "exchange.delete")) as (svc, sock):
         assert await request(sock, p.build_rpc("exchange.declare", name, "topic", broker="b")) \
             == [b"0", b""]
         assert not await trio.to_thread.run_sync(exchange_exists, vhosts[0], name)
@@ -420,3 +421,88 @@ async def test_broker_stopped_and_restarted_mid_stream_nothing_lost(vhosts):
             await trio.to_thread.run_sync(lambda: _ctl("start_app", check=False))
             await trio.to_thread.run_sync(_wait_rabbit_up)
     assert set(bodies) == {b"%d" % i for i in range(n_msgs)}
+
+
+async def test_rpc_allow_list_refuses_delete_by_default(vhosts):
+    name = f"x-{uuid.uuid4().hex[:10]}"
+    async with running([broker("a", vhosts[0])]) as (svc, sock):
+        assert svc.config.rpc_allow == ("exchange.declare",)
+        assert await request(sock, p.build_rpc("exchange.declare", name, "fanout")) == [b"0", b""]
+        assert await request(sock, p.build_rpc("exchange.delete", name)) == \
+            [b"-1", b"rpc method not allowed"]
+        assert await request(sock, p.build_rpc("exchange.delete", name, broker="nope")) == \
+            [b"-1", b"rpc method not allowed"]
+        assert await trio.to_thread.run_sync(exchange_exists, vhosts[0], name)
+        assert svc.requests[("rpc", "not_allowed")] == 2 and svc.requests[("rpc", "ok")] == 1
+    async with running([broker("a", vhosts[0])], rpc_allow=()) as (svc, sock):
+        assert await request(sock, p.build_rpc("exchange.declare", name + "y", "fanout")) == \
+            [b"-1", b"rpc method not allowed"]
+        assert not await trio.to_thread.run_sync(exchange_exists, vhosts[0], name + "y")
+    async with running([broker("a", vhosts[0])],
+                       rpc_allow=("exchange.declare", "exchange.delete")) as (svc, sock):
+        assert await request(sock, p.build_rpc("exchange.delete", name)) == [b"0", b""]
+        assert not await trio.to_thread.run_sync(exchange_exists, vhosts[0], name)
+
+
+def _amqp_connections() -> int:
+    """This process's TCP connections to the broker, as the kernel lists them."""
+    import psutil
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == PORT and c.status == "ESTABLISHED")
+
+
+async def test_rpc_burst_is_bounded(vhosts):
+    """Issue 10 §6: 2,000 rpc requests at once opened up to 144 AMQP connections.  Now at
+    most samwise_rpc_max_concurrent (8) are open, 64 wait, the rest are refused at once;
+    every request gets exactly one reply."""
+    n_req, clients = 2000, 4
+    brokers = [broker("a", vhosts[0]), broker("b", vhosts[1])]
+    async with running(brokers) as (svc, sock):
+        base = await trio.to_thread.run_sync(_amqp_connections)
+        assert base >= 2                       # the two publishing connections
+        ctx = zmq.Context.instance()
+        socks = [ctx.socket(zmq.DEALER) for _ in range(clients)]
+        peak = 0
+        replies: list[list[bytes]] = []
+        try:
+            for s in socks:
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(svc.bound[0])
+
+            async def sampler():
+                nonlocal peak
+                while True:
+                    peak = max(peak, await trio.to_thread.run_sync(_amqp_connections))
+                    await trio.sleep(0.002)
+
+            async def client(s, k):
+                for i in range(n_req // clients):
+                    await zmq_trio.send_multipart(s, [b""] + p.build_rpc(
+                        "exchange.declare", f"burst-{k}-{i % 3}", "fanout"))
+                for _ in range(n_req // clients):
+                    with trio.fail_after(60):
+                        replies.append((await zmq_trio.recv_multipart(s))[1:])
+
+            async with trio.open_nursery() as n:
+                n.start_soon(sampler)
+                async with trio.open_nursery() as cn:
+                    for k, s in enumerate(socks):
+                        cn.start_soon(client, s, k)
+                n.cancel_scope.cancel()
+        finally:
+            for s in socks:
+                s.close(0)
+        ok = sum(r == [b"0", b""] for r in replies)
+        refused = sum(r == [b"-1", b"too many rpc requests"] for r in replies)
+        assert len(replies) == n_req and ok + refused == n_req, \
+            {bytes(b"|".join(r)) for r in replies} - {b"0|", b"-1|too many rpc requests"}
+        # 8 running + 64 waiting at the moment the burst arrived; more as slots free up
+        assert ok >= 8 + 64 and refused >= 1
+        assert svc.rpc.peak_connections <= 8
+        assert base < peak <= base + 8, (base, peak)
+        print(f"rpc burst: {n_req} requests, {ok} ok, {refused} refused, peak AMQP "
+              f"connections {peak} ({base} publishing + {peak - base} rpc)")
+        st = svc.stats()
+        assert st["rpc_connections"] == 0 and st["rpc_waiting"] == 0 and svc.rpc.requests == 0
+        assert svc.requests[("rpc", "overloaded")] == refused
+        assert all(o.disconnects == 0 for o in svc.outputs)

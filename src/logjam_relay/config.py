@@ -17,6 +17,7 @@ drop_oldest, got 'keep'``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import socket
@@ -29,6 +30,31 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names it and where it came from."""
+
+
+class StartupError(Exception):
+    """Something start-up needs cannot be had (a port, a directory, a file, a lock).
+
+    Its text is the one line the command prints before it exits with status 2:
+    ``pull_port 9605 (default): address already in use (is logjam-device still running?)``
+    -- the setting, its value, where the value came from and the likely cause.
+    """
+
+    def __init__(self, setting: str, value: Any, source: str, cause: str):
+        self.setting, self.value, self.source, self.cause = setting, value, source, cause
+        super().__init__(f"{setting} {value} ({source}): {cause}")
+
+
+def find_exception(exc: BaseException, kinds) -> BaseException | None:
+    """The first exception of ``kinds`` in ``exc`` or inside its (nested) exception groups
+    (trio wraps what a task raised in an ExceptionGroup)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = find_exception(sub, kinds)
+            if found is not None:
+                return found
+        return None
+    return exc if isinstance(exc, kinds) else None
 
 
 # ----------------------------------------------------------------- converters
@@ -140,6 +166,16 @@ def string_list(v: Any) -> list[str]:
     raise ValueError(f"expected a list of strings, got {v!r}")
 
 
+def rpc_methods(v: Any) -> list[str]:
+    """samwise rpc method names (``exchange.declare``, ``exchange.delete``)."""
+    from .samwise.config import RPC_METHODS
+    items = [] if v in ("", None) else string_list(v)
+    for m in items:
+        if m not in RPC_METHODS:
+            raise ValueError(f"unknown rpc method {m!r} (known: {', '.join(RPC_METHODS)})")
+    return items
+
+
 # ------------------------------------------------------------------- settings
 
 def _default_state_dir() -> str:
@@ -199,6 +235,17 @@ class Settings:
                             "-m", "--metrics-port", metavar="N")
     metrics_ip: str = opt("0.0.0.0", string, "address the metrics endpoint binds to", "-M",
                           "--metrics-ip", metavar="IP")
+    metrics_max_connections: int = opt(64, _int(1, 100_000),
+                                       "open connections the metrics endpoint keeps; at the "
+                                       "cap the oldest one still sending its request is closed",
+                                       "--metrics-max-connections", metavar="N")
+    metrics_header_timeout: float = opt(5.0, duration, "time a client has to send its whole "
+                                        "request to the metrics endpoint",
+                                        "--metrics-header-timeout", metavar="DURATION")
+    web_config_file: str | None = opt(None, opt_string, "TLS and basic auth for the metrics "
+                                      "endpoint, Prometheus exporter-toolkit format "
+                                      "(docs/security.md)", "--web.config.file",
+                                      "--web-config-file", metavar="FILE")
     allow_invalid_meta: bool = opt(False, boolean,
                                    "accept messages whose meta frame is broken (fresh meta)",
                                    "-A", "--allow-invalid-meta", action="store_true")
@@ -225,6 +272,11 @@ class Settings:
                           "--batch-size", metavar="N")
     shutdown_timeout: float = opt(1.5, _float(0.0), "seconds to flush on SIGTERM",
                                   "--shutdown-timeout", metavar="SECONDS")
+    ready_output_down_after: float = opt(60.0, duration,
+                                         "/readyz fails while an output has not been "
+                                         "connected for this long (0 = outputs never make "
+                                         "the relay unready)", "--ready-output-down-after",
+                                         metavar="DURATION")
     log_format: str = opt("text", choice("text", "json"), "log line format", "--log-format",
                           metavar="text|json")
     # --- spool and outputs ---------------------------------------------------------------
@@ -265,6 +317,9 @@ class Settings:
     amqp_brokers: list[str] = opt([], string_list, "RabbitMQ broker for samwise, repeatable: "
                                   "NAME=amqp://user:pass@host:5672/vhost", "--amqp-broker",
                                   action="append", metavar="NAME=URL")
+    amqp_brokers_file: str | None = opt(None, opt_string, "file with more amqp_brokers, one "
+                                        "NAME=URL a line (# comments); keeps passwords off the "
+                                        "command line", "--amqp-brokers-file", metavar="FILE")
     samwise_spool_dir: str | None = opt(None, opt_string, "spool of accepted samwise requests "
                                         "(default <state_dir>/samwise-spool)",
                                         "--samwise-spool-dir", metavar="DIR")
@@ -272,13 +327,91 @@ class Settings:
                                        "messages waiting for it to brokers that are up "
                                        "(0 = wait for it)", "--samwise-handoff-after",
                                        metavar="DURATION")
+    samwise_publish_delay: float = opt(0.003, duration, "an idle samwise broker output waits "
+                                       "this long after new requests arrive, to publish them "
+                                       "as one batch (0 = publish each at once)",
+                                       "--samwise-publish-delay", metavar="DURATION")
+    samwise_rpc_max_concurrent: int = opt(8, _int(1, 1024), "samwise rpc: AMQP connections "
+                                          "open at once for rpc calls (all brokers)",
+                                          "--samwise-rpc-max-concurrent", metavar="N")
+    samwise_rpc_max_queued: int = opt(64, _int(0, 100_000), "samwise rpc: requests waiting "
+                                      "for a connection; more are answered 'too many rpc "
+                                      "requests'", "--samwise-rpc-max-queued", metavar="N")
+    samwise_rpc_allow: list[str] = opt(["exchange.declare"], rpc_methods, "samwise rpc "
+                                       "methods clients may call (comma-separated; empty = "
+                                       "none; exchange.delete only if listed)",
+                                       "--samwise-rpc-allow", metavar="METHOD,...")
     outputs: list[str] = opt([], string_list, "reliable output URL (repeatable), e.g. "
                              "lumberjack://host:5044?window=1000&tls=off", "--output",
                              action="append", metavar="URL")
+    inputs: list[str] = opt([], string_list, "Lumberjack/Courier input URL (repeatable), e.g. "
+                            "lumberjack://0.0.0.0:5044?cert=...&key=... or "
+                            "courier://0.0.0.0:5043?tls=off (docs/inputs.md)", "--input",
+                            action="append", metavar="URL")
+    curve_secret_key: str | None = opt(None, opt_string, "ZeroMQ CURVE: the relay's secret "
+                                       "key file (logjam-relay keygen); turns CURVE on for "
+                                       "curve_sockets (docs/security.md)", "--curve-secret-key",
+                                       metavar="FILE")
+    curve_allow_dir: str | None = opt(None, opt_string, "directory of the client public keys "
+                                      "allowed to connect (re-read when it changes)",
+                                      "--curve-allow-dir", metavar="DIR")
+    curve_sockets: list[str] = opt(["router", "pull", "pub", "stats"], string_list,
+                                   "sockets that require CURVE when curve_secret_key is set",
+                                   "--curve-sockets", metavar="router,pull,pub,stats")
+    curve_plain_endpoints: list[str] = opt([], string_list, "plain (non-CURVE) endpoint beside "
+                                           "a secure socket for agents without CURVE, "
+                                           "repeatable: SOCKET=tcp://ADDR:PORT",
+                                           "--curve-plain-endpoint", action="append",
+                                           metavar="SOCKET=ENDPOINT")
+    max_event_bytes: int = opt(10 * 1024**2, size,
+                               "largest event (decompressed body) an output inflates or sends; "
+                               "larger ones go to the dead-letter store (Filebeat's default)",
+                               "--max-event-bytes", metavar="SIZE")
+    dead_letter_dir: str | None = opt(None, opt_string,
+                                      "dead-letter store of undeliverable events (default "
+                                      "<state_dir>/dead-letters)", "--dead-letter-dir",
+                                      metavar="DIR")
+    dead_letter_max_bytes: int = opt(1024**3, size, "disk budget of the dead-letter store "
+                                     "(oldest dropped, and counted, when full)",
+                                     "--dead-letter-max-bytes", metavar="SIZE")
+    # --- ingress memory bounds (docs/operations.md, "Memory") ----------------------------
+    zmq_max_msg_bytes: int = opt(0, size, "ZeroMQ MAXMSGSIZE of the input sockets: a peer "
+                                 "sending a larger frame is disconnected and what it had "
+                                 "queued dropped; a memory guard, not the event limit "
+                                 "(0 = 4 x max_event_bytes)", "--zmq-max-msg-bytes",
+                                 metavar="SIZE")
+    ingest_max_bytes: int = opt(32 * 1024**2, size, "bytes one drained ingest batch may hold "
+                                "(it stops after the message that reaches this), per input "
+                                "socket", "--ingest-max-bytes", metavar="SIZE")
+    max_subscriptions: int = opt(10_000, _int(1, 10_000_000), "subscriptions a PUB, stats or "
+                                 "CMDP socket keeps; the peer that sends one more is "
+                                 "disconnected and counted", "--max-subscriptions",
+                                 metavar="N")
     # --- bookkeeping (not settings) -------------------------------------------------------
     sources: dict[str, str] = field(default_factory=dict, repr=False)
 
     # ----------------------------------------------------------------------- derived
+    def source_label(self, name: str) -> str:
+        """Where a setting's value came from: default, file PATH, env NAME or flag --NAME."""
+        src = self.sources.get(name)
+        if src is None:
+            return "default"
+        if src.startswith("-"):
+            return f"flag {src}"
+        if src.startswith("LOGJAM_"):
+            return f"env {src}"
+        return f"file {src}"
+
+    def startup_error(self, name: str, cause: str, value: Any = None) -> StartupError:
+        """A :class:`StartupError` for setting ``name`` (its value unless ``value`` is given)."""
+        if value is None:
+            value = getattr(self, name)
+            if name == "state_dir":
+                value = self.resolved_state_dir()
+            elif name == "spool_dir":
+                value = self.resolved_spool_dir()
+        return StartupError(name, value, self.source_label(name), cause)
+
     def resolved_fqdn(self) -> str:
         return self.fqdn or default_fqdn()
 
@@ -288,9 +421,16 @@ class Settings:
     def resolved_spool_dir(self) -> Path | None:
         if self.spool_dir:
             return Path(self.spool_dir)
-        if self.outputs or self.archive_dir:
+        if self.outputs or self.archive_dir or self.inputs:
             return self.resolved_state_dir() / "spool"
         return None
+
+    def resolved_zmq_max_msg_bytes(self) -> int:
+        """MAXMSGSIZE of the ZeroMQ inputs: the setting, or 4 x max_event_bytes."""
+        return self.zmq_max_msg_bytes or 4 * self.max_event_bytes
+
+    def resolved_dead_letter_dir(self) -> Path:
+        return Path(self.dead_letter_dir or (self.resolved_state_dir() / "dead-letters"))
 
     def endpoint(self, port: int) -> str:
         return f"tcp://{self.bind}:{port}"
@@ -298,6 +438,28 @@ class Settings:
 
 SETTING_FIELDS = [f for f in fields(Settings) if "conv" in f.metadata]
 _BY_NAME = {f.name: f for f in SETTING_FIELDS}
+
+# LOGJAM_RELAY_* variables that are legitimately not settings (read elsewhere); any other
+# LOGJAM_RELAY_* name is a misspelt setting and stops start-up like an unknown TOML key.
+NON_SETTING_ENV = frozenset({"LOGJAM_RELAY_CONFIG", "LOGJAM_RELAY_PURE_PYTHON"})
+NON_SETTING_ENV_PREFIX = "LOGJAM_RELAY_TEST_"   # the test suite's own knobs
+
+
+def _did_you_mean(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _check_unknown_env(environ: Mapping[str, str]) -> None:
+    known = {e for f in SETTING_FIELDS for e in _env_names(f)} | NON_SETTING_ENV
+    for name in sorted(environ):
+        if (name.startswith("LOGJAM_RELAY_") and name not in known
+                and not name.startswith(NON_SETTING_ENV_PREFIX)):
+            # compare what follows the prefix, which every candidate shares
+            tails = {k[13:]: k for k in known if k.startswith("LOGJAM_RELAY_")}
+            close = difflib.get_close_matches(name[13:], list(tails), n=1, cutoff=0.6)
+            hint = f" (did you mean {tails[close[0]]}?)" if close else ""
+            raise ConfigError(f"{name} (environment): unknown setting{hint}")
 
 
 def _env_names(f) -> tuple[str, ...]:
@@ -319,9 +481,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every setting's flags to ``parser`` (defaults suppressed: only given flags count)."""
     parser.add_argument("-c", "--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML configuration file (also LOGJAM_RELAY_CONFIG)")
+    from .helptext import display_value
     for f in SETTING_FIELDS:
         md = f.metadata
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": md["help"]}
+        text = md["help"]
+        if "default" not in text:       # some texts already say what the default resolves to
+            text += f" (default: {display_value(f.name, f.default_factory())})"
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
+                              "help": text.replace("%", "%%")}
         if md["action"]:
             kw["action"] = md["action"]
         if md["metavar"]:
@@ -347,7 +514,8 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
             raise ConfigError(f"config file {path}: {e}") from None
         for name, v in _flatten_toml(data, str(path)).items():
             if name not in _BY_NAME:
-                raise ConfigError(f"{name} ({path}): unknown setting")
+                raise ConfigError(f"{name} ({path}): unknown setting"
+                                  f"{_did_you_mean(name, _BY_NAME)}")
             raw[name] = (v, str(path))
 
     for f in SETTING_FIELDS:
@@ -355,6 +523,7 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
             if env in environ:
                 raw[f.name] = (environ[env], env)
                 break
+    _check_unknown_env(environ)
 
     for name, v in args.items():
         if name in _BY_NAME and v is not None:
@@ -370,8 +539,56 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
             raise ConfigError(f"{name} ({src}): {e}") from None
         setattr(s, name, value)
         s.sources[name] = src
+    _read_brokers_file(s)
     _check(s)
     return s
+
+
+def _check_curve(s: Settings) -> None:
+    from .io import curve
+    src = s.sources.get
+    if not s.curve_secret_key:
+        name = "curve_allow_dir" if s.curve_allow_dir else "curve_plain_endpoints"
+        raise ConfigError(f"{name} ({src(name, 'default')}): needs curve_secret_key")
+    if not s.curve_allow_dir:
+        raise ConfigError("curve_allow_dir (default): required with curve_secret_key (the "
+                          "client public keys allowed to connect)")
+    if not os.path.isdir(s.curve_allow_dir):
+        raise ConfigError(f"curve_allow_dir ({src('curve_allow_dir', 'default')}): "
+                          f"{s.curve_allow_dir} is not a directory")
+    try:
+        curve.load_secret_key(s.curve_secret_key)
+    except curve.CurveKeyError as e:
+        raise ConfigError(f"curve_secret_key ({src('curve_secret_key', 'default')}): {e}") \
+            from None
+    bad = [x for x in s.curve_sockets if x not in curve.SOCKETS]
+    if bad:
+        raise ConfigError(f"curve_sockets ({src('curve_sockets', 'default')}): unknown "
+                          f"socket(s) {', '.join(bad)}; one of {', '.join(curve.SOCKETS)}")
+    try:
+        plain = curve.parse_plain_endpoints(s.curve_plain_endpoints)
+    except ValueError as e:
+        raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints', 'default')})"
+                          f": {e}") from None
+    for name in plain:
+        if name not in s.curve_sockets:
+            raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints')}): "
+                              f"{name} is not in curve_sockets (it is plain already)")
+
+
+def _read_brokers_file(s: Settings) -> None:
+    """Append the brokers of ``amqp_brokers_file`` (one NAME=URL a line) to amqp_brokers."""
+    if not s.amqp_brokers_file:
+        return
+    src = s.sources.get("amqp_brokers_file", "default")
+    try:
+        with open(s.amqp_brokers_file, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"amqp_brokers_file ({src}): {s.amqp_brokers_file}: "
+                          f"{e.strerror}") from None
+    s.amqp_brokers = list(s.amqp_brokers) + [ln.strip() for ln in lines
+                                              if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 def _check(s: Settings) -> None:
@@ -386,6 +603,25 @@ def _check(s: Settings) -> None:
             seen[p] = name
     if not s.pub_port:
         raise ConfigError("pub_port: the PUB port cannot be off")
+    if s.spool_max_bytes < 4 * 4096:        # the spool needs room for 4 segments
+        raise ConfigError(f"spool_max_bytes ({s.sources.get('spool_max_bytes', 'default')}): "
+                          f"must be >= 16KiB, got {s.spool_max_bytes}")
+    if not 1024 <= s.max_event_bytes <= 1024**3:
+        raise ConfigError(f"max_event_bytes ({s.sources.get('max_event_bytes', 'default')}): "
+                          f"must be between 1KiB and 1GiB, got {s.max_event_bytes}")
+    if s.dead_letter_max_bytes < s.max_event_bytes:
+        src = s.sources.get("dead_letter_max_bytes", "default")
+        raise ConfigError(f"dead_letter_max_bytes ({src}): "
+                          f"must be >= max_event_bytes ({s.max_event_bytes}), "
+                          f"got {s.dead_letter_max_bytes}")
+    if s.zmq_max_msg_bytes and s.zmq_max_msg_bytes <= s.max_event_bytes:
+        raise ConfigError(f"zmq_max_msg_bytes ({s.source_label('zmq_max_msg_bytes')}): must be "
+                          f"> max_event_bytes ({s.max_event_bytes}) -- it disconnects the "
+                          f"peer, so it is a memory guard above the event limit, got "
+                          f"{s.zmq_max_msg_bytes}")
+    if s.ingest_max_bytes < 64 * 1024:
+        raise ConfigError(f"ingest_max_bytes ({s.source_label('ingest_max_bytes')}): must be "
+                          f">= 64KiB, got {s.ingest_max_bytes}")
     if not s.pull_port and not s.router_port:
         raise ConfigError("pull_port/router_port: at least one input port must be on")
     if s.samwise or s.amqp_brokers:
@@ -393,10 +629,28 @@ def _check(s: Settings) -> None:
         try:
             SamwiseConfig.from_args(s.samwise, s.amqp_brokers)
         except ValueError as e:
-            raise ConfigError(f"samwise/amqp_brokers: {e}") from None
+            name = "samwise" if str(e).startswith("--samwise") else "amqp_brokers"
+            raise ConfigError(f"samwise/amqp_brokers: {name} ({s.source_label(name)}): "
+                              f"{e}") from None
     if s.outputs:
         from .outputs.supervisor import parse_outputs
         try:
             parse_outputs(s.outputs)
         except ValueError as e:
             raise ConfigError(f"outputs ({s.sources.get('outputs', 'default')}): {e}") from None
+    if s.curve_secret_key or s.curve_allow_dir or s.curve_plain_endpoints:
+        _check_curve(s)
+    if s.web_config_file:
+        from .health.webconfig import WebConfigError
+        from .health.webconfig import load as load_web_config
+        try:
+            load_web_config(s.web_config_file)
+        except WebConfigError as e:
+            raise ConfigError(f"web_config_file ({s.sources.get('web_config_file', 'default')})"
+                              f": {e}") from None
+    if s.inputs:
+        from .inputs import parse_inputs
+        try:
+            parse_inputs(s.inputs, max_event_bytes=s.max_event_bytes)
+        except ValueError as e:
+            raise ConfigError(f"inputs ({s.sources.get('inputs', 'default')}): {e}") from None

@@ -79,6 +79,7 @@ class CMDPConfig:
     log_level: int = logging.INFO  # minimum level of records put on LOG topics
     log_queue_size: int = 10000
     snd_hwm: int = 10000
+    max_subscriptions: int = 10000  # subscriptions the XPUB keeps (zmq_trio.SubscriptionGuard)
     wire_metric_type: bool = False  # True: draft-spec metric type 1..4 instead of 0 on the wire
 
     @property
@@ -252,8 +253,14 @@ class RelayStatsProvider:
                                                f"{oname}: events acknowledged per second")
                 if (v := o.get("resends")) is not None:
                     out[p + "RESENDS"] = Stat(v, LV, "", f"{oname}: events resent")
+                if (v := o.get("lost")) is not None:
+                    out[p + "LOST"] = Stat(v, LV, "", f"{oname}: spooled records lost "
+                                                      "(dropped, damaged or missing)")
                 if (v := o.get("reconnects")) is not None:
                     out[p + "RECONNECTS"] = Stat(v, LV, "", f"{oname}: reconnects")
+                if (v := o.get("dead_letters")) is not None:
+                    out[p + "DEAD_LETTERS"] = Stat(v, LV, "", f"{oname}: events diverted to "
+                                                   "the dead-letter store")
                 if (v := o.get("ack_rtt")) is not None:
                     out[p + "ACK_RTT"] = Stat(round(v * 1000.0, 3), AVG, "ms",
                                               f"{oname}: acknowledgement round trip")
@@ -413,6 +420,8 @@ class CMDPSender:
         d: dict[str, Any] = {f"{k}_sent": v for k, v in self.sent.items()}
         d["drops"] = self.pub.drops if self.pub else 0
         d["subscriptions"] = len(self.publisher.subscriptions)
+        if self.pub is not None and self.pub.guard is not None:
+            d["subscriptions_refused"] = self.pub.guard.refused
         d["provider_errors"] = self.provider_errors
         d.update(self.handler.stats())
         if self.chirp is not None:
@@ -435,10 +444,11 @@ class CMDPSender:
             # A timeout as a safety net for the edge-triggered FD (other tasks send on it).
             with trio.move_on_after(0.25):
                 await zmq_trio.wait_for(sock, zmq_trio.POLLIN)
-            batch = zmq_trio.drain(sock, 100)
-            for frames in batch:
+            # the guard caps the subscriptions and reports them as XPUB_VERBOSE would
+            batch = self.pub.poll_subscriptions()
+            for frame in batch:
                 self.subscription_messages += 1
-                for out in self.publisher.receive_subscription(frames[0], self.clock_ns()):
+                for out in self.publisher.receive_subscription(frame, self.clock_ns()):
                     self._publish(out, "notification")
             if batch:
                 await trio.lowlevel.checkpoint()
@@ -534,12 +544,14 @@ class CMDPSender:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         sock = self.context.socket(zmq.XPUB)
         try:
-            sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every STAT?/LOG? subscriber gets its answer
             sock.setsockopt(zmq.SNDHWM, self.config.snd_hwm)
             sock.setsockopt(zmq.LINGER, 0)
+            for opt, value in zmq_trio.xpub_options().items():
+                sock.setsockopt(opt, value)
             sock.bind(self.endpoint)
             self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-            self.pub = zmq_trio.PubSocket(sock)
+            # XPUB_MANUAL with a cap; every STAT?/LOG? subscriber still gets its answer
+            self.pub = zmq_trio.PubSocket(sock, self.config.max_subscriptions)
             self.handler.attach(self.publisher, trio.lowlevel.current_trio_token(), self._wake)
             log.info("CMDP: %s publishing on port %d", self.name, self.port)
             async with trio.open_nursery() as nursery:
@@ -558,4 +570,6 @@ class CMDPSender:
                 task_status.started(self.port)
         finally:
             self.handler.detach()
+            if self.pub is not None and self.pub.guard is not None:
+                self.pub.guard.close()
             zmq_trio.close_all([sock], 200)

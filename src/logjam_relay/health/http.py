@@ -1,83 +1,304 @@
-"""A tiny HTTP/1.1 server on trio for /metrics, /healthz and /readyz.
+"""A tiny HTTP/1.1 server for /metrics, /healthz and /readyz that a slowloris cannot stop.
 
-No threads (prometheus_client's own server runs one): each connection is a
-task in the relay's nursery, requests are small GETs, responses close the
-connection.
+* **Its own thread.**  The server runs its own trio loop in a worker thread started
+  (and stopped) by the relay's nursery, so accepting and parsing never compete with
+  the ZeroMQ hot path.  Handlers still run on the relay's event loop (they read
+  its counters): the server hands each one over with ``TrioToken.run_sync_soon``
+  and waits at most ``loop_timeout`` seconds.  A relay loop that does not answer
+  in time gets ``503 event loop not responding`` on /healthz and /readyz, while
+  /metrics serves the last rendering it has (header ``X-Stale-Seconds``).
+* **Bounded connections.**  At most ``max_connections`` are open.  When a new one
+  arrives at the cap, the oldest connection still reading its request is closed
+  (a slowloris holds many such; a scrape sends its request at once and is gone
+  within milliseconds), so a scrape gets through however many idle connections
+  are open.  Each request has ``header_timeout`` seconds to arrive in full.
+* **Pluggable TLS and auth** (the exporter web-config): ``ssl_context`` wraps each
+  connection (server side, handshake inside the header timeout), and
+  ``authorize(method, path, headers) -> bool`` may refuse a request with 401.
+
+Requests are small GETs; every response closes the connection.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import trio
 
+from ..ratelimit import RateLimitedLog
+
 log = logging.getLogger("logjam_relay.http")
+rlog = RateLimitedLog(log)
 
 Handler = Callable[[], tuple[int, str, bytes]]   # -> (status, content type, body)
+Authorize = Callable[[str, str, dict[str, str]], bool]
 
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request",
-            503: "Service Unavailable", 500: "Internal Server Error"}
+_REASONS = {200: "OK", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable",
+            500: "Internal Server Error"}
 MAX_REQUEST = 8192
+STALE_OK = frozenset({"/metrics"})      # may be answered from the last rendering
+
+
+@dataclass(eq=False)
+class _Conn:
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    reading: bool = True                 # still waiting for its request
 
 
 class HTTPServer:
-    def __init__(self, routes: dict[str, Handler], host: str, port: int):
+    def __init__(self, routes: dict[str, Handler], host: str, port: int, *,
+                 max_connections: int = 64, header_timeout: float = 5.0,
+                 loop_timeout: float = 5.0, threaded: bool = True,
+                 ssl_context: ssl.SSLContext | None = None,
+                 authorize: Authorize | None = None, realm: str = "logjam-relay"):
         self.routes = routes
         self.host = "" if host in ("0.0.0.0", "*") else host
         self.port = port
+        self.max_connections = max(1, max_connections)
+        self.header_timeout = header_timeout
+        self.loop_timeout = loop_timeout
+        self.threaded = threaded
+        self.ssl_context = ssl_context
+        self.authorize = authorize
+        self.realm = realm
         self.bound_port: int | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._next_id = 0
+        self._relay_token: trio.lowlevel.TrioToken | None = None
+        self._last: dict[str, tuple[float, tuple[int, str, bytes]]] = {}
+        # metrics (read by the health layer)
         self.requests = 0
+        self.connections = 0
+        self.evicted = 0            # closed at the cap while still reading their request
+        self.rejected = 0           # closed at once: the cap was full of busy connections
+        self.timeouts = 0           # request not complete within header_timeout
+        self.bad_requests = 0
+        self.unauthorized = 0
+        self.loop_timeouts = 0      # the relay's loop did not run a handler in time
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def stats(self) -> dict:
+        return {"requests": self.requests, "connections": self.connections,
+                "open_connections": self.open_connections, "evicted": self.evicted,
+                "rejected": self.rejected, "timeouts": self.timeouts,
+                "bad_requests": self.bad_requests, "unauthorized": self.unauthorized,
+                "loop_timeouts": self.loop_timeouts}
+
+    # ------------------------------------------------------------------ running
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(self.port, host=self.host or None)
-        self.bound_port = listeners[0].socket.getsockname()[1]
-        task_status.started(self.bound_port)
-        await trio.serve_listeners(self._handle, listeners)
+        self._relay_token = trio.lowlevel.current_trio_token()
+        if not self.threaded:
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host or None)
+            self.bound_port = listeners[0].socket.getsockname()[1]
+            task_status.started(self.bound_port)
+            await self._serve(listeners)
+            return
+        started = trio.Event()
+        box: dict = {}
+        relay_token = self._relay_token
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        try:
-            with trio.move_on_after(10):
-                data = b""
-                while b"\r\n\r\n" not in data and b"\n\n" not in data:
-                    chunk = await stream.receive_some(4096)
-                    if not chunk:
-                        return
-                    data += chunk
-                    if len(data) > MAX_REQUEST:
-                        await self._respond(stream, 400, "text/plain", b"request too large\n")
-                        return
-                line = data.split(b"\n", 1)[0].decode("latin-1").strip()
-                parts = line.split()
-                if len(parts) < 2:
-                    await self._respond(stream, 400, "text/plain", b"bad request\n")
-                    return
-                method, target = parts[0], parts[1]
-                path = target.split("?", 1)[0]
-                self.requests += 1
-                handler = self.routes.get(path)
-                if handler is None:
-                    await self._respond(stream, 404, "text/plain", b"not found\n")
-                    return
-                if method not in ("GET", "HEAD"):
-                    await self._respond(stream, 405, "text/plain", b"GET only\n")
-                    return
+        def report(key, value):
+            box[key] = value
+            try:
+                relay_token.run_sync_soon(started.set)
+            except trio.RunFinishedError:
+                pass
+
+        async def thread_main():
+            try:
+                listeners = await trio.open_tcp_listeners(self.port, host=self.host or None)
+            except BaseException as e:  # noqa: BLE001 -- handed to the relay's loop
+                report("error", e)
+                return
+            self.bound_port = listeners[0].socket.getsockname()[1]
+            with trio.CancelScope() as scope:
+                box["token"] = trio.lowlevel.current_trio_token()
+                box["scope"] = scope
+                report("port", self.bound_port)
+                await self._serve(listeners)
+
+        def stop_thread():
+            token, scope = box.get("token"), box.get("scope")
+            if token is not None:
                 try:
-                    status, ctype, body = handler()
-                except Exception:
-                    log.exception("handler for %s failed", path)
-                    status, ctype, body = 500, "text/plain", b"internal error\n"
-                await self._respond(stream, status, ctype, b"" if method == "HEAD" else body,
-                                    length=len(body))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    token.run_sync_soon(scope.cancel)
+                except trio.RunFinishedError:
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            # its own limiter: the server's thread never takes a slot of the shared pool
+            nursery.start_soon(lambda: trio.to_thread.run_sync(
+                trio.run, thread_main, abandon_on_cancel=False,
+                limiter=trio.CapacityLimiter(1)))
+            try:
+                await started.wait()
+                if "error" in box:
+                    raise box["error"]
+                task_status.started(self.bound_port)
+                await trio.sleep_forever()
+            finally:
+                stop_thread()
+
+    async def _serve(self, listeners) -> None:
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener, nursery)
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        try:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as e:        # EMFILE and friends: back off, keep serving
+                    rlog.error("http_accept", "metrics endpoint: accept failed: %s", e)
+                    await trio.sleep(0.1)
+                    continue
+                self.connections += 1
+                if len(self._conns) >= self.max_connections and not self._evict_one():
+                    self.rejected += 1
+                    await trio.aclose_forcefully(stream)
+                    continue
+                cid = self._next_id
+                self._next_id += 1
+                conn = self._conns[cid] = _Conn()
+                nursery.start_soon(self._handle, stream, cid, conn)
+        finally:
+            await trio.aclose_forcefully(listener)
+
+    def _evict_one(self) -> bool:
+        """Close the oldest connection that has not sent its request yet."""
+        for cid, conn in self._conns.items():
+            if conn.reading:
+                conn.scope.cancel()
+                del self._conns[cid]
+                self.evicted += 1
+                return True
+        return False
+
+    # --------------------------------------------------------------- requests
+    async def _handle(self, stream: trio.SocketStream, cid: int, conn: _Conn) -> None:
+        try:
+            with conn.scope:
+                await self._request(stream, conn)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ssl.SSLError):
             pass
         finally:
+            self._conns.pop(cid, None)
             await trio.aclose_forcefully(stream)
+
+    async def _request(self, stream, conn: _Conn) -> None:
+        with trio.move_on_after(self.header_timeout) as read_scope:
+            if self.ssl_context is not None:
+                stream = trio.SSLStream(stream, self.ssl_context, server_side=True)
+                await stream.do_handshake()
+            data = b""
+            while b"\r\n\r\n" not in data and b"\n\n" not in data:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    return
+                data += chunk
+                if len(data) > MAX_REQUEST:
+                    self.bad_requests += 1
+                    await self._respond(stream, 400, "text/plain", b"request too large\n")
+                    return
+        if read_scope.cancelled_caught:
+            self.timeouts += 1
+            return
+        conn.reading = False
+        head = data.split(b"\r\n\r\n", 1)[0].split(b"\n\n", 1)[0]
+        lines = head.decode("latin-1").splitlines()
+        parts = lines[0].split() if lines else []
+        if len(parts) < 2:
+            self.bad_requests += 1
+            await self._respond(stream, 400, "text/plain", b"bad request\n")
+            return
+        method, target = parts[0], parts[1]
+        path = target.split("?", 1)[0]
+        self.requests += 1
+        if self.authorize is not None:
+            headers = {}
+            for line in lines[1:]:
+                k, sep, v = line.partition(":")
+                if sep:
+                    headers[k.strip().lower()] = v.strip()
+            try:
+                ok = self.authorize(method, path, headers)
+            except Exception:
+                log.exception("metrics endpoint: authorization check failed")
+                ok = False
+            if not ok:
+                self.unauthorized += 1
+                await self._respond(stream, 401, "text/plain", b"unauthorized\n",
+                                    extra=f'WWW-Authenticate: Basic realm="{self.realm}"\r\n')
+                return
+        handler = self.routes.get(path)
+        if handler is None:
+            await self._respond(stream, 404, "text/plain", b"not found\n")
+            return
+        if method not in ("GET", "HEAD"):
+            await self._respond(stream, 405, "text/plain", b"GET only\n")
+            return
+        status, ctype, body, extra = await self._call(path, handler)
+        with trio.move_on_after(self.header_timeout):
+            await self._respond(stream, status, ctype, b"" if method == "HEAD" else body,
+                                length=len(body), extra=extra)
+
+    async def _call(self, path: str, handler: Handler) -> tuple[int, str, bytes, str]:
+        """Run ``handler`` on the relay's event loop (or here when not threaded)."""
+        if not self.threaded or self._relay_token is None:
+            return (*self._run_handler(path, handler), "")
+        done = trio.Event()
+        here = trio.lowlevel.current_trio_token()
+        box: list = []
+
+        def job():
+            box.append(self._run_handler(path, handler))
+            try:
+                here.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        try:
+            self._relay_token.run_sync_soon(job)
+        except trio.RunFinishedError:
+            return 503, "text/plain", b"shutting down\n", ""
+        with trio.move_on_after(self.loop_timeout):
+            await done.wait()
+        if box:
+            result = box[0]
+            if path in STALE_OK and result[0] == 200:
+                self._last[path] = (time.monotonic(), result)
+            return (*result, "")
+        self.loop_timeouts += 1
+        rlog.error("http_loop", "metrics endpoint: the relay's event loop did not answer "
+                   "%s within %.1f s", path, self.loop_timeout)
+        last = self._last.get(path)
+        if last is not None:
+            age = time.monotonic() - last[0]
+            return (*last[1], f"X-Stale-Seconds: {age:.1f}\r\n")
+        return (503, "text/plain", b"event loop not responding\n", "")
+
+    @staticmethod
+    def _run_handler(path: str, handler: Handler) -> tuple[int, str, bytes]:
+        try:
+            return handler()
+        except Exception:
+            log.exception("handler for %s failed", path)
+            return 500, "text/plain", b"internal error\n"
 
     @staticmethod
     async def _respond(stream, status: int, ctype: str, body: bytes,
-                       length: int | None = None) -> None:
+                       length: int | None = None, extra: str = "") -> None:
         head = (f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"
                 f"Content-Type: {ctype}\r\nContent-Length: {len(body) if length is None else length}"
-                f"\r\nConnection: close\r\n\r\n").encode()
+                f"\r\n{extra}Connection: close\r\n\r\n").encode()
         await stream.send_all(head + body)
+

@@ -111,12 +111,49 @@ class RelayCollector:
         yield m
         yield _one(_counter, "logjam_relay_reply_drops", "ROUTER replies that could not be queued",
                    dl, r.reply_drops)
+        http = getattr(r, "http", None)
+        if http is not None and hasattr(http, "stats"):
+            hs = http.stats()
+            m = _counter("logjam_relay_http_connections", "metrics endpoint connections by "
+                         "outcome (evicted: closed at the connection cap while still sending "
+                         "the request; rejected: cap full of busy ones; timeout: request not "
+                         "complete within metrics_header_timeout)", ("device", "outcome"))
+            for outcome, key in (("accepted", "connections"), ("evicted", "evicted"),
+                                 ("rejected", "rejected"), ("timeout", "timeouts"),
+                                 ("bad_request", "bad_requests"),
+                                 ("unauthorized", "unauthorized")):
+                m.add_metric([d, outcome], hs.get(key, 0))
+            yield m
+            yield _one(_gauge, "logjam_relay_http_open_connections",
+                       "connections open on the metrics endpoint", dl, hs["open_connections"])
+            yield _one(_counter, "logjam_relay_http_loop_timeouts", "requests the relay's "
+                       "event loop did not answer in time (stale /metrics or 503)", dl,
+                       hs["loop_timeouts"])
         yield _one(_counter, "logjam_relay_published", "messages published on PUB (incl. heartbeats)",
                    dl, r.pub.published if r.pub else 0)
         yield _one(_counter, "logjam_relay_pub_drops", "messages a PUB subscriber missed because its queue was at the HWM",
                    dl, r.pub.drops if r.pub else 0)
         yield _one(_gauge, "logjam_relay_pub_subscriptions", "distinct topics subscribed on PUB",
                    dl, len(r.pub.subscriptions) if r.pub else 0)
+        guards = [(n, g) for n, g in (("pub", r.pub.guard if r.pub else None),
+                                      ("stats", getattr(r, "stats_guard", None)),
+                                      ("cmdp", r.cmdp.pub.guard if r.cmdp is not None and
+                                       r.cmdp.pub is not None else None)) if g is not None]
+        m = _gauge("logjam_relay_subscriptions", "subscriptions held (connection, topic), "
+                   "capped by max_subscriptions", ("device", "socket"))
+        for n, g in guards:
+            m.add_metric([d, n], g.entries)
+        yield m
+        m = _counter("logjam_relay_subscriptions_refused", "subscriptions refused over "
+                     "max_subscriptions", ("device", "socket"))
+        for n, g in guards:
+            m.add_metric([d, n], g.refused)
+        yield m
+        m = _counter("logjam_relay_subscription_peers_disconnected", "subscribers "
+                     "disconnected for going over max_subscriptions", ("device", "socket"))
+        for n, g in guards:
+            m.add_metric([d, n], g.disconnected)
+        yield m
         yield _one(_counter, "logjam_relay_heartbeats", "heartbeats published", dl, r.heartbeats)
         yield _one(_counter, "logjam_relay_batches", "batches drained from input sockets",
                    dl, r.batches)
@@ -159,7 +196,12 @@ class RelayCollector:
             "age": _gauge("logjam_relay_output_oldest_unacked_age_seconds",
                           "age of the oldest unacknowledged record (segment granularity)", lb),
             "lost": _counter("logjam_relay_spool_lost_records",
-                             "records deleted by drop_oldest before this output acked them", lb),
+                             "spooled records this output will never deliver, by reason "
+                             "(dropped, disk_full, corrupt, truncated, missing)",
+                             lb + ("reason",)),
+            "dead": _counter("logjam_relay_dead_letters",
+                             "events diverted to the dead-letter store, by reason "
+                             "(too_large, refused)", lb + ("reason",)),
         }
         for sup in r.outputs:
             st = sup.stats()
@@ -180,8 +222,22 @@ class RelayCollector:
             fams["rtt"].add_metric(lbl, st.get("window_rtt_last_seconds",
                                                st.get("payload_rtt_last_seconds", 0.0)))
             fams["age"].add_metric(lbl, sp.get("oldest_unacked_age_s", 0.0))
-            fams["lost"].add_metric(lbl, sp.get("lost", 0))
+            by_reason = sp.get("lost_by_reason", {})
+            for reason in sorted({"dropped", "disk_full", "corrupt", "truncated", "missing",
+                                  *by_reason}):
+                fams["lost"].add_metric(lbl + [reason], by_reason.get(reason, 0))
+            dead = st.get("dead_letters", {})
+            for reason in sorted({"too_large", "refused", *dead}):
+                fams["dead"].add_metric(lbl + [reason], dead.get(reason, 0))
         yield from fams.values()
+        store = getattr(r, "dead_letters", None)
+        if store is not None:
+            ds = store.stats()
+            yield _one(_gauge, "logjam_relay_dead_letter_store_bytes",
+                       "bytes the dead-letter store uses on disk", [d], ds["bytes"])
+            yield _one(_counter, "logjam_relay_dead_letters_dropped",
+                       "dead letters deleted (oldest first) because the store was full",
+                       [d], ds["dropped"])
 
         st = r.spool.stats()
         dl = [d]
@@ -200,12 +256,18 @@ class RelayCollector:
                 ("logjam_relay_spool_corrupt_tails_cut", "corrupt_tails_cut",
                  "torn or corrupt segment tails cut at start", _counter),
                 ("logjam_relay_spool_dropped_segments", "dropped_segments",
-                 "segments deleted by drop_oldest", _counter)):
+                 "segments deleted by drop_oldest", _counter),
+                ("logjam_relay_spool_paused", "paused",
+                 "1 while ingress is paused (spool full or disk full)", _gauge),
+                ("logjam_relay_spool_disk_full", "disk_full",
+                 "1 while the spool's disk is full (ENOSPC)", _gauge),
+                ("logjam_relay_spool_cursor_writes", "cursor_writes",
+                 "acknowledgements appended to the cursor logs", _counter)):
             m = kind(name, doc)
             m.add_metric(dl, st.get(key, 0))
             yield m
         yield _one(_counter, "logjam_relay_spool_blocked_seconds", "time ingress was paused because the spool was full",
-                   dl, r.spool_blocked_seconds)
+                   dl, r.spool_blocked_seconds + r.spool.blocked_in_progress())
 
 
     @staticmethod
@@ -228,7 +290,12 @@ class RelayCollector:
                 ("logjam_relay_samwise_spool_errors", "spool_errors",
                  "batches refused because the samwise spool failed or was full", _counter),
                 ("logjam_relay_samwise_backlog_records", "backlog_records",
-                 "spooled records not yet settled, summed over brokers", _gauge)):
+                 "spooled records not yet settled, summed over brokers", _gauge),
+                ("logjam_relay_samwise_rpc_connections", "rpc_connections",
+                 "AMQP connections open for rpc calls (at most samwise_rpc_max_concurrent)",
+                 _gauge),
+                ("logjam_relay_samwise_rpc_waiting", "rpc_waiting",
+                 "rpc calls waiting for a connection slot", _gauge)):
             yield _one(kind, name, doc, dl, st.get(key, 0))
         lb = ("device", "broker")
         fams = {
@@ -247,6 +314,9 @@ class RelayCollector:
         }
         results = _counter("logjam_relay_samwise_publishes", "publishes by broker and result "
                            "(ack, nack, returned, no_exchange)", ("device", "broker", "result"))
+        amqp_errors = _counter("logjam_relay_samwise_amqp_errors", "malformed or unexpected "
+                               "AMQP input from a broker (the connection was dropped), by "
+                               "reason", ("device", "broker", "reason"))
         latency = SummaryMetricFamily("logjam_relay_samwise_confirm_latency_seconds",
                                       "publish to publisher-confirm latency", labels=list(lb))
         latency_max = _gauge("logjam_relay_samwise_confirm_latency_max_seconds",
@@ -260,11 +330,14 @@ class RelayCollector:
                 fams[key].add_metric(lbl, b.get(key, 0))
             for result, n in sorted(b.get("results", {}).items()):
                 results.add_metric([d, name, result], n)
+            for reason, n in sorted(b.get("amqp_errors", {}).items()):
+                amqp_errors.add_metric([d, name, reason], n)
             latency.add_metric(lbl, b.get("confirm_latency_seconds_count", 0),
                                b.get("confirm_latency_seconds_sum", 0.0))
             latency_max.add_metric(lbl, b.get("confirm_latency_seconds_max", 0.0))
         yield from fams.values()
         yield results
+        yield amqp_errors
         yield latency
         yield latency_max
         spool_stats = getattr(svc.store, "stats", None)

@@ -74,17 +74,12 @@ static void *handle_of(PyObject *obj) {
     return h;
 }
 
-/* drain(handle, limit) -> [[frame, ...], ...]: up to limit whole messages, no blocking */
-static PyObject *fast_drain(PyObject *self, PyObject *args) {
-    PyObject *hobj;
-    Py_ssize_t limit;
-    if (!p_msg_recv) {
-        PyErr_SetString(PyExc_RuntimeError, "_zmqfast.init() was not called");
-        return NULL;
-    }
-    if (!PyArg_ParseTuple(args, "On", &hobj, &limit)) return NULL;
-    void *sock = handle_of(hobj);
-    if (!sock) return NULL;
+/* Up to limit whole messages, no blocking; stops after the message that brings the
+ * bytes received to max_bytes or more (0: no byte bound).  *total and *biggest get the
+ * bytes of all frames and of the largest frame. */
+static PyObject *drain_impl(void *sock, Py_ssize_t limit, size_t max_bytes, size_t *total,
+                            size_t *biggest) {
+    size_t sum = 0, big = 0;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     zmq_msg_t msg;
@@ -106,8 +101,10 @@ static PyObject *fast_drain(PyObject *self, PyObject *args) {
                 return zmq_error(err);
             }
             if (!frames && !(frames = PyList_New(0))) goto fail;
-            PyObject *b = PyBytes_FromStringAndSize(p_msg_data(&msg),
-                                                    (Py_ssize_t)p_msg_size(&msg));
+            size_t sz = p_msg_size(&msg);
+            sum += sz;
+            if (sz > big) big = sz;
+            PyObject *b = PyBytes_FromStringAndSize(p_msg_data(&msg), (Py_ssize_t)sz);
             if (!b || PyList_Append(frames, b) < 0) {
                 Py_XDECREF(b);
                 Py_DECREF(frames);
@@ -122,14 +119,51 @@ static PyObject *fast_drain(PyObject *self, PyObject *args) {
             goto fail;
         }
         Py_DECREF(frames);
+        if (max_bytes && sum >= max_bytes) break;
     }
 done:
     p_msg_close(&msg);
+    *total = sum;
+    *biggest = big;
     return out;
 fail:
     p_msg_close(&msg);
     Py_DECREF(out);
     return NULL;
+}
+
+static void *drain_args(PyObject *hobj) {
+    if (!p_msg_recv) {
+        PyErr_SetString(PyExc_RuntimeError, "_zmqfast.init() was not called");
+        return NULL;
+    }
+    return handle_of(hobj);
+}
+
+/* drain(handle, limit) -> [[frame, ...], ...]: up to limit whole messages, no blocking */
+static PyObject *fast_drain(PyObject *self, PyObject *args) {
+    PyObject *hobj;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "On", &hobj, &limit)) return NULL;
+    void *sock = drain_args(hobj);
+    if (!sock) return NULL;
+    size_t total, biggest;
+    return drain_impl(sock, limit, 0, &total, &biggest);
+}
+
+/* drain_bytes(handle, limit, max_bytes) -> (messages, total_bytes, biggest_frame): like
+ * drain, and stops after the message that brings the bytes to max_bytes (0: no bound) */
+static PyObject *fast_drain_bytes(PyObject *self, PyObject *args) {
+    PyObject *hobj;
+    Py_ssize_t limit, max_bytes;
+    if (!PyArg_ParseTuple(args, "Onn", &hobj, &limit, &max_bytes)) return NULL;
+    void *sock = drain_args(hobj);
+    if (!sock) return NULL;
+    size_t total = 0, biggest = 0;
+    PyObject *out = drain_impl(sock, limit, max_bytes > 0 ? (size_t)max_bytes : 0, &total,
+                               &biggest);
+    if (!out) return NULL;
+    return Py_BuildValue("(Nnn)", out, (Py_ssize_t)total, (Py_ssize_t)biggest);
 }
 
 static int send_frame(void *sock, PyObject *f, int flags) {
@@ -206,6 +240,8 @@ static PyMethodDef methods[] = {
     {"init", fast_init, METH_VARARGS, "init(libzmq_path): bind to the loaded libzmq"},
     {"drain", fast_drain, METH_VARARGS,
      "drain(handle, limit) -> list of whole messages (lists of bytes), without blocking"},
+    {"drain_bytes", fast_drain_bytes, METH_VARARGS,
+     "drain_bytes(handle, limit, max_bytes) -> (messages, total bytes, largest frame)"},
     {"publish", fast_publish, METH_VARARGS,
      "publish(handle, records, start) -> (index, errno) of the first record not sent"},
     {NULL, NULL, 0, NULL},

@@ -1,7 +1,9 @@
 """The optional C fast path for the hot socket loops (see ``_zmqfast.c``).
 
 ``drain(sock, limit)`` receives up to ``limit`` whole messages without blocking, like
-the pyzmq loop in :mod:`logjam_relay.io.zmq_trio`.  ``publish(sock, records, start)``
+the pyzmq loop in :mod:`logjam_relay.io.zmq_trio`; ``drain_bytes(sock, limit, max_bytes)``
+also stops after the message that brings the bytes to ``max_bytes`` and returns
+``(messages, total_bytes, largest_frame)``.  ``publish(sock, records, start)``
 sends ``records[start:]`` (each a sequence of frames) in order and returns
 ``(index, errno)`` of the first record whose first frame could not be sent (EAGAIN,
 EHOSTUNREACH...), or ``(len(records), 0)``.  Both at a fraction of pyzmq's per-frame
@@ -19,7 +21,7 @@ import zmq
 
 AVAILABLE = False
 WHY_NOT = ""
-drain = publish = None  # type: ignore[assignment]
+drain = drain_bytes = publish = None  # type: ignore[assignment]
 
 
 def _loaded_libzmq() -> str | None:
@@ -36,7 +38,7 @@ def _loaded_libzmq() -> str | None:
 
 
 def _setup() -> None:
-    global AVAILABLE, WHY_NOT, drain, publish
+    global AVAILABLE, WHY_NOT, drain, drain_bytes, publish
     from .. import _native
     if _native.PURE_PYTHON:
         WHY_NOT = "LOGJAM_RELAY_PURE_PYTHON is set"
@@ -56,12 +58,21 @@ def _setup() -> None:
         WHY_NOT = str(e)
         return
     fast_drain, fast_publish, Error = _zmqfast.drain, _zmqfast.publish, _zmqfast.ZMQFastError
+    fast_drain_bytes = _zmqfast.drain_bytes
 
     def drain_(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
         if sock.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK)
         try:
             return fast_drain(sock.underlying, limit)
+        except Error as e:
+            raise zmq.ZMQError(e.errno) from None
+
+    def drain_bytes_(sock: zmq.Socket, limit: int, max_bytes: int):
+        if sock.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        try:
+            return fast_drain_bytes(sock.underlying, limit, max_bytes)
         except Error as e:
             raise zmq.ZMQError(e.errno) from None
 
@@ -73,7 +84,7 @@ def _setup() -> None:
         except Error as e:
             raise zmq.ZMQError(e.errno) from None
 
-    drain, publish = drain_, publish_
+    drain, drain_bytes, publish = drain_, drain_bytes_, publish_
     AVAILABLE = True
 
 

@@ -24,6 +24,8 @@ pyzmq's per-frame cost); ``drain_py`` / ``publish_batch_py`` are the pyzmq versi
 from __future__ import annotations
 
 import errno
+import os
+import socket
 
 import trio
 import zmq
@@ -82,13 +84,49 @@ def drain_py(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
     return out
 
 
+def drain_bytes_py(sock: zmq.Socket, limit: int, max_bytes: int) -> tuple[list, int, int]:
+    """Like :func:`drain_py`, bounded in bytes too: stops after the message that brings
+    the bytes received to ``max_bytes`` (0 = no byte bound).  Returns ``(messages,
+    total_bytes, largest_frame)`` -- the caller checks the largest frame against the
+    event limit without walking the batch."""
+    recv = sock.recv
+    get = sock.get
+    out: list[list[bytes]] = []
+    append = out.append
+    total = biggest = 0
+    try:
+        for _ in range(limit):
+            f = recv(NOBLOCK)
+            frames = [f]
+            n = len(f)
+            total += n
+            if n > biggest:
+                biggest = n
+            while get(RCVMORE):
+                f = recv()
+                frames.append(f)
+                n = len(f)
+                total += n
+                if n > biggest:
+                    biggest = n
+            append(frames)
+            if max_bytes and total >= max_bytes:
+                break
+    except zmq.Again:
+        pass
+    return out, total, biggest
+
+
 drain = zmq_fast.drain if zmq_fast.AVAILABLE else drain_py
+drain_bytes = zmq_fast.drain_bytes if zmq_fast.AVAILABLE else drain_bytes_py
 
 
-async def recv_batch(sock: zmq.Socket, limit: int = 1000) -> list[list[bytes]]:
-    """Wait for at least one message, then drain up to ``limit`` of them."""
+async def recv_batch(sock: zmq.Socket, limit: int = 1000,
+                     max_bytes: int = 0) -> list[list[bytes]]:
+    """Wait for at least one message, then drain up to ``limit`` of them (and, with
+    ``max_bytes``, stop after the message that brings the batch to that many bytes)."""
     while True:
-        batch = drain(sock, limit)
+        batch = drain_bytes(sock, limit, max_bytes)[0] if max_bytes else drain(sock, limit)
         if batch:
             await trio.lowlevel.checkpoint()
             return batch
@@ -138,20 +176,26 @@ class PubSocket:
     subscriber misses it).  Subscription messages are drained by
     :meth:`poll_subscriptions`, called from a timer, so nobody waits on the
     FD and any task can publish.
+
+    With ``max_subscriptions`` a :class:`SubscriptionGuard` caps the subscriptions
+    (``guard``; the socket needs :func:`xpub_options` set before bind).
     """
 
-    __slots__ = ("sock", "drops", "published", "subscriptions", "_send")
+    __slots__ = ("sock", "drops", "published", "subscriptions", "guard", "_send")
 
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: zmq.Socket, max_subscriptions: int | None = None):
         if sock.type != zmq.XPUB:
             raise ValueError("PubSocket needs an XPUB socket")
         sock.setsockopt(zmq.XPUB_NODROP, 1)
         self.sock = sock
         self.drops = 0
         self.published = 0
+        self.guard = SubscriptionGuard(sock, max_subscriptions) if max_subscriptions else None
         # Topics with at least one subscriber (XPUB is not verbose, so ZeroMQ
-        # reports the first subscribe and the last unsubscribe of a topic).
-        self.subscriptions: set[bytes] = set()
+        # reports the first subscribe and the last unsubscribe of a topic; with a guard,
+        # its topic -> subscriber count).
+        self.subscriptions: set[bytes] | dict[bytes, int] = \
+            self.guard.topics if self.guard is not None else set()
         self._send = sock.send
 
     def publish(self, frames: list[bytes] | tuple[bytes, ...]) -> None:
@@ -208,8 +252,11 @@ class PubSocket:
             sock.setsockopt(zmq.XPUB_NODROP, 1)
         self.published += 1
 
-    def poll_subscriptions(self) -> None:
-        """Drain (un)subscription notifications without blocking."""
+    def poll_subscriptions(self) -> list[bytes]:
+        """Drain (un)subscription notifications without blocking (with a guard: apply
+        the cap and return its notifications)."""
+        if self.guard is not None:
+            return self.guard.poll()
         recv = self.sock.recv
         subs = self.subscriptions
         while True:
@@ -223,6 +270,230 @@ class PubSocket:
                 subs.add(m[1:])
             elif m[0] == 0:
                 subs.discard(m[1:])
+
+    def close(self, linger: int = 0) -> None:
+        if self.guard is not None:
+            self.guard.close()
+        self.sock.close(linger=linger)
+
+
+# --------------------------------------------------------------- subscription cap
+
+#: Longest subscription topic an XPUB accepts: its MAXMSGSIZE is ``MAX_TOPIC_BYTES + 10``
+#: (a subscription is one frame: ``\x01`` + topic, or with ZMTP 3.1 the command
+#: ``\x09SUBSCRIBE`` + topic), so libzmq disconnects a peer that sends a longer one before
+#: it is stored.  libzmq keeps a subscription in a trie with a
+#: node per byte, so the length bounds what one subscription can cost.
+MAX_TOPIC_BYTES = 128
+
+
+def xpub_options() -> dict[int, int]:
+    """Socket options every capped XPUB needs before bind (see :class:`SubscriptionGuard`)."""
+    # RCVHWM: the subscriptions of one peer in the pipe at a time (what a cut peer may
+    # still get in: memory.SUBSCRIPTION_OVERSHOOT)
+    return {zmq.MAXMSGSIZE: MAX_TOPIC_BYTES + 10, zmq.RCVHWM: 1000}
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):     # not glibc
+        return None
+
+
+_trim = _malloc_trim()
+
+
+def _tcp_abort():
+    """``abort(fd)``: connect(fd, AF_UNSPEC) -- a TCP disconnect without closing the fd
+    (Linux); None where libc cannot be loaded."""
+    try:
+        import ctypes
+        connect = ctypes.CDLL(None, use_errno=True).connect
+    except (OSError, AttributeError):
+        return None
+    unspec = (ctypes.c_ubyte * 16)()          # struct sockaddr, sa_family = AF_UNSPEC
+
+    def abort(fd: int) -> None:
+        connect(fd, unspec, 16)
+    return abort
+
+
+_abort = _tcp_abort()
+
+
+class SubscriptionGuard:
+    """Caps the subscriptions an XPUB keeps and gives their memory back when peers leave.
+
+    libzmq stores every subscription a peer sends in a trie (a node per topic byte), with
+    no bound: 300k random subscriptions cost GBs, and glibc keeps the freed nodes after the
+    peer leaves.  The guard puts the socket in ``XPUB_MANUAL`` mode, where libzmq hands
+    every (un)subscription to us, tagged with the sending connection's fd (``SRCFD``), and
+    only the ones we forward (``setsockopt(SUBSCRIBE)``) take part in matching.  It keeps,
+    per connection, the set of its topics (what libzmq holds for it) and
+
+    * forwards a subscription while the socket holds fewer than ``max_subscriptions``;
+    * refuses the one over the cap (counted in ``refused``) and disconnects the peer that
+      sent it (``shutdown`` of its TCP connection, after checking that the fd is a
+      connection of this socket's port): libzmq then drops everything that peer
+      subscribed, so what the socket holds stays about ``max_subscriptions`` entries (plus
+      what arrives in one poll: the peer's RCVHWM, 1000 messages);
+    * forgets a connection's topics when the socket monitor reports it disconnected, and
+      calls ``malloc_trim`` after many entries were freed so the RSS goes down again.
+
+    :meth:`poll` drains without blocking and returns the notifications a plain XPUB with
+    ``XPUB_VERBOSE`` would give: ``b"\x01" + topic`` for every accepted subscription,
+    ``b"\x00" + topic`` when the last subscriber of a topic left.  ``topics`` maps each
+    subscribed topic to its number of subscribers.  Create it right after ``bind``, with
+    the options of :func:`xpub_options` set before.
+    """
+
+    TRIM_AFTER = 1000      # entries freed since the last malloc_trim
+
+    def __init__(self, sock: zmq.Socket, max_subscriptions: int = 10_000):
+        if sock.type != zmq.XPUB:
+            raise ValueError("SubscriptionGuard needs an XPUB socket")
+        sock.setsockopt(zmq.XPUB_MANUAL, 1)
+        self.sock = sock
+        self.max_subscriptions = max_subscriptions
+        self.entries = 0                         # (connection, topic) pairs held
+        self.topics: dict[bytes, int] = {}
+        self.refused = 0
+        self.disconnected = 0                    # peers cut for going over the cap
+        self.trims = 0
+        self._by_fd: dict[int, set[bytes]] = {}
+        self._cut: set[int] = set()              # disconnected by us, not yet gone
+        self._freed = 0
+        self._ports: set[int] = set()
+        ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if ep.startswith("tcp://"):
+            self._ports.add(int(ep.rsplit(":", 1)[1]))
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+
+    def stats(self) -> dict:
+        return {"subscriptions": self.entries, "topics": len(self.topics),
+                "refused": self.refused, "peers_disconnected": self.disconnected}
+
+    def poll(self, max_messages: int = 5000) -> list[bytes]:
+        """Handle up to ``max_messages`` pending (un)subscriptions (the caller polls
+        again soon: a flood never holds the event loop)."""
+        out: list[bytes] = []
+        recv = self.sock.recv
+        setsockopt = self.sock.setsockopt
+        by_fd = self._by_fd
+        topics = self.topics
+        cut = self._cut
+        for _ in range(max_messages):
+            try:
+                msg = recv(NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            m = msg.bytes
+            if not m or m[0] > 1:
+                continue
+            topic = m[1:]
+            try:
+                fd = msg.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = -1
+            if fd < 0:
+                # libzmq's own unsubscriptions for a connection that ended: it already
+                # removed them; the monitor tells us which connection it was
+                continue
+            mine = by_fd.get(fd)
+            if m[0] == 1:
+                if mine is not None and topic in mine:
+                    setsockopt(zmq.SUBSCRIBE, topic)        # a repeat: nothing new held
+                    out.append(m)
+                    continue
+                if self.entries >= self.max_subscriptions or fd in cut:
+                    self.refused += 1
+                    if fd not in cut and self._disconnect(fd):
+                        cut.add(fd)
+                    continue
+                if mine is None:
+                    mine = by_fd[fd] = set()
+                mine.add(topic)
+                self.entries += 1
+                setsockopt(zmq.SUBSCRIBE, topic)
+                topics[topic] = topics.get(topic, 0) + 1
+                out.append(m)
+            elif mine is not None and topic in mine:
+                mine.discard(topic)
+                self.entries -= 1
+                self._freed += 1
+                setsockopt(zmq.UNSUBSCRIBE, topic)
+                if self._release(topic):
+                    out.append(m)
+        self._poll_monitor(out)
+        if self._freed >= self.TRIM_AFTER and _trim is not None:
+            # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise)
+            _trim(0)
+            self.trims += 1
+            self._freed = 0
+        return out
+
+    def _release(self, topic: bytes) -> bool:
+        n = self.topics.get(topic, 0) - 1
+        if n > 0:
+            self.topics[topic] = n
+            return False
+        self.topics.pop(topic, None)
+        return True
+
+    def _poll_monitor(self, out: list[bytes]) -> None:
+        mon = self._monitor
+        while True:
+            try:
+                frames = mon.recv_multipart(NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames[0]) < 6:
+                continue
+            event = int.from_bytes(frames[0][:2], "little")
+            fd = int.from_bytes(frames[0][2:6], "little", signed=True)
+            if event == zmq.EVENT_DISCONNECTED:
+                self._cut.discard(fd)
+                gone = self._by_fd.pop(fd, None)
+                if gone:
+                    self.entries -= len(gone)
+                    self._freed += len(gone)
+                    for topic in gone:
+                        if self._release(topic):
+                            out.append(b"\x00" + topic)
+
+    def _disconnect(self, fd: int) -> bool:
+        """Abort the TCP connection behind ``fd`` if it is one of this socket's.
+
+        ``shutdown`` alone is not enough: Linux keeps accepting (and libzmq keeps
+        reading) what a hostile peer goes on sending.  ``connect(AF_UNSPEC)`` on a TCP
+        socket is a disconnect: the kernel drops what is queued, sends a RST and
+        reports the socket hung up, so libzmq ends the connection at once.
+        """
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return False
+        try:
+            if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in self._ports:
+                return False
+            s.shutdown(socket.SHUT_RDWR)
+            if _abort is not None:
+                _abort(s.fileno())
+            self.disconnected += 1
+            return True
+        except (OSError, IndexError, TypeError):
+            return False
+        finally:
+            s.close()
 
 
 def send_replies(sock: zmq.Socket, replies: list) -> int:

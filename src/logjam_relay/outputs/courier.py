@@ -17,31 +17,43 @@ half-closes the connection after the last ACKN.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
-import socket
 import ssl
-import time
 from collections import deque
-from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlsplit
 
 import trio
 
-from .. import _native
-from ..io.net import TLSSettings, connect
+from ..io.net import connect
+from ..limits import EventTooLarge
 from ..protocols.courier import (
-    MAX_LENGTH,
     ClientConnection,
     CourierError,
     HandshakeComplete,
     PayloadAck,
 )
-from ..protocols.logjam import LogjamError, decompress, meta_problem, split_app_env, unpack_meta
 from ..ratelimit import RateLimitedLog
-from ..spool.api import KIND_LOGJAM, Position, Record, SpoolReader
+from ..spool.api import Position, Record, SpoolReader
+from .courier_config import CourierConfig, parse_url  # noqa: F401  (re-exported)
+from .courier_encode import (  # noqa: F401  (re-exported)
+    BAD_META_TAG,
+    DECOMPRESS_TAG,
+    NOT_JSON_TAG,
+    _courierenc,
+    _json_check,
+    iso_timestamp,
+    record_to_event,
+    record_to_event_py,
+)
+from .poison import (
+    REFUSE_LIMIT,
+    DeadLetterSink,
+    describe_error,
+    is_dns_error,
+    needs_worker,
+    skip_non_events,
+)
 
 log = logging.getLogger("logjam_relay.outputs.courier")
 
@@ -49,291 +61,26 @@ _NET_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.
                trio.TooSlowError, CourierError)
 
 
-# ------------------------------------------------------------------ configuration
-
-
-@dataclass(frozen=True, slots=True)
-class CourierConfig:
-    hosts: tuple[tuple[str, int], ...]
-    tls: TLSSettings = field(default_factory=TLSSettings)
-    payload_size: int = 1000              # events per payload
-    max_pending: int = 10                 # unacknowledged payloads per connection (Go limit)
-    network_timeout: float = 15.0         # connect, handshake, ACKN progress, PONG
-    idle_ping: float = 10.0               # PING after this long without traffic
-    backoff_initial: float = 1.0
-    backoff_max: float = 30.0             # the Go client caps at 300 s: too long for a relay
-    compress_level: int = 3               # as the Go client (78 5e)
-    streaming: bool = True                # use EVNT when the receiver offers it
-    max_payload_bytes: int = 4 * 1024 * 1024   # uncompressed; a payload is cut earlier
-    max_event_bytes: int = MAX_LENGTH - 1024   # larger events are dropped (receivers refuse)
-    hostname: str = field(default_factory=socket.gethostname)   # event field "host"
-    shutdown_timeout: float = 15.0
-    name: str = "courier"
-
-    def __post_init__(self):
-        if not self.hosts:
-            raise ValueError("at least one host is required")
-        if self.payload_size < 1:
-            raise ValueError("payload_size must be >= 1")
-        if self.max_pending < 1:
-            raise ValueError("max_pending must be >= 1")
-
-
-_BOOL = {"on": True, "true": True, "yes": True, "1": True,
-         "off": False, "false": False, "no": False, "0": False}
-
-
-def _hostport(s: str) -> tuple[str, int]:
-    if s.startswith("["):
-        host, _, rest = s[1:].partition("]")
-        if not rest.startswith(":"):
-            raise ValueError(f"courier URL: host {s!r} needs a port ([v6]:port)")
-        port_s = rest[1:]
-    else:
-        host, sep, port_s = s.rpartition(":")
-        if not sep or ":" in host:
-            raise ValueError(f"courier URL: host {s!r} needs a port (host:port)")
-    if not host:
-        raise ValueError(f"courier URL: empty host name in {s!r}")
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ValueError(f"courier URL: port {port_s!r} of {s!r} is not a number") from None
-    if not 0 < port < 65536:
-        raise ValueError(f"courier URL: port {port} of {s!r} out of range 1..65535")
-    return host, port
-
-
-def parse_url(url: str) -> CourierConfig:
-    """``courier://host:port[,host2:port2...]?payload=1000&tls=off&...`` -> config.
-
-    Parameters: ``payload`` (events per payload), ``pending`` (unacknowledged payloads per
-    connection), ``tls`` (on/off, default on), ``ca``, ``cert``, ``key``, ``server_name``,
-    ``verify`` (on/off, default on), ``timeout`` (network timeout, s), ``ping`` (idle
-    PING, s), ``backoff``, ``backoff_max`` (s), ``level`` (zlib 0-9), ``evnt`` (on/off),
-    ``hostname`` (the ``host`` field of events). Raises ValueError naming the bad part.
-    """
-    try:
-        u = urlsplit(url)
-    except ValueError as e:
-        raise ValueError(f"courier URL: {e}") from None
-    if u.scheme != "courier":
-        raise ValueError(f"courier URL: scheme must be 'courier', got {u.scheme!r}")
-    if "@" in u.netloc:
-        raise ValueError("courier URL: user information is not supported")
-    if u.path not in ("", "/"):
-        raise ValueError(f"courier URL: unexpected path {u.path!r}")
-    if u.fragment:
-        raise ValueError(f"courier URL: unexpected fragment {u.fragment!r}")
-    if not u.netloc:
-        raise ValueError("courier URL: no host:port")
-    hosts = tuple(_hostport(h) for h in u.netloc.split(","))
-
-    params: dict[str, str] = {}
-    for k, v in parse_qsl(u.query, keep_blank_values=True):
-        if k in params:
-            raise ValueError(f"courier URL: parameter {k!r} given twice")
-        params[k] = v
-
-    def num(name, conv, lo, hi=None):
-        raw = params.pop(name, None)
-        if raw is None:
-            return None
-        try:
-            v = conv(raw)
-        except ValueError:
-            raise ValueError(f"courier URL: parameter {name}={raw!r} is not a "
-                             f"{'number' if conv is float else 'whole number'}") from None
-        if v != v or v < lo or (hi is not None and v > hi):
-            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-            raise ValueError(f"courier URL: parameter {name}={raw!r} must be {rng}")
-        return v
-
-    def flag(name):
-        raw = params.pop(name, None)
-        if raw is None:
-            return None
-        try:
-            return _BOOL[raw.lower()]
-        except KeyError:
-            raise ValueError(f"courier URL: parameter {name}={raw!r} must be on or off") from None
-
-    def path(name):
-        raw = params.pop(name, None)
-        if raw is None:
-            return None
-        if not raw:
-            raise ValueError(f"courier URL: parameter {name} is empty")
-        if not os.path.isfile(raw):
-            raise ValueError(f"courier URL: parameter {name}: file {raw!r} not found")
-        return raw
-
-    kw: dict = {}
-    for key, name, conv, lo, hi in (
-        ("payload_size", "payload", int, 1, 1_000_000),
-        ("max_pending", "pending", int, 1, 10_000),
-        ("network_timeout", "timeout", float, 0.001, None),
-        ("idle_ping", "ping", float, 0.001, None),
-        ("backoff_initial", "backoff", float, 0.0, None),
-        ("backoff_max", "backoff_max", float, 0.0, None),
-        ("compress_level", "level", int, 0, 9),
-    ):
-        v = num(name, conv, lo, hi)
-        if v is not None:
-            kw[key] = v
-    streaming = flag("evnt")
-    if streaming is not None:
-        kw["streaming"] = streaming
-    hostname = params.pop("hostname", None)
-    if hostname is not None:
-        if not hostname:
-            raise ValueError("courier URL: parameter hostname is empty")
-        kw["hostname"] = hostname
-
-    tls_on = flag("tls")
-    verify = flag("verify")
-    ca, cert, key = path("ca"), path("cert"), path("key")
-    server_name = params.pop("server_name", None)
-    if server_name == "":
-        raise ValueError("courier URL: parameter server_name is empty")
-    if tls_on is False:
-        for name, v in (("ca", ca), ("cert", cert), ("key", key),
-                        ("server_name", server_name), ("verify", verify)):
-            if v is not None:
-                raise ValueError(f"courier URL: parameter {name} given but tls=off")
-    if key is not None and cert is None:
-        raise ValueError("courier URL: parameter key given without cert")
-    kw["tls"] = TLSSettings(enabled=tls_on is not False, ca=ca, cert=cert, key=key,
-                            server_name=server_name, verify=verify is not False)
-
-    if params:
-        raise ValueError(f"courier URL: unknown parameter {sorted(params)[0]!r}")
-    if kw.get("backoff_max", 30.0) < kw.get("backoff_initial", 1.0):
-        raise ValueError("courier URL: parameter backoff_max must be >= backoff")
-    return CourierConfig(hosts=hosts, **kw)
-
-
-# ------------------------------------------------------------------ event mapping
-
-
-def _reject_constant(name):
-    raise ValueError(f"{name} is not JSON")
-
-
-# NaN/Infinity are accepted by Python's json but are not JSON: reject them
-_json_check = json.JSONDecoder(parse_constant=_reject_constant).decode
-
-_courierenc = _native.load("logjam_relay.outputs._courierenc")   # optional C, common case
-
-
-_ts_cache: dict[int, bytes] = {}
-
-
-def iso_timestamp(created_ms: int) -> bytes:
-    """Milliseconds since the epoch -> ``2024-05-01T12:00:00.123Z`` (UTC)."""
-    s, ms = divmod(created_ms, 1000)
-    p = _ts_cache.get(s)
-    if p is None:
-        try:
-            p = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(s)).encode()
-        except (OverflowError, OSError, ValueError):
-            p = b"1970-01-01T00:00:00"
-        if len(_ts_cache) > 4096:
-            _ts_cache.clear()
-        _ts_cache[s] = p
-    return b"%s.%03dZ" % (p, ms)
-
-
-_prefix_cache: dict[tuple[bytes, bytes, str], bytes] = {}
-
-
-def _prefix(app_env: bytes, topic: bytes, hostname: str) -> bytes:
-    key = (app_env, topic, hostname)
-    p = _prefix_cache.get(key)
-    if p is None:
-        app, env = split_app_env(app_env)
-        dumps = json.dumps
-        p = (f',"app":{dumps(app)},"env":{dumps(env)},'
-             f'"topic":{dumps(topic.decode("utf-8", "replace"))},"host":{dumps(hostname)},'
-             ).encode()
-        if len(_prefix_cache) > 10_000:
-            _prefix_cache.clear()
-        _prefix_cache[key] = p
-    return p
-
-
-NOT_JSON_TAG = "_logjam_body_not_json"
-DECOMPRESS_TAG = "_logjam_decompress_failure"
-BAD_META_TAG = "_logjam_bad_meta"
-
-
-def record_to_event(record: Record, hostname: str) -> bytes | None:
-    """One logjam record -> one JSON event (bytes), or None when it is not a logjam record.
-
-    The common case (good meta, JSON body) is mapped in C (``_courierenc.c``) when it is
-    built; everything else, and everything without it, by :func:`record_to_event_py`.
-    """
-    frames = record.frames
-    if record.kind != KIND_LOGJAM or len(frames) < 4 or frames[0] == b"heartbeat":
-        return None     # heartbeats are spooled for the gapless archive only
-    if _courierenc is not None:
-        ev = _courierenc.event(frames, _prefix(frames[0], frames[1], hostname), decompress)
-        if ev is not None:
-            return ev
-    return record_to_event_py(record, hostname)
-
-
-def record_to_event_py(record: Record, hostname: str) -> bytes | None:
-    """:func:`record_to_event` in Python alone (the reference for the C mapping).
-
-    ``{"@timestamp", "app", "env", "topic", "host", "logjam": {"device", "sequence",
-    "created_ms"}, "payload": <decoded JSON body>}``; a body that is not JSON becomes
-    ``"message": <text>, "tags": ["_logjam_body_not_json"]`` (see docs/courier.md).
-    """
-    if record.kind != KIND_LOGJAM or len(record.frames) < 4 or record.frames[0] == b"heartbeat":
-        return None     # heartbeats are spooled for the gapless archive only
-    app_env, topic, body, meta_b = record.frames[:4]
-    tag = None
-    if meta_problem(meta_b) is None:
-        _t, comp, _v, device, created_ms, seq = unpack_meta(meta_b)
-    else:
-        tag = BAD_META_TAG
-        comp = device = created_ms = seq = 0
-    raw = body if type(body) is bytes else bytes(body)
-    if comp:
-        try:
-            raw = decompress(body, comp)
-        except LogjamError:
-            tag = DECOMPRESS_TAG
-    head = b'{"@timestamp":"%s"%s"logjam":{"device":%d,"sequence":%d,"created_ms":%d},' % (
-        iso_timestamp(created_ms), _prefix(app_env, topic, hostname), device, seq, created_ms)
-    if tag is None:
-        try:
-            _json_check(raw.decode("utf-8"))
-        except (ValueError, RecursionError):   # includes UnicodeDecodeError
-            tag = NOT_JSON_TAG
-        else:
-            return head + b'"payload":' + raw + b"}"
-    return b'%s"message":%s,"tags":["%s"]}' % (
-        head, json.dumps(raw.decode("utf-8", "replace")).encode(), tag.encode())
-
-
 # ------------------------------------------------------------------------- writer
 
 
 class _Batch:
-    __slots__ = ("nonce", "last", "events", "acked", "base", "sent", "sent_at",
-                 "transmissions")
+    __slots__ = ("nonce", "last", "events", "records", "acked", "base", "sent", "sent_at",
+                 "transmissions", "refusals", "suspect")
 
-    def __init__(self, nonce: bytes, last: Position, events: list[bytes]):
+    def __init__(self, nonce: bytes, last: Position, events: list[bytes],
+                 records: list[Record]):
         self.nonce = nonce
         self.last = last          # spool position of the payload's last record
         self.events = events
+        self.records = records    # the record of each event (partial ACKs, bisection)
         self.acked = 0            # events acknowledged by the receiver (absolute)
         self.base = 0             # first event of the current transmission
         self.sent = False         # sent on the current connection
         self.sent_at = 0.0
         self.transmissions = 0
+        self.refusals = 0         # connections closed before it advanced, in a row
+        self.suspect = False      # a half of a refused payload
 
     @property
     def done(self) -> bool:
@@ -347,9 +94,19 @@ def _new_nonce() -> bytes:
 class CourierOutput:
     """The Courier writer on one spool reader. ``await output.run()`` until cancelled."""
 
-    def __init__(self, config: CourierConfig, reader: SpoolReader, *, clock=None):
+    def __init__(self, config: CourierConfig, reader: SpoolReader, *, clock=None,
+                 dead_letters=None):
         self.config = config
         self.reader = reader
+        self.dead_letters = DeadLetterSink(config.name, dead_letters)
+        self._held: _Batch | None = None      # an isolated refused event (see _refused)
+        self._evidence = False                # something after the held event was acked
+        self._acked_upto: Position | None = None
+        self._limiter = trio.CapacityLimiter(1)
+        self.connect_failures = 0
+        self.partial_acks = 0
+        self.refusals = 0
+        self.bisections = 0
         self._clock = clock or trio.current_time
         self._ssl = config.tls.client_context()
         self._batches: deque[_Batch] = deque()
@@ -414,6 +171,11 @@ class CourierOutput:
             "pings_sent": self.pings_sent,
             "events_skipped": self.events_skipped,
             "events_dropped": self.events_dropped,
+            "connect_failures": self.connect_failures,
+            "partial_acks": self.partial_acks,
+            "refusals": self.refusals,
+            "bisections": self.bisections,
+            "dead_letters": self.dead_letters.counts(),
             "pending_payloads": len(self._batches),
             "unacked_events": self.unacked_events,
             "backlog_records": spool.get("backlog_records", 0),
@@ -435,33 +197,118 @@ class CourierOutput:
                 return
             host, port = cfg.hosts[idx % len(cfg.hosts)]
             self._progress = False
+            bisecting = False
             try:
                 await self._connection(host, port)
             except _NET_ERRORS as e:
                 reason = _reason(e)
                 self.errors[reason] = self.errors.get(reason, 0) + 1
-                self._rl.warning(reason, "courier %s:%d: %s: %s", host, port, reason,
-                                 e.__cause__ or e or type(e).__name__)
+                self._rl.warning(reason, "courier %s %s:%d: %s: %s", cfg.name, host, port,
+                                 reason, describe_error(e))
+                if reason in ("eof", "io"):
+                    bisecting = await self._refused()
             finally:
                 self.connected_to = None
             if self._finished:
                 return
             self.reconnects += 1
-            if self._progress:
+            if not self._batches and self._held is None:
+                # heartbeats are not this output's backlog (see poison.skip_non_events)
+                skip_non_events(self.reader)
+            if self._progress or bisecting:
                 backoff = cfg.backoff_initial
             else:
                 idx += 1
             await trio.sleep(backoff * random.uniform(0.8, 1.0))
-            backoff = min(max(backoff * 2, 0.001), cfg.backoff_max)
+            if not bisecting:
+                backoff = min(max(backoff * 2, 0.001), cfg.backoff_max)
+
+    # ------------------------------------------------------------ poison events
+
+    async def _refused(self) -> bool:
+        """The receiver closed the connection before the head payload advanced: count it,
+        bisect the payload or hold its one event (diverted once a later payload is
+        acknowledged: a receiver that refuses everything never fills the dead-letter
+        store).  True while a bisection is going on."""
+        head = next((b for b in self._batches if not b.done), None)
+        if head is None:
+            return self._held is not None
+        if not head.sent or head.acked > head.base:
+            return head.suspect or self._held is not None
+        head.refusals += 1
+        self.refusals += 1
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.refusals = 0
+            held.suspect = False
+            self._batches.appendleft(held)
+            self._by_nonce[held.nonce] = held
+            for b in self._batches:
+                b.suspect = False
+                b.refusals = 0
+            log.warning("courier %s: the receiver refuses the payloads after the suspected "
+                        "event too: not diverting it, retrying", self.config.name)
+            return False
+        left = len(head.events) - head.acked
+        if left <= 1:
+            if head.refusals >= REFUSE_LIMIT:
+                self._hold(head)
+        elif head.suspect or head.refusals >= REFUSE_LIMIT:
+            self._bisect(head)
+        first = next((b for b in self._batches if not b.done), None)
+        return self._held is not None or (first is not None and first.suspect)
+
+    def _hold(self, b: _Batch) -> None:
+        self._batches.remove(b)
+        del self._by_nonce[b.nonce]
+        self._held = b
+        self._evidence = False
+        log.warning("courier %s: event at %s refused %d times in a row; sending what follows "
+                    "it, to divert it once the receiver acknowledged that", self.config.name,
+                    b.records[b.acked].position, b.refusals)
+
+    def _bisect(self, b: _Batch) -> None:
+        i = self._batches.index(b)
+        events, records = b.events[b.acked:], b.records[b.acked:]
+        mid = len(events) // 2
+        first = _Batch(_new_nonce(), records[mid - 1].position, events[:mid], records[:mid])
+        second = _Batch(_new_nonce(), b.last, events[mid:], records[mid:])
+        first.suspect = second.suspect = True
+        self.bisections += 1
+        log.warning("courier %s: the receiver closed the connection before acknowledging a "
+                    "payload of %d events %d times in a row: splitting it to find the event "
+                    "it refuses", self.config.name, len(events), b.refusals)
+        del self._batches[i]
+        del self._by_nonce[b.nonce]
+        for nb in (second, first):
+            while nb.nonce in self._by_nonce:   # pragma: no cover - 2**-128
+                nb.nonce = _new_nonce()
+            self._batches.insert(i, nb)
+            self._by_nonce[nb.nonce] = nb
+
+    async def _release_held(self) -> None:
+        held, self._held = self._held, None
+        recs = held.records[held.acked:]
+        await self.dead_letters.divert(
+            [(r, "refused", f"connection closed before the ACKN {held.refusals} times in a "
+                            f"row; later payloads acknowledged") for r in recs])
+        for b in self._batches:
+            b.suspect = False
+        self._pop_done()
 
     # ------------------------------------------------------------ connection
 
     async def _connection(self, host: str, port: int) -> None:
         """One connection; returns after a graceful shutdown, raises when it fails."""
         cfg = self.config
-        with trio.fail_after(cfg.network_timeout):
-            stream = await connect(host, port, ssl_context=self._ssl,
-                                   server_name=cfg.tls.server_name)
+        try:
+            with trio.fail_after(cfg.network_timeout):
+                stream = await connect(host, port, ssl_context=self._ssl,
+                                       server_name=cfg.tls.server_name)
+        except BaseException as e:
+            if isinstance(e, Exception):
+                self.connect_failures += 1     # DNS, refused, TLS handshake, timeout
+            raise
         self.connections += 1
         conn = ClientConnection(max_pending=cfg.max_pending,
                                 network_timeout=cfg.network_timeout,
@@ -508,6 +355,8 @@ class CourierOutput:
             while (ev := conn.next_event(now)) is not None:
                 if isinstance(ev, PayloadAck):
                     self._on_ack(ev, now)
+                    if self._held is not None and self._evidence:
+                        await self._release_held()
                 elif isinstance(ev, HandshakeComplete):
                     self.streaming = ev.streaming
                     self.connected_to = peer
@@ -525,6 +374,8 @@ class CourierOutput:
             return
         b.acked = b.base + ev.sequence
         self.events_acked += ev.advanced
+        if self._held is not None:
+            self._evidence = True
         if ev.complete:
             b.acked = len(b.events)
             rtt = now - b.sent_at
@@ -536,45 +387,90 @@ class CourierOutput:
         self._pop_done()
 
     def _pop_done(self) -> None:
-        """Acknowledge completed payloads to the spool, strictly in order."""
+        """Acknowledge completed payloads to the spool, strictly in order, and the record
+        of the last acknowledged event of a partly acknowledged first payload (so a
+        restart resumes inside it)."""
+        if self._held is not None:
+            return      # nothing past the held event is acknowledged before it is diverted
         batches = self._batches
         while batches and batches[0].done:
             done = batches.popleft()
             del self._by_nonce[done.nonce]
             if done.events:
                 self.payloads_acked += 1
-            self.reader.ack(done.last)
+            self._ack(done.last)
+        if batches and batches[0].acked:
+            head = batches[0]
+            if self._ack(head.records[head.acked - 1].position):
+                self.partial_acks += 1
 
-    def _read_batches(self) -> bool:
-        """Turn the next ``payload_size`` spool records into payload(s); False if none."""
-        cfg = self.config
-        records = self.reader.read(cfg.payload_size)
+    def _ack(self, pos: Position) -> bool:
+        if self._acked_upto is not None and pos <= self._acked_upto:
+            return False
+        self._acked_upto = pos
+        self.reader.ack(pos)
+        return True
+
+    async def _read_batches(self) -> bool:
+        """Turn the next ``payload_size`` spool records into payload(s); False if none.
+
+        The mapping inflates bodies (each bounded by ``max_event_bytes``): when a record is
+        compressed or large it runs in a worker thread, never on the event loop; records
+        over the limit are diverted to the dead-letter store.
+        """
+        records = self.reader.read(self.config.payload_size)
         if not records:
             return False
-        events: list[bytes] = []
-        size = 0
-        if True:
-            for i, rec in enumerate(records):
-                ev = record_to_event(rec, cfg.hostname)
-                if ev is None:
-                    self.events_skipped += 1
-                    continue
-                if len(ev) > cfg.max_event_bytes:
-                    self.events_dropped += 1
-                    self._rl.warning("event_too_large", "courier: dropped a %d-byte event",
-                                     len(ev))
-                    continue
-                if events and size + len(ev) > cfg.max_payload_bytes:
-                    self._add_batch(records[i - 1].position, events)
-                    events, size = [], 0
-                events.append(ev)
-                size += len(ev) + 4
-        self._add_batch(records[-1].position, events)
+        # shielded: records taken from the reader must end up in a payload
+        with trio.CancelScope(shield=True):
+            if needs_worker(records):
+                groups, rejected, skipped = await trio.to_thread.run_sync(
+                    self._map_records, records, limiter=self._limiter)
+            else:
+                groups, rejected, skipped = self._map_records(records)
+            self.events_skipped += skipped
+            if rejected:
+                self.events_dropped += len(rejected)
+                await self.dead_letters.divert([(r, "too_large", why) for r, why in rejected])
+        for last, events, recs in groups:
+            self._add_batch(last, events, recs)
         self._pop_done()   # a payload of skipped records only is done at once
         return True
 
-    def _add_batch(self, last: Position, events: list[bytes]) -> _Batch:
-        b = _Batch(_new_nonce(), last, events)
+    def _map_records(self, records: list[Record]):
+        """(payload groups [(last position, events, records)], rejected, skipped) -- in a
+        worker thread."""
+        cfg = self.config
+        limit = cfg.max_event_bytes
+        hostname = cfg.hostname
+        groups = []
+        rejected: list[tuple[Record, str]] = []
+        events: list[bytes] = []
+        recs: list[Record] = []
+        size = skipped = 0
+        for i, rec in enumerate(records):
+            try:
+                ev = record_to_event(rec, hostname, limit)
+            except EventTooLarge as e:
+                rejected.append((rec, e.reason))
+                continue
+            if ev is None:
+                skipped += 1
+                continue
+            if len(ev) > limit:
+                rejected.append((rec, f"event of {len(ev)} bytes is over {limit} bytes"))
+                continue
+            if events and size + len(ev) > cfg.max_payload_bytes:
+                groups.append((records[i - 1].position, events, recs))
+                events, recs, size = [], [], 0
+            events.append(ev)
+            recs.append(rec)
+            size += len(ev) + 4
+        groups.append((records[-1].position, events, recs))
+        return groups, rejected, skipped
+
+    def _add_batch(self, last: Position, events: list[bytes], records: list[Record]) -> _Batch:
+        b = _Batch(_new_nonce(), last, events, records)
         while b.nonce in self._by_nonce:   # pragma: no cover - 2**-128
             b.nonce = _new_nonce()
         self._batches.append(b)
@@ -603,13 +499,20 @@ class CourierOutput:
             if conn.ready:
                 while conn.can_send():
                     # payloads not sent on this connection yet (resends first, in order) ...
+                    suspect = False
                     for b in list(self._batches):
                         if not conn.can_send():
                             break
-                        if not b.sent and not b.done:
+                        if b.done:
+                            continue
+                        if not b.sent:
                             await self._send_batch(stream, conn, b, self._clock())
+                        if b.suspect:      # bisecting: this payload alone in flight
+                            suspect = True
+                            break
                     # ... then new ones from the spool
-                    if not conn.can_send() or self._shutdown or not self._read_batches():
+                    if suspect or not conn.can_send() or self._shutdown \
+                            or not await self._read_batches():
                         break
                 now = self._clock()
                 if conn.want_ping(now):
@@ -619,7 +522,8 @@ class CourierOutput:
                     await self._graceful_close(stream)
                     return
             want_records = (conn.ready and conn.can_send() and not self._shutdown
-                            and all(b.sent or b.done for b in self._batches))
+                            and all((b.sent and not b.suspect) or b.done
+                                    for b in self._batches))
             await self._wait(conn.deadline(), want_records)
 
     async def _wait(self, deadline: float, want_records: bool) -> None:
@@ -656,6 +560,8 @@ def _reason(e: BaseException) -> str:
         return "timeout"
     if isinstance(e, ssl.SSLError) or isinstance(e.__cause__, ssl.SSLError):
         return "tls"     # trio wraps handshake failures in BrokenResourceError
+    if is_dns_error(e):
+        return "dns"
     return "io"
 
 

@@ -18,7 +18,13 @@ One :class:`LumberjackOutput` per configured output.  It reads records from its
   and after a reconnect (exponential backoff with jitter, failover over the hosts) every
   unacknowledged window is resent (duplicates are possible, losses are not);
 * the spool position of a window's last record is acknowledged to the source once the
-  reader acknowledged the window.
+  reader acknowledged the window;
+* poison events never block the output (``outputs/poison.py``): an event over
+  ``max_event_bytes`` goes to the dead-letter store instead of a window; a window the
+  reader keeps refusing (connection closed before its ACK, ``REFUSE_LIMIT`` times in a
+  row) is bisected until the refused event is found and diverted there too.
+
+Configuration and URL: ``lumberjack_config.py``; the event mapping: ``lumberjack_encode.py``.
 
 Network errors never escape :meth:`LumberjackOutput.run`; a bug does, and the
 supervisor restarts the task (which then rewinds its source to the first unacked record).
@@ -29,25 +35,31 @@ from __future__ import annotations
 import logging
 import math
 import random
-import socket
 import ssl
-import struct
 from collections import deque
-from dataclasses import dataclass, field
-from urllib.parse import parse_qsl
 
 import trio
 
-from .. import _native
-from ..io.net import TLSSettings, connect, parse_hostport
+from ..io.net import connect
 from ..protocols import lumberjack as lj
-from ..protocols.logjam import HEARTBEAT, LogjamError, decompress, split_app_env, unpack_meta
 from ..ratelimit import RateLimitedLog
-from ..spool.api import KIND_LOGJAM, Position, Record, SpoolReader
+from ..spool.api import Position, Record, SpoolReader
+from .lumberjack_config import DEFAULT_PORT, LumberjackConfig, parse_url  # noqa: F401
+from .lumberjack_encode import (  # noqa: F401  (re-exported)
+    DEFAULT_MAX_EVENT_BYTES,
+    EventEncoder,
+    _ljencode,
+)
+from .poison import (
+    REFUSE_LIMIT,
+    DeadLetterSink,
+    describe_error,
+    is_event,
+    needs_worker,
+    skip_non_events,
+)
 
 log = logging.getLogger("logjam_relay.outputs.lumberjack")
-
-DEFAULT_PORT = 5044
 
 #: Compress a window in a worker thread (zlib releases the GIL) when it is larger than this.
 THREAD_COMPRESS_MIN = 256 * 1024
@@ -55,244 +67,25 @@ THREAD_COMPRESS_MIN = 256 * 1024
 PIPELINE_RETRY_AFTER = 600.0
 
 
-# ------------------------------------------------------------------------ config
-
-
-@dataclass(frozen=True, slots=True)
-class LumberjackConfig:
-    hosts: tuple[tuple[str, int], ...]
-    window: int = 1000
-    compression: int = 3                  # zlib level; 0 = plain D frames
-    timeout: float = 30.0                 # connect+handshake, and per window until its ACK
-    tls: TLSSettings = field(default_factory=TLSSettings)
-    backoff_min: float = 0.5
-    backoff_max: float = 30.0
-    pipeline: int = 4                     # windows in flight; 1 = stop-and-wait
-    loadbalance: bool = False             # pick a random host per connection
-    relay_host: str = field(default_factory=socket.gethostname)
-    name: str = "lumberjack"
-
-    def __post_init__(self):
-        if not self.hosts:
-            raise ValueError("hosts: at least one host is needed")
-        if not 1 <= self.window <= lj.MAX_WINDOW:
-            raise ValueError(f"window: {self.window} not in 1..{lj.MAX_WINDOW}")
-        if not 0 <= self.compression <= 9:
-            raise ValueError(f"compression: {self.compression} not in 0..9")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout: {self.timeout} must be > 0")
-        if not 1 <= self.pipeline <= 64:
-            raise ValueError(f"pipeline: {self.pipeline} not in 1..64")
-        if not 0 < self.backoff_min <= self.backoff_max:
-            raise ValueError("backoff_min/backoff_max: need 0 < backoff_min <= backoff_max")
-
-
-_TRUE = {"on", "true", "yes", "1"}
-_FALSE = {"off", "false", "no", "0"}
-
-
-def _bool(name: str, v: str) -> bool:
-    lv = v.lower()
-    if lv in _TRUE:
-        return True
-    if lv in _FALSE:
-        return False
-    raise ValueError(f"lumberjack URL: parameter {name!r}: expected on/off, got {v!r}")
-
-
-def _num(name: str, v: str, conv):
-    try:
-        x = conv(v)
-    except ValueError:
-        raise ValueError(f"lumberjack URL: parameter {name!r}: "
-                         f"expected {'an integer' if conv is int else 'a number'}, "
-                         f"got {v!r}") from None
-    if conv is float and not math.isfinite(x):
-        raise ValueError(f"lumberjack URL: parameter {name!r}: expected a finite number, got {v!r}")
-    return x
-
-
-def parse_url(url: str, **overrides) -> LumberjackConfig:
-    """``lumberjack://h1:5044,h2:5044?window=1000&compression=3&tls=on&ca=...&cert=...
-    &key=...&server_name=...&verify=on&timeout=30&pipeline=4&loadbalance=off
-    &backoff_min=0.5&backoff_max=30&relay_host=...&name=...`` -> :class:`LumberjackConfig`.
-
-    TLS is on unless ``tls=off``; the port defaults to 5044.  Raises ValueError naming
-    the offending parameter.  ``overrides`` are passed to the config as keyword arguments.
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() != "lumberjack":
-        raise ValueError(f"lumberjack URL: scheme must be 'lumberjack://', got {url!r}")
-    netloc, _, query = rest.partition("?")
-    netloc = netloc.rstrip("/")
-    if not netloc:
-        raise ValueError("lumberjack URL: no host given")
-    hosts = []
-    for part in netloc.split(","):
-        part = part.strip()
-        if not part:
-            raise ValueError(f"lumberjack URL: empty host in {netloc!r}")
-        try:
-            h, p = parse_hostport(part, DEFAULT_PORT)
-        except ValueError:
-            raise ValueError(f"lumberjack URL: bad host:port {part!r}") from None
-        if not h or not 0 < p < 65536:
-            raise ValueError(f"lumberjack URL: bad host:port {part!r}")
-        hosts.append((h, p))
-    kw: dict = {}
-    tls: dict = {}
-    seen = set()
-    for k, v in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
-        if k in seen:
-            raise ValueError(f"lumberjack URL: parameter {k!r} given twice")
-        seen.add(k)
-        if k in ("window", "compression", "pipeline"):
-            kw[k] = _num(k, v, int)
-        elif k in ("timeout", "backoff_min", "backoff_max"):
-            kw[k] = _num(k, v, float)
-        elif k == "loadbalance":
-            kw[k] = _bool(k, v)
-        elif k in ("relay_host", "name"):
-            if not v:
-                raise ValueError(f"lumberjack URL: parameter {k!r} is empty")
-            kw[k] = v
-        elif k == "tls":
-            tls["enabled"] = _bool(k, v)
-        elif k == "verify":
-            tls["verify"] = _bool(k, v)
-        elif k in ("ca", "cert", "key", "server_name"):
-            if not v:
-                raise ValueError(f"lumberjack URL: parameter {k!r} is empty")
-            tls[k] = v
-        else:
-            raise ValueError(f"lumberjack URL: unknown parameter {k!r}")
-    kw.update(overrides)
-    kw.setdefault("tls", TLSSettings(**tls))
-    try:
-        return LumberjackConfig(hosts=tuple(hosts), **kw)
-    except ValueError as e:
-        raise ValueError(f"lumberjack URL: parameter {e}") from None
-
-
-# ----------------------------------------------------------------- event mapping
-
-_u32 = struct.Struct(">I").pack
-_ljencode = _native.load("logjam_relay.outputs._ljencode")   # the optional C event mapping
-_hdr_d = struct.Struct(">2sII").pack
-
-
-def _k(key: bytes) -> bytes:
-    return _u32(len(key)) + key
-
-
-def _kv(key: bytes, value: bytes) -> bytes:
-    return _k(key) + _u32(len(value)) + value
-
-
-_K_LINE = _k(b"line")
-_K_DEVICE = _k(b"device")
-_K_SEQUENCE = _k(b"sequence")
-_K_CREATED = _k(b"created_ms")
-_TAG_DECODE_ERROR = _kv(b"tags", b"logjam_decode_error")
-_PAIRS_OK = 9
-_PAIRS_ERROR = 10
-
-
-class EventEncoder:
-    """Maps logjam records to ``1D`` frames (the documented, stable event mapping).
-
-    Fields: ``line`` (decompressed JSON body), ``app``, ``env`` (app-env split at the
-    last ``-``), ``topic``, ``device``, ``sequence``, ``created_ms``, ``host`` (relay host),
-    ``type`` = ``logjam``; plus ``tags`` = ``logjam_decode_error`` when the body or the
-    meta frame cannot be decoded (``line`` is then the raw body as text).
-    """
-
-    def __init__(self, relay_host: str):
-        self._tail = _kv(b"host", relay_host.encode()) + _kv(b"type", b"logjam")
-        self._stream_cache: dict[tuple[bytes, bytes], bytes] = {}
-        self.decode_errors = 0
-
-    def _stream_pairs(self, app_env: bytes, topic: bytes) -> bytes:
-        key = (app_env, topic)
-        r = self._stream_cache.get(key)
-        if r is None:
-            app, env = split_app_env(app_env)
-            r = (_kv(b"app", app.encode()) + _kv(b"env", env.encode())
-                 + _kv(b"topic", topic.decode("utf-8", "replace").encode()))
-            if len(self._stream_cache) >= 10_000:
-                self._stream_cache.clear()
-            self._stream_cache[key] = r
-        return r
-
-    def encode(self, records: list[Record]) -> tuple[bytes, int]:
-        """``1D`` frames (seq 1..n) for the logjam records; (bytes, n).
-
-        Records of other kinds are skipped (not forwarded).  Uses the C mapping
-        (``_ljencode.c``) when it is built; :meth:`encode_py` otherwise (same bytes).
-        """
-        if _ljencode is None:
-            return self.encode_py(records)
-        return _ljencode.encode(records, KIND_LOGJAM, self._tail, self._stream_cache,
-                                self._stream_pairs, decompress, self._encode_one)
-
-    def encode_py(self, records: list[Record]) -> tuple[bytes, int]:
-        """:meth:`encode` in Python alone (the reference for the C mapping)."""
-        parts: list[bytes] = []
-        append = parts.append
-        seq = 0
-        encode_one = self._encode_one
-        for rec in records:
-            frames = rec.frames
-            if rec.kind != KIND_LOGJAM or (frames and frames[0] == HEARTBEAT):
-                continue            # heartbeats are spooled for the gapless archive only
-            seq += 1
-            append(encode_one(frames, seq))
-        return b"".join(parts), seq
-
-    def _encode_one(self, frames, seq: int) -> bytes:
-        """The ``1D`` frame of one logjam message (any frames, decodable or not)."""
-        ok = True
-        try:
-            app_env, topic, body, meta = frames
-            _tag, comp, _ver, device, created_ms, sequence = unpack_meta(meta)
-        except (ValueError, struct.error):
-            ok = False
-            app_env = frames[0] if frames else b""
-            topic = frames[1] if len(frames) > 1 else b""
-            body = frames[2] if len(frames) > 2 else b""
-            d = s = c = b""
-        else:
-            d = b"%d" % device
-            s = b"%d" % sequence
-            c = b"%d" % created_ms
-            if comp:
-                try:
-                    body = decompress(body, comp)
-                except LogjamError:
-                    ok = False
-        if not ok:
-            self.decode_errors += 1
-            body = bytes(body).decode("utf-8", "replace").encode()
-        return b"".join((
-            _hdr_d(b"1D", seq, _PAIRS_OK if ok else _PAIRS_ERROR), _K_LINE, _u32(len(body)),
-            body, self._stream_pairs(app_env, topic),
-            _K_DEVICE, _u32(len(d)), d, _K_SEQUENCE, _u32(len(s)), s,
-            _K_CREATED, _u32(len(c)), c, self._tail,
-            b"" if ok else _TAG_DECODE_ERROR))
-
-
 # ------------------------------------------------------------------------ output
 
 
 class _Window:
-    __slots__ = ("data", "count", "last_pos", "sent_at", "resends")
+    __slots__ = ("data", "count", "last_pos", "sent_at", "resends", "records", "refusals",
+                 "suspect")
 
-    def __init__(self, data: bytes, count: int, last_pos: Position):
+    def __init__(self, data: bytes, count: int, last_pos: Position, records: list[Record]):
         self.data = data
         self.count = count
         self.last_pos = last_pos
         self.sent_at: float | None = None     # None = never sent
         self.resends = 0
+        self.records = records                # what the window was encoded from (bisection)
+        self.refusals = 0                     # consecutive closes before its ACK
+        self.suspect = False                  # a half of a refused window
+
+
+_is_event = is_event
 
 
 class _SessionEnd(Exception):
@@ -309,11 +102,18 @@ class LumberjackOutput:
     """One Lumberjack output task: ``await LumberjackOutput(source, config).run()``."""
 
     def __init__(self, source: SpoolReader, config: LumberjackConfig, *,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, dead_letters=None,
+                 max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES):
         self.source = source
         self.config = config
         self._rng = rng or random.Random()
-        self._encoder = EventEncoder(config.relay_host)
+        self._encoder = EventEncoder(config.relay_host, max_event_bytes)
+        self.dead_letters = DeadLetterSink(config.name, dead_letters)
+        self._session_start = 0.0
+        self._held: _Window | None = None       # an isolated refused event (see _refused)
+        self._release_upto: Position | None = None
+        self.refusals = 0
+        self.bisections = 0
         self._ssl_context = config.tls.client_context()
         self._pending: deque[_Window] = deque()   # unacked windows, oldest first
         self._sent = 0                  # how many of _pending were sent on this connection
@@ -371,6 +171,9 @@ class LumberjackOutput:
             "decode_errors": self._encoder.decode_errors,
             "skipped_records": self.skipped_records,
             "pipeline_fallbacks": self.pipeline_fallbacks,
+            "refusals": self.refusals,
+            "bisections": self.bisections,
+            "dead_letters": self.dead_letters.counts(),
             "window_rtt_last_seconds": self.rtt_last,
             "window_rtt_sum_seconds": self.rtt_sum,
             "window_rtt_max_seconds": self.rtt_max,
@@ -395,9 +198,10 @@ class LumberjackOutput:
             except (*_NET_ERRORS, ValueError) as e:
                 self.connect_failures += 1
                 self._failures += 1
-                self._rlog.warning("connect", "lumberjack %s: connect to %s:%d failed: %r",
-                                   cfg.name, host[0], host[1], e)
+                self._rlog.warning("connect", "lumberjack %s: connect to %s:%d failed: %s",
+                                   cfg.name, host[0], host[1], describe_error(e))
                 self._host_index += 1      # failover to the next host
+                self._skip_idle()
                 await self._backoff()
                 continue
             self.connections += 1
@@ -416,7 +220,82 @@ class LumberjackOutput:
             else:
                 self._host_index += 1
             self._failures += 1
+            if reason in ("closed_by_peer", "io_error") and await self._refused():
+                self._failures = 1      # bisecting: reconnect after backoff_min
+            self._skip_idle()
             await self._backoff()
+
+    def _skip_idle(self) -> None:
+        """Disconnected with nothing in flight: heartbeats are not this output's backlog."""
+        if not self._pending and self._held is None:
+            skip_non_events(self.source)
+
+    async def _refused(self) -> bool:
+        """The reader closed the connection before the head window's ACK: count it, and
+        bisect the window or hold its one event.  True while a bisection is going on.
+
+        A held event is diverted to the dead letters only once the reader acknowledged a
+        later window (:meth:`_release_held`): a reader that refuses everything (a proxy
+        without a backend) never fills the dead-letter store, it just gets retried.
+        """
+        if not self._pending:
+            return self._held is not None
+        head = self._pending[0]
+        if head.sent_at is None or head.sent_at < self._session_start:
+            return head.suspect or self._held is not None
+        head.refusals += 1
+        self.refusals += 1
+        if self._held is not None:
+            # what follows the held event is refused as well: no evidence against it
+            held, self._held = self._held, None
+            held.suspect = False
+            held.refusals = 0
+            self._pending.appendleft(held)
+            for w in self._pending:
+                w.suspect = False
+                w.refusals = 0
+            log.warning("lumberjack %s: the reader refuses the windows after the suspected "
+                        "event too: not diverting it, retrying", self.config.name)
+            return False
+        if head.count <= 1:
+            if head.refusals >= REFUSE_LIMIT:
+                self._held = self._pending.popleft()
+                self._space.set()
+                log.warning("lumberjack %s: event %s refused %d times in a row; sending what "
+                            "follows it, to divert it once the reader acknowledged that",
+                            self.config.name, head.records[-1].position, head.refusals)
+        elif head.suspect or head.refusals >= REFUSE_LIMIT:
+            await self._bisect_head()
+        return self._held is not None or bool(self._pending and self._pending[0].suspect)
+
+    async def _release_held(self, upto: Position) -> None:
+        """An ACK after a held event: divert it, then acknowledge the source to ``upto``."""
+        held, self._held = self._held, None
+        events = [r for r in held.records if _is_event(r)]
+        await self.dead_letters.divert(
+            [(r, "refused", f"connection closed before the ACK {held.refusals} times in a "
+                            f"row; later windows acknowledged") for r in events])
+        for w in self._pending:
+            w.suspect = False
+        self.source.ack(upto)
+
+    async def _bisect_head(self) -> None:
+        head = self._pending[0]
+        recs = head.records
+        idx = [i for i, r in enumerate(recs) if _is_event(r)]
+        cut = idx[len(idx) // 2]           # the second half starts with this event
+        first, second = recs[:cut], recs[cut:]
+        self.bisections += 1
+        log.warning("lumberjack %s: the reader closed the connection before acknowledging "
+                    "a window of %d events %d times in a row: splitting it to find the "
+                    "event it refuses", self.config.name, head.count, head.refusals)
+        a = await self._encode_window(first)
+        b = await self._encode_window(second)
+        b.last_pos = head.last_pos
+        a.suspect = b.suspect = True
+        self._pending.popleft()
+        self._pending.appendleft(b)
+        self._pending.appendleft(a)
 
     def _next_host(self) -> tuple[str, int]:
         hosts = self.config.hosts
@@ -434,7 +313,7 @@ class LumberjackOutput:
         """Run one connection until it fails; returns the reason (a metric label)."""
         self._sent = 0
         self._acks_this_conn = 0
-        self._head_since = trio.current_time()
+        self._head_since = self._session_start = trio.current_time()
         failure: list[BaseException] = []
 
         async def guard(fn, *args):
@@ -453,7 +332,7 @@ class LumberjackOutput:
             "timeout" if isinstance(e, trio.TooSlowError) else "io_error")
         self._rlog.warning(reason, "lumberjack %s: connection to %s:%d lost (%s), %d window(s) "
                            "unacknowledged: %s", self.config.name, host[0], host[1], reason,
-                           len(self._pending), e)
+                           len(self._pending), describe_error(e) if e else "")
         return reason
 
     async def _send_loop(self, stream: trio.abc.Stream, host) -> None:
@@ -497,24 +376,45 @@ class LumberjackOutput:
         self.bytes_sent += len(win.data)
 
     async def _make_window(self, records: list[Record]) -> _Window | None:
-        frames, n = self._encoder.encode(records)
         last = records[-1].position
-        self.skipped_records += len(records) - n
-        if n == 0:
+        win = await self._encode_window(records)
+        win.last_pos = last
+        self.skipped_records += len(records) - win.count
+        if win.count == 0:
             # nothing to forward: the positions are done once everything before them is
             if self._pending:
                 self._pending[-1].last_pos = last
-            else:
+            elif self._held is None:
                 self.source.ack(last)
+            # else: acknowledged with the next window the reader accepts
             return None
-        level = self.config.compression
-        if level and len(frames) >= THREAD_COMPRESS_MIN:
-            # shielded: a cancelled session must not lose records already read
-            with trio.CancelScope(shield=True):
-                data = await trio.to_thread.run_sync(lj.encode_window, frames, n, level)
-        else:
-            data = lj.encode_window(frames, n, level)
-        return _Window(data, n, last)
+        return win
+
+    async def _encode_window(self, records: list[Record]) -> _Window:
+        """Map and frame ``records`` (bodies are inflated, each bounded by
+        ``max_event_bytes``): in a worker thread when a body is compressed or large, or
+        the window is big enough to compress there (zlib releases the GIL); events over the
+        limit go to the dead letters."""
+        # shielded: a cancelled session must not lose records already read
+        with trio.CancelScope(shield=True):
+            if needs_worker(records):
+                data, n, kept, rejected = await trio.to_thread.run_sync(
+                    self._encode_sync, records)
+            else:
+                frames, n, kept, rejected = self._encoder.encode_checked(records)
+                level = self.config.compression
+                if n and level and len(frames) >= THREAD_COMPRESS_MIN:
+                    data = await trio.to_thread.run_sync(lj.encode_window, frames, n, level)
+                else:
+                    data = lj.encode_window(frames, n, level) if n else b""
+            if rejected:
+                await self.dead_letters.divert([(r, "too_large", why) for r, why in rejected])
+        return _Window(data, n, records[-1].position, kept)
+
+    def _encode_sync(self, records: list[Record]):
+        frames, n, kept, rejected = self._encoder.encode_checked(records)
+        data = lj.encode_window(frames, n, self.config.compression) if n else b""
+        return data, n, kept, rejected
 
     async def _wait_space(self) -> None:
         self._space = trio.Event()
@@ -545,6 +445,9 @@ class LumberjackOutput:
                     break
                 if type(ev) is lj.Ack:
                     self._on_ack(ev.seq, host)
+                    if self._release_upto is not None:
+                        upto, self._release_upto = self._release_upto, None
+                        await self._release_held(upto)
                 elif type(ev) is lj.KeepAlive:
                     self.keepalives += 1
                     self._head_since = trio.current_time()
@@ -553,7 +456,10 @@ class LumberjackOutput:
 
     def _depth(self, host) -> int:
         """Windows allowed in flight to ``host``: ``pipeline``, or 1 for a while after a
-        fallback (a reader restarted or replaced may well pipeline again)."""
+        fallback (a reader restarted or replaced may well pipeline again), or 1 while a
+        refused window is bisected."""
+        if self._pending and self._pending[0].suspect:
+            return 1
         until = self._stop_and_wait_until.get(host)
         if until is None:
             return self.config.pipeline
@@ -602,7 +508,10 @@ class LumberjackOutput:
         self.windows_acked += 1
         self.events_acked += win.count
         self._head_since = now
-        self.source.ack(win.last_pos)
+        if self._held is not None:
+            self._release_upto = win.last_pos      # after the held event is diverted
+        else:
+            self.source.ack(win.last_pos)
         self._space.set()
 
 

@@ -71,21 +71,29 @@ def parse_outputs(urls: list[str]) -> list[OutputSpec]:
     return specs
 
 
-def make_output(spec: OutputSpec, reader, relay_host: str):
+def make_output(spec: OutputSpec, reader, relay_host: str, *, dead_letters=None,
+                max_event_bytes: int | None = None):
+    """The output for ``spec``; ``dead_letters`` is the relay's
+    :class:`~logjam_relay.deadletter.DeadLetterStore` (events over ``max_event_bytes``
+    and events the receiver keeps refusing go there)."""
     if spec.scheme == "lumberjack":
-        from .lumberjack import LumberjackOutput, parse_url
+        from .lumberjack import DEFAULT_MAX_EVENT_BYTES, LumberjackOutput, parse_url
         cfg = parse_url(spec.url)
         cfg = dataclasses.replace(cfg, name=spec.name)
         if "relay_host=" not in spec.url:
             cfg = dataclasses.replace(cfg, relay_host=relay_host)
-        return LumberjackOutput(reader, cfg)
+        return LumberjackOutput(reader, cfg, dead_letters=dead_letters,
+                                max_event_bytes=max_event_bytes or DEFAULT_MAX_EVENT_BYTES)
     if spec.scheme == "courier":
         from .courier import CourierOutput, parse_url
         cfg = parse_url(spec.url)
         cfg = dataclasses.replace(cfg, name=spec.name)
         if "hostname=" not in spec.url:
             cfg = dataclasses.replace(cfg, hostname=relay_host)
-        return CourierOutput(cfg, reader)
+        if max_event_bytes:
+            cfg = dataclasses.replace(cfg, max_event_bytes=min(cfg.max_event_bytes,
+                                                               max_event_bytes))
+        return CourierOutput(cfg, reader, dead_letters=dead_letters)
     raise ValueError(f"unknown output scheme {spec.scheme!r}")  # pragma: no cover
 
 

@@ -11,6 +11,11 @@ Used by the tests and the benchmark, and usable later as a relay input. Per conn
   ``ack_timeout`` seconds after the last ACKN (Go receiver semantics).
 
 Protocol errors close the connection without any reply (as all real receivers).
+
+Test knobs for poison events: ``refuse`` (a predicate on an event's bytes) and
+``max_event_bytes``: a payload holding such an event is delivered and acknowledged up to
+the event before it, then the connection is closed without acknowledging the rest (as
+a receiver that cannot parse an event, or that has a size limit, does).
 """
 
 from __future__ import annotations
@@ -46,7 +51,12 @@ class CourierReceiver:
     def __init__(self, behaviour: ReceiverBehaviour = DEFAULT, *,
                  ssl_context: ssl.SSLContext | None = None, ack_timeout: float = 5.0,
                  ack_chunk: int | None = None, sink: Sink | None = None, store: bool = True,
-                 idle_timeout: float = 1000.0):
+                 idle_timeout: float = 1000.0,
+                 refuse: Callable[[bytes], bool] | None = None,
+                 max_event_bytes: int | None = None):
+        self.refuse = refuse
+        self.max_event_bytes = max_event_bytes
+        self.refused = 0
         self.behaviour = behaviour
         self.ssl_context = ssl_context
         self.ack_timeout = ack_timeout
@@ -204,12 +214,33 @@ class CourierReceiver:
                         pass
             await trio.aclose_forcefully(stream)
 
+    def _refused_at(self, events) -> int | None:
+        if self.refuse is None and self.max_event_bytes is None:
+            return None
+        for i, ev in enumerate(events):
+            if (self.max_event_bytes is not None and len(ev) > self.max_event_bytes) or \
+                    (self.refuse is not None and self.refuse(ev)):
+                return i
+        return None
+
     async def _process(self, conn: ServerConnection, p: Payload, send) -> None:
         n = len(p.events)
         step = self.ack_chunk or n or 1
         done = 0
         while True:
             part = p.events[done:done + step]
+            bad = self._refused_at(part)
+            if bad is not None:
+                part = part[:bad]
+                if part:
+                    if self.store:
+                        self.events.extend(part)
+                    self.events_delivered += len(part)
+                    done += len(part)
+                    await send(conn.ack(p.nonce, done, trio.current_time()))
+                    self.acks_sent += 1
+                self.refused += 1
+                raise CourierError("refused", f"refusing event {done + 1} of a payload")
             if part:
                 if self.sink is not None:
                     await self.sink(p.nonce, part)
@@ -236,6 +267,7 @@ class CourierReceiver:
             "timer_acks_sent": self.timer_acks_sent,
             "pongs_sent": self.pongs_sent,
             "overloaded": self.overloaded,
+            "refused": self.refused,
             "errors": dict(self.errors),
         }
 

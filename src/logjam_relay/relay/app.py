@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -14,11 +15,34 @@ from ..config import Settings
 from ..io import zmq_fast, zmq_trio
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
-from .pipeline import Pipeline
-from .sequence import SequenceState
+from .sequence import SequenceState, StateDirError
+from .stamping import Pipeline
 
 log = logging.getLogger("logjam_relay.relay")
 rlog = RateLimitedLog(log)
+
+
+_BIND_CAUSES = {
+    errno.EADDRINUSE: "address already in use (is logjam-device or another relay still "
+                      "running?)",
+    errno.EACCES: "permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)",
+    errno.EADDRNOTAVAIL: "address not available on this host (check bind / metrics_ip)",
+    errno.ENODEV: "no such interface (check bind)",
+    errno.EINVAL: "invalid address (check bind)",
+}
+
+
+def bind_cause(endpoint: str, e: OSError) -> str:
+    """The one-line cause of a failed bind, with what usually explains it."""
+    what = _BIND_CAUSES.get(getattr(e, "errno", None))
+    if what is None:
+        what = (getattr(e, "strerror", None) or str(e)).lower()
+    return f"cannot bind {endpoint}: {what}"
+
+
+def safe_label(b: bytes) -> str:
+    """A client-chosen name for a log line: at most 80 bytes, non-printables escaped."""
+    return repr(bytes(b[:80]))[2:-1]
 
 
 def now_ms() -> int:
@@ -53,12 +77,16 @@ class Relay:
         self.loop_lag_max = 0.0
         self.heartbeats = 0
         self.reply_drops = 0
+        self.stats_guard: zmq_trio.SubscriptionGuard | None = None
         self.batches = 0
         self.spool = None                       # set when a spool is configured
         self.archive = None                     # set when an archive is configured
+        self.dead_letters = None                # DeadLetterStore, set with outputs
         self.cmdp = None
         self.samwise = None
         self.outputs: list = []                 # output supervisors (stats())
+        self.inputs: list = []                  # Lumberjack/Courier inputs (inputs/)
+        self.curve = None                       # io.curve.Curve when CURVE is on
         self.spool_write_failures = 0
         self.spool_blocked_seconds = 0.0
         self._outputs_scope: trio.CancelScope | None = None
@@ -76,40 +104,58 @@ class Relay:
         """Stop accepting, flush what was accepted, persist state, return from run()."""
         self._shutdown_requested.set()
 
-    def _bind(self, kind: int, port: int, options: dict[int, int]) -> zmq.Socket:
+    def _bind(self, kind: int, setting: str, options: dict[int, int]) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         # Options must be set before bind: accepted connections copy them from the listener.
         for opt, value in options.items():
             sock.setsockopt(opt, value)
+        if self.curve is not None:
+            self.curve.secure(sock, setting)        # CURVE server + ZAP (io/curve.py)
         self._sockets.append(sock)
-        ep = self.settings.endpoint(port)
+        ep = self.settings.endpoint(getattr(self.settings, setting))
         try:
             sock.bind(ep)
+            if self.curve is not None:
+                self.curve.bind_plain(sock, setting)    # plain endpoint beside, if any
         except zmq.ZMQError as e:
-            raise OSError(f"cannot bind {ep}: {e}") from None
+            raise self.settings.startup_error(setting, bind_cause(ep, e)) from None
         return sock
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
+        self.acquire_state()
         spool_last = self.spool.last_sequence() if self.spool is not None else None
         first = self.sequence_state.load(spool_last)
         try:
-            pub_sock = self._bind(zmq.XPUB, s.pub_port, {zmq.SNDHWM: s.snd_hwm})
-            self.pub = zmq_trio.PubSocket(pub_sock)
+            # PUB and stats are XPUBs whose subscriptions are capped (SubscriptionGuard)
+            pub_sock = self._bind(zmq.XPUB, "pub_port",
+                                  {zmq.SNDHWM: s.snd_hwm, **zmq_trio.xpub_options()})
+            self.pub = zmq_trio.PubSocket(pub_sock, s.max_subscriptions)
+            self._sockets.append(self.pub.guard._monitor)
             self.pipeline = Pipeline(s.device_id, first, self.pub.publish_batch,
                                      fqdn=self.fqdn.encode(), allow_invalid_meta=s.allow_invalid_meta,
                                      compress_method=self.compress_method)
             self.sequence_state.reserve(self.pipeline.seq)
-            stats_sock = self._bind(zmq.PUB, s.stats_port, {zmq.SNDHWM: 1000}) \
+            stats_sock = self._bind(zmq.XPUB, "stats_port",
+                                    {zmq.SNDHWM: 1000, **zmq_trio.xpub_options()}) \
                 if s.stats_port else None
+            if stats_sock is not None:
+                self.stats_guard = zmq_trio.SubscriptionGuard(stats_sock, s.max_subscriptions)
+                self._sockets.append(self.stats_guard._monitor)
             # Replies can never outnumber the requests the ROUTER may queue (rcv_hwm), so
             # the reply queue gets the same bound; ROUTER_MANDATORY makes a reply that
             # still cannot be queued (peer gone, queue full) an error we count.
-            router = self._bind(zmq.ROUTER, s.router_port,
+            # MAXMSGSIZE: libzmq disconnects a peer that sends a larger frame (and drops
+            # what it had queued) before the frame is buffered -- a memory guard well above
+            # max_event_bytes; frames between the two are answered 400 / dropped and counted.
+            maxmsg = s.resolved_zmq_max_msg_bytes()
+            router = self._bind(zmq.ROUTER, "router_port",
                                 {zmq.RCVHWM: s.rcv_hwm, zmq.SNDHWM: s.rcv_hwm,
-                                 zmq.ROUTER_MANDATORY: 1}) if s.router_port else None
-            pull = self._bind(zmq.PULL, s.pull_port, {zmq.RCVHWM: s.rcv_hwm}) \
+                                 zmq.ROUTER_MANDATORY: 1, zmq.MAXMSGSIZE: maxmsg}) \
+                if s.router_port else None
+            pull = self._bind(zmq.PULL, "pull_port", {zmq.RCVHWM: s.rcv_hwm,
+                                                      zmq.MAXMSGSIZE: maxmsg}) \
                 if s.pull_port else None
             for name, sock in (("pub", pub_sock), ("stats", stats_sock), ("router", router),
                                ("pull", pull)):
@@ -127,21 +173,20 @@ class Relay:
                             if pull is not None:
                                 inner.start_soon(self._ingest, pull, False)
 
+                # The other binds (metrics, cmdp, samwise) first: if one fails, nothing
+                # was read from a client nor sent to an output (a StartupError, exit 2).
+                for starter in self._extra_tasks:
+                    await starter(nursery)
                 nursery.start_soon(ingest_tasks)
                 nursery.start_soon(self._ticker, stats_sock)
+                nursery.start_soon(self._poll_subscriptions)
                 nursery.start_soon(self._lag_monitor)
                 if self.spool is not None:
                     nursery.start_soon(self.spool.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
-                for starter in self._extra_tasks:
-                    await starter(nursery)
                 self.ready.set()
-                log.info("relay device %d ready: %s (sequence continues at %d, %s; %s)",
-                         s.device_id, ", ".join(f"{k}={v}" for k, v in self.endpoints.items()),
-                         first, self.sequence_state.recovered_from,
-                         "C socket loops" if zmq_fast.AVAILABLE else
-                         f"pyzmq socket loops only: {zmq_fast.WHY_NOT}")
+                log.info("%s", self.ready_line(first))
                 task_status.started(self)
                 await self._shutdown_requested.wait()
                 # ---- graceful shutdown: stop reading, flush, persist
@@ -175,9 +220,72 @@ class Relay:
         if self._outputs_scope is not None:
             self._outputs_scope.cancel()
 
+    def acquire_state(self) -> None:
+        """Lock the sequence state and prove it writable, or refuse to start (StartupError)."""
+        try:
+            self.sequence_state.acquire()
+        except StateDirError as e:
+            raise self.settings.startup_error("state_dir", e.cause) from None
+
+    _RECOVERED = {"none": "no earlier state", "clean": "after a clean shutdown",
+                  "crash": "after a crash: past the reservation", "spool": "after the spool"}
+
+    def ready_line(self, first: int) -> str:
+        """The "ready" log line: everything an operator needs to find the relay's parts."""
+        s = self.settings
+        parts = [", ".join(f"{k}={v}" for k, v in self.endpoints.items())]
+        if self.http is not None and self.http.bound_port:
+            parts.append(f"metrics http://{s.metrics_ip}:{self.http.bound_port}/metrics")
+        else:
+            parts.append("metrics endpoint off")
+        parts.append(f"state dir {s.resolved_state_dir()} (sequence continues at {first}, "
+                     f"{self._RECOVERED.get(self.sequence_state.recovered_from, '?')})")
+        spool = s.resolved_spool_dir() if self.spool is not None else None
+        parts.append(f"spool {spool}" if spool else "spool off (no output configured)")
+        parts.append(f"archive {s.archive_dir}" if s.archive_dir else "archive off")
+        names = [sup.name for sup in self.outputs]
+        parts.append(f"outputs {', '.join(names)}" if names else "no outputs configured")
+        if self.cmdp is not None:
+            parts.append(f"cmdp port {getattr(self.cmdp, 'port', s.cmdp_port)}")
+        if self.samwise is not None:
+            parts.append(f"samwise {', '.join(self.samwise.bound)}")
+        parts.append("C socket loops" if zmq_fast.AVAILABLE else
+                     f"pyzmq socket loops only: {zmq_fast.WHY_NOT}")
+        return f"relay device {s.device_id} ready: " + "; ".join(parts)
+
     def add_task(self, starter) -> None:
         """Register ``async starter(nursery)`` to start more tasks in the relay's nursery."""
         self._extra_tasks.append(starter)
+
+    async def ingest_external(self, acc: list[tuple]) -> bool:
+        """Stamp, publish and spool messages from an input (Lumberjack/Courier server).
+
+        ``acc`` holds ``(app_env, topic, body, compression, created_ms_8)`` tuples.
+        True once they are in the spool (the input then ACKs); False when the relay is
+        shutting down (nothing taken: the sender resends).  Waits while the spool is full
+        (policy block), like the ZeroMQ ingest.
+        """
+        spool = self.spool
+        if spool is not None and spool.would_block():
+            t0 = trio.current_time()
+            await spool.wait_writable()
+            self.spool_blocked_seconds += trio.current_time() - t0
+        if self.stopping or self.pipeline is None:
+            return False
+        with trio.CancelScope(shield=True):
+            p = self.pipeline
+            self.batches += 1
+            if acc:
+                if self.compress_method:
+                    idx = p.needs_compression(acc)
+                    if idx:
+                        await self._compress(acc, idx)
+                records = p.commit(acc, now_ms())
+                if p.seq >= self.sequence_state.reserved:
+                    self.sequence_state.reserve(p.seq, len(records))
+                if spool is not None:
+                    await self._spool_write(records)
+        return True
 
     def _close(self) -> None:
         p = self.pipeline
@@ -188,6 +296,7 @@ class Relay:
                 log.exception("closing the spool failed")
         if p is not None:
             self.sequence_state.save_clean(p.seq)
+        self.sequence_state.release()
         linger = int(self.settings.shutdown_timeout * 1000)
         pub = self.pub.sock if self.pub is not None else None
         for sock in self._sockets:
@@ -202,7 +311,9 @@ class Relay:
     # --------------------------------------------------------------- ingest
     async def _ingest(self, sock: zmq.Socket, is_router: bool) -> None:
         limit = self.settings.batch_size
-        drain = zmq_trio.drain
+        max_bytes = self.settings.ingest_max_bytes
+        max_event = self.settings.max_event_bytes
+        drain = zmq_trio.drain_bytes
         spool = self.spool
         while True:
             if spool is not None and spool.would_block():
@@ -212,19 +323,25 @@ class Relay:
                              "outputs catch up", spool.max_bytes)
                 await spool.wait_writable()
                 self.spool_blocked_seconds += trio.current_time() - t0
-            batch = drain(sock, limit)
+            # bounded in messages and in bytes (ingest_max_bytes + one message): only one
+            # batch per input socket is in the process at a time
+            batch, _, biggest = drain(sock, limit, max_bytes)
             if not batch:
                 await zmq_trio.wait_for(sock, zmq.POLLIN)
                 continue
             # A drained batch is processed to the end even when shutdown starts.
             with trio.CancelScope(shield=True):
-                await self._process(sock, batch, is_router)
+                await self._process(sock, batch, is_router, biggest > max_event)
+            batch = None
             await trio.lowlevel.checkpoint()
 
-    async def _process(self, sock: zmq.Socket, batch: list[list[bytes]], is_router: bool) -> None:
+    async def _process(self, sock: zmq.Socket, batch: list[list[bytes]], is_router: bool,
+                       oversize: bool = False) -> None:
         p = self.pipeline
         self.batches += 1
         replies: list[list[bytes]] = []
+        if oversize:
+            batch = self._drop_oversize(batch, is_router, replies)
         acc = p.prepare_router(batch, replies) if is_router else p.prepare_pull(batch)
         if acc:
             if self.compress_method:
@@ -240,6 +357,39 @@ class Relay:
             # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
             # with logjam-device, but counted.
             self.reply_drops += zmq_trio.send_replies(sock, replies)
+
+    def _drop_oversize(self, batch: list[list[bytes]], is_router: bool,
+                       replies: list[list[bytes]]) -> list[list[bytes]]:
+        """Take out the messages with a frame over max_event_bytes: never published nor
+        spooled; a ROUTER request (empty frame after the routing id) is answered
+        ``400 Bad Request`` (the only refusal the logjam protocol has), a PULL message is
+        dropped; both counted as invalid with reason ``too_large`` and logged (rate
+        limited).  Called only when the drain saw such a frame."""
+        limit = self.settings.max_event_bytes
+        c = self.pipeline.counters
+        keep = []
+        for frames in batch:
+            big = max(len(f) for f in frames)
+            if big <= limit:
+                keep.append(frames)
+                continue
+            c.invalid += 1
+            c.invalid_by_reason["too_large"] += 1
+            if is_router:
+                c.router += 1
+                if len(frames) > 1 and frames[1] == b"":
+                    first = frames[2] if len(frames) > 2 and len(frames[2]) <= 256 else None
+                    replies.append([frames[0], *L.bad_request_reply(first)])
+                    c.replies_400 += 1
+            else:
+                c.pull += 1
+            app_env = frames[2] if is_router and len(frames) > 2 and frames[1] == b"" \
+                else frames[1] if is_router else frames[0]
+            rlog.warning("too_large", "message of %d bytes over max_event_bytes (%d) from %s "
+                         "on %s: %s", sum(len(f) for f in frames), limit,
+                         safe_label(app_env), "router" if is_router else "pull",
+                         "answered 400" if is_router else "dropped")
+        return keep
 
     async def _spool_write(self, records: list[tuple]) -> None:
         """Append a committed batch; on a write error keep the batch, pause, retry.
@@ -267,7 +417,15 @@ class Relay:
                            "sync" if written else "write", e.reason, e)
                 if self.stopping:
                     return
-                await trio.sleep(delay)
+                # paused (counted in spool_blocked_seconds while it lasts); retried at
+                # once when the spool frees space, else after the backoff
+                t0 = trio.current_time()
+                with trio.move_on_after(delay):
+                    if spool.would_block():
+                        await spool.wait_writable()
+                    else:
+                        await trio.sleep(delay)
+                self.spool_blocked_seconds += trio.current_time() - t0
                 delay = min(delay * 2, 2.0)
 
     async def _compress(self, acc: list[tuple], idx: list[int]) -> None:
@@ -296,10 +454,13 @@ class Relay:
                 if sock is None:
                     continue
                 while True:
-                    batch = zmq_trio.drain(sock, self.settings.batch_size)
+                    batch, _, biggest = zmq_trio.drain_bytes(
+                        sock, self.settings.batch_size, self.settings.ingest_max_bytes)
                     if not batch:
                         break
-                    await self._process(sock, batch, is_router)
+                    await self._process(sock, batch, is_router,
+                                        biggest > self.settings.max_event_bytes)
+                    batch = None
 
     # --------------------------------------------------------------- ticker
     async def _ticker(self, stats_sock: zmq.Socket | None) -> None:
@@ -345,11 +506,25 @@ class Relay:
                         pass
             if t >= next_ckpt:
                 next_ckpt = t + 1.0
-                self.pub.poll_subscriptions()
                 rate = p.seq - last_seq_ckpt
                 last_seq_ckpt = p.seq
                 if p.seq + 2 * rate >= self.sequence_state.reserved:
                     self.sequence_state.reserve(p.seq, rate)
+
+    async def _poll_subscriptions(self) -> None:
+        """Apply the subscription cap on PUB and stats often enough that a flood is cut
+        within a poll (nobody waits on their FDs, so any task may publish)."""
+        guards = [g for g in (self.pub.guard, self.stats_guard) if g is not None]
+        while True:
+            for g in guards:
+                refused = g.refused
+                g.poll()
+                if g.refused > refused:
+                    rlog.warning("subscriptions", "%d subscriptions refused on %s (cap "
+                                 "max_subscriptions=%d reached): peer disconnected",
+                                 g.refused - refused, g.sock.getsockopt_string(
+                                     zmq.LAST_ENDPOINT), g.max_subscriptions)
+            await trio.sleep(0.05)
 
     async def _lag_monitor(self) -> None:
         period = 0.1
@@ -374,6 +549,9 @@ class Relay:
             why = out.readiness_problem() if hasattr(out, "readiness_problem") else None
             if why:
                 problems.append(why)
+        paused = self.spool.paused_reason() if self.spool is not None else None
+        if paused:
+            problems.append(paused)             # ingress paused: spool or disk full
         return problems
 
     def cpu_seconds(self) -> float:

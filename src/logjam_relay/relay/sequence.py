@@ -15,6 +15,8 @@ restart (or a wrap).  The relay keeps a small state file per device:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -26,6 +28,18 @@ log = logging.getLogger("logjam_relay.sequence")
 MAX_SEQUENCE = 2**64 - 1
 
 
+_LOSS = "the sequence state could not be kept (numbers would be reused after a restart)"
+
+
+class StateDirError(OSError):
+    """The state directory cannot hold the sequence state: unwritable, or locked by another
+    relay with the same device id.  ``cause`` is the operator-facing reason."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
+
+
 class SequenceState:
     def __init__(self, path: Path | None, device: int, *, min_reserve: int = 100_000):
         self.path = path
@@ -35,6 +49,65 @@ class SequenceState:
         self.reserved = 0       # persisted upper bound while running
         self.recovered_from = "none"   # none | clean | crash | spool
         self.write_errors = 0
+        self._lock_fd: int | None = None
+
+    # ---------------------------------------------------------------- locking
+    @property
+    def lock_path(self) -> Path | None:
+        return None if self.path is None else self.path.with_suffix(".lock")
+
+    def acquire(self) -> None:
+        """Create the directory, take the OS lock and prove the state can be written.
+
+        The lock (``flock`` on ``sequence-device-N.lock``) is held until :meth:`release`
+        or the process ends, however it ends: a second relay with the same state
+        directory and device id cannot run, so the two can never hand out the same
+        numbers.  Raises :class:`StateDirError` with the cause.
+        """
+        if self.path is None or self._lock_fd is not None:
+            return
+        d = self.path.parent
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StateDirError(f"cannot create the directory ({_why(e)}): {_LOSS}") from None
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StateDirError(f"cannot write in it ({_why(e)}): {_LOSS}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = ""
+            try:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StateDirError(
+                    f"locked by another relay with device_id {self.device}"
+                    f"{f' (pid {holder})' if holder.isdigit() else ''}: two relays must not "
+                    "share a state directory and device id") from None
+            raise StateDirError(f"cannot lock {self.lock_path.name} ({_why(e)})") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            probe = self.path.with_suffix(".probe")
+            with open(probe, "w") as fh:
+                fh.write("probe")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.unlink(probe)
+        except OSError as e:
+            os.close(fd)
+            raise StateDirError(f"cannot write in it ({_why(e)}): {_LOSS}") from None
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # ---------------------------------------------------------------- loading
     def load(self, spool_last: int | None = None) -> int:
@@ -97,3 +170,7 @@ class SequenceState:
         self.last = last
         self._write({"device": self.device, "sequence": last, "clean": True,
                      "time": time.time()})
+
+
+def _why(e: OSError) -> str:
+    return (e.strerror or str(e)).lower()

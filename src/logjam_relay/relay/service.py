@@ -3,16 +3,67 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import trio
+import zmq
 
-from ..config import Settings
+from ..config import Settings, find_exception
 from ..health.http import HTTPServer
 from ..health.metrics import make_registry, metrics_handler
-from .app import Relay
+from .app import Relay, bind_cause
 
 log = logging.getLogger("logjam_relay.service")
+
+
+def _why(e: BaseException) -> str:
+    return (getattr(e, "strerror", None) or str(e)).lower()
+
+
+def writable_dir(settings: Settings, name: str, path, purpose: str) -> None:
+    """Create ``path`` and prove a file can be written and synced in it, or refuse to start.
+
+    A spool or archive that cannot be written would silently drop a guarantee, so
+    this is a :class:`StartupError` naming the setting, not a log line.
+    """
+    probe = os.path.join(path, f".probe-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise settings.startup_error(name, f"cannot write in it ({_why(e)}): {purpose}",
+                                     value=path) from None
+
+
+def check_output_tls(settings: Settings, specs) -> None:
+    """Load every output's TLS files now: a missing CA or key is a start-up error."""
+    import ssl
+    for spec in specs:
+        if spec.scheme == "lumberjack":
+            from ..outputs.lumberjack import parse_url
+        else:
+            from ..outputs.courier import parse_url
+        tls = getattr(parse_url(spec.url), "tls", None)
+        if tls is None or not tls.enabled:
+            continue
+        for what in ("ca", "cert", "key"):
+            path = getattr(tls, what, None)
+            if path and not os.access(path, os.R_OK):
+                cause = "no such file" if not os.path.exists(path) else "not readable"
+                raise settings.startup_error(
+                    "outputs", f"TLS {what} file {path}: {cause}", value=spec.url)
+        try:
+            tls.client_context()
+        except (OSError, ssl.SSLError, ValueError) as e:
+            raise settings.startup_error("outputs", f"TLS files cannot be loaded: {e}",
+                                         value=spec.url) from None
 
 
 def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
@@ -21,19 +72,33 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
     if spool_dir is None:
         return
     from ..outputs.supervisor import OutputSupervisor, make_output, parse_outputs
-    from ..spool.spool import Spool
+    from ..spool.spool import Spool, SpoolError, SpoolLockedError
 
     specs = parse_outputs(settings.outputs)
+    check_output_tls(settings, specs)
+    spool_setting = "spool_dir" if settings.spool_dir else "state_dir"
+    writable_dir(settings, spool_setting, str(spool_dir),
+                 "accepted messages could not be spooled")
     archive = None
     if settings.archive_dir:
         from ..outputs.archive import Archive
+        writable_dir(settings, "archive_dir", settings.archive_dir,
+                     "sealed segments could not be archived")
         archive = Archive(settings.archive_dir, settings.archive_retention)
-    spool = Spool(spool_dir, readers=[s.name for s in specs],
-                  segment_bytes=settings.spool_segment_bytes,
-                  segment_age_s=settings.archive_seal_after,
-                  on_seal=archive.on_seal if archive is not None else None,
-                  max_bytes=settings.spool_max_bytes, policy=settings.spool_policy,
-                  fsync=settings.spool_fsync, fsync_interval_s=settings.spool_fsync_interval)
+    try:
+        spool = Spool(spool_dir, readers=[s.name for s in specs],
+                      segment_bytes=settings.spool_segment_bytes,
+                      segment_age_s=settings.archive_seal_after,
+                      on_seal=archive.on_seal if archive is not None else None,
+                      max_bytes=settings.spool_max_bytes, policy=settings.spool_policy,
+                      fsync=settings.spool_fsync, fsync_interval_s=settings.spool_fsync_interval)
+    except SpoolLockedError:
+        raise settings.startup_error(spool_setting, "spool locked: in use by another relay "
+                                     "(give each relay its own spool_dir)",
+                                     value=spool_dir) from None
+    except SpoolError as e:
+        raise settings.startup_error(spool_setting, f"cannot open the spool: {e}",
+                                     value=spool_dir) from None
     spool.defer_batch_sync = settings.spool_fsync == "batch"   # fdatasync off the event loop
     relay.spool = spool
     if archive is not None:
@@ -44,14 +109,60 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
         async def start_archive(nursery):
             nursery.start_soon(archive.run)
         relay.add_task(start_archive)
+    dead_letters = None
+    if specs:
+        from ..deadletter import DeadLetterStore
+        writable_dir(settings, "dead_letter_dir", str(settings.resolved_dead_letter_dir()),
+                     "undeliverable events could not be kept")
+        dead_letters = DeadLetterStore(settings.resolved_dead_letter_dir(),
+                                       settings.dead_letter_max_bytes)
+        relay.dead_letters = dead_letters
     for spec in specs:
         reader = spool.reader(spec.name)
         relay.outputs.append(OutputSupervisor(
-            spec, reader, lambda spec=spec, reader=reader: make_output(spec, reader,
-                                                                       relay.fqdn)))
-    log.info("spool %s (%s, max %d bytes, fsync %s) with outputs: %s", spool_dir,
-             settings.spool_policy, settings.spool_max_bytes, settings.spool_fsync,
-             ", ".join(s.name for s in specs) or "none")
+            spec, reader, lambda spec=spec, reader=reader: make_output(
+                spec, reader, relay.fqdn, dead_letters=dead_letters,
+                max_event_bytes=settings.max_event_bytes),
+            retry_budget=settings.ready_output_down_after or float("inf")))
+    from ..helptext import human_size
+    log.info("spool %s (%s, max %s, fsync %s) with outputs: %s", spool_dir,
+             settings.spool_policy, human_size(settings.spool_max_bytes), settings.spool_fsync,
+             ", ".join(s.name for s in specs) or "none configured (archive only)")
+
+
+def attach_inputs(relay: Relay, settings: Settings) -> None:
+    """Lumberjack/Courier listeners in the relay's nursery (docs/inputs.md)."""
+    if not settings.inputs:
+        return
+    from ..inputs import make_input, parse_inputs
+    specs = parse_inputs(settings.inputs, max_event_bytes=settings.max_event_bytes)
+    relay.inputs = [make_input(spec, relay) for spec in specs]
+
+    async def start_inputs(nursery):
+        for inp in relay.inputs:
+            port = await nursery.start(inp.run)
+            relay.endpoints[f"input_{inp.name}"] = f"{inp.spec.scheme}://{inp.spec.host}:{port}"
+    relay.add_task(start_inputs)
+
+
+def attach_curve(relay: Relay, settings: Settings) -> None:
+    """ZeroMQ CURVE with a ZAP handler (docs/security.md); off unless curve_secret_key."""
+    if not settings.curve_secret_key:
+        return
+    from ..io.curve import Curve, parse_plain_endpoints
+    curve = Curve(settings.curve_secret_key, settings.curve_allow_dir, settings.curve_sockets,
+                  parse_plain_endpoints(settings.curve_plain_endpoints))
+    relay._sockets.append(curve.open(relay.ctx))     # ZAP bound before any relay socket
+    relay.curve = curve
+
+    async def start_zap(nursery):
+        nursery.start_soon(curve.serve)
+    relay.add_task(start_zap)
+    log.info("CURVE on %s (server key %s), %d client key(s) allowed from %s%s",
+             ", ".join(settings.curve_sockets), curve.public.decode(), len(curve.allow.keys),
+             settings.curve_allow_dir,
+             f"; plain endpoints {settings.curve_plain_endpoints}"
+             if settings.curve_plain_endpoints else "")
 
 
 def attach_cmdp(relay: Relay, settings: Settings) -> None:
@@ -62,7 +173,7 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
 
     cfg = CMDPConfig(cmdp_port=settings.cmdp_port, cmdp_name=settings.cmdp_name,
                      chirp_group=settings.chirp_group, chirp_interface=settings.chirp_interface,
-                     cmdp_bind=settings.bind)
+                     cmdp_bind=settings.bind, max_subscriptions=settings.max_subscriptions)
 
     def outputs():
         out = {}
@@ -71,11 +182,13 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
             sp = st.get("spool", {})
             out[sup.name] = {
                 "backlog": sp.get("backlog_records", 0),
+                "lost": sp.get("lost", 0),      # spool records this output will never send
                 "acked": st.get("events_acked", 0),
                 "resends": st.get("events_resent", 0),
                 "reconnects": st.get("reconnects", max(0, st.get("connect_attempts", 1) - 1)),
                 "ack_rtt": st.get("window_rtt_last_seconds",
                                   st.get("payload_rtt_last_seconds", 0.0)),
+                "dead_letters": sum(st.get("dead_letters", {}).values()),
             }
         return out
 
@@ -94,7 +207,13 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
 
     async def start_cmdp(nursery):
         nursery.start_soon(lag.run)
-        await nursery.start(run_cmdp)
+        try:
+            await nursery.start(run_cmdp)
+        except BaseException as e:
+            z = find_exception(e, zmq.ZMQError)
+            if z is None:
+                raise
+            raise settings.startup_error("cmdp_port", bind_cause(sender.endpoint, z)) from None
     relay.add_task(start_cmdp)
 
 
@@ -107,14 +226,28 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
     from ..spool.spool import Spool
 
     cfg = SamwiseConfig.from_args(settings.samwise, settings.amqp_brokers,
-                                  handoff_after=settings.samwise_handoff_after)
+                                  handoff_after=settings.samwise_handoff_after,
+                                  publish_delay=settings.samwise_publish_delay,
+                                  rpc_max_concurrent=settings.samwise_rpc_max_concurrent,
+                                  rpc_max_queued=settings.samwise_rpc_max_queued,
+                                  rpc_allow=tuple(settings.samwise_rpc_allow))
     spool_dir = settings.samwise_spool_dir or str(settings.resolved_state_dir() /
                                                   "samwise-spool")
-    spool = Spool(spool_dir, readers=cfg.reader_names(),
-                  segment_bytes=settings.spool_segment_bytes,
-                  max_bytes=settings.spool_max_bytes, policy=settings.spool_policy,
-                  fsync=settings.spool_fsync, fsync_interval_s=settings.spool_fsync_interval)
+    from ..spool.spool import SpoolError
+    spool_setting = "samwise_spool_dir" if settings.samwise_spool_dir else "state_dir"
+    writable_dir(settings, spool_setting, spool_dir, "accepted samwise requests could not be "
+                 "spooled")
+    try:
+        spool = Spool(spool_dir, readers=cfg.reader_names(),
+                      segment_bytes=settings.spool_segment_bytes,
+                      max_bytes=settings.spool_max_bytes, policy=settings.spool_policy,
+                      fsync=settings.spool_fsync, fsync_interval_s=settings.spool_fsync_interval)
+    except SpoolError as e:
+        raise settings.startup_error(spool_setting, f"cannot open the samwise spool: {e}",
+                                     value=spool_dir) from None
     service = SamwiseService(cfg, store=spool)
+    service.max_msg_bytes = settings.resolved_zmq_max_msg_bytes()
+    service.max_batch_bytes = settings.ingest_max_bytes
     relay.samwise = service
 
     async def run_samwise(task_status=trio.TASK_STATUS_IGNORED):
@@ -127,7 +260,16 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
             spool.close()
 
     async def start_samwise(nursery):
-        await nursery.start(run_samwise)
+        try:
+            await nursery.start(run_samwise)
+        except BaseException as e:
+            z = find_exception(e, zmq.ZMQError)
+            if z is None:
+                raise
+            # endpoints bind in order: the first one not bound is the one that failed
+            failed = cfg.endpoints[min(len(service.bound), len(cfg.endpoints) - 1)]
+            raise settings.startup_error("samwise", bind_cause(failed, z),
+                                         value=failed) from None
     relay.add_task(start_samwise)
     log.info("samwise endpoint on %s, brokers %s, spool %s", ", ".join(cfg.endpoints),
              ", ".join(b.name for b in cfg.brokers), spool_dir)
@@ -135,13 +277,37 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
 
 def build(settings: Settings) -> Relay:
     """Create a relay with everything the settings ask for attached."""
+    from ..redact import install_log_redaction
+    install_log_redaction()             # no password in any log line or CMDP LOG record
     relay = Relay(settings)
-    attach_spool_and_outputs(relay, settings)
-    attach_cmdp(relay, settings)
-    attach_samwise(relay, settings)
+    # the sequence state first: a second relay on the same state dir stops here, before
+    # it touches the spool
+    relay.acquire_state()
+    try:
+        attach_spool_and_outputs(relay, settings)
+        attach_inputs(relay, settings)
+        attach_curve(relay, settings)
+        attach_cmdp(relay, settings)
+        attach_samwise(relay, settings)
+    except BaseException:
+        relay.sequence_state.release()
+        if relay.spool is not None:
+            relay.spool.close()
+        raise
     registry, collector = make_registry(relay)
     relay.metrics_registry = registry
     relay.metrics_collector = collector
+    if getattr(relay, "inputs", None):
+        from ..inputs.base import InputsCollector
+        collector.extra.append(InputsCollector(relay, relay.inputs))
+    if relay.curve is not None:
+        dev = str(settings.device_id)
+        curve = relay.curve
+
+        class _CurveMetrics:
+            def collect(self):
+                return curve.collect(dev)
+        collector.extra.append(_CurveMetrics())
 
     def healthz():
         return 200, "text/plain", b"ok\n"
@@ -153,12 +319,27 @@ def build(settings: Settings) -> Relay:
         return 200, "text/plain", b"ready\n"
 
     if settings.metrics_port:
+        web = None
+        if settings.web_config_file:            # TLS + basic auth (health/webconfig.py)
+            from ..health.webconfig import load as load_web_config
+            web = load_web_config(settings.web_config_file)
         http = HTTPServer({"/metrics": metrics_handler(registry), "/healthz": healthz,
-                           "/readyz": readyz}, settings.metrics_ip, settings.metrics_port)
+                           "/readyz": readyz}, settings.metrics_ip, settings.metrics_port,
+                          max_connections=settings.metrics_max_connections,
+                          header_timeout=settings.metrics_header_timeout,
+                          ssl_context=web.ssl_context if web else None,
+                          authorize=web.authorize if web and web.users else None)
         relay.http = http
 
         async def start_http(nursery):
-            await nursery.start(http.run)
+            try:
+                await nursery.start(http.run)
+            except BaseException as e:
+                err = find_exception(e, OSError)
+                if err is None:
+                    raise
+                raise settings.startup_error("metrics_port", bind_cause(
+                    f"{settings.metrics_ip}:{settings.metrics_port}", err)) from None
         relay.add_task(start_http)
     return relay
 

@@ -3,7 +3,7 @@
 Flow of a publish: receive a batch of requests -> parse (``protocols.samwise``)
 -> pick the target broker(s) -> ``store.append_batch`` (the spool) -> reply
 ``[0]`` / ``[0, '']``.  The reply therefore means "accepted and in the spool".
-One :class:`~logjam_relay.samwise.amqp.BrokerOutput` per broker reads its own
+One :class:`~logjam_relay.samwise.output.BrokerOutput` per broker reads its own
 spool reader and publishes the records addressed to it with confirms.
 
 Spool record (``KIND_SAMWISE``): ``[b"broker-a,broker-b", *request frames as received]``.
@@ -28,8 +28,9 @@ from ..io import zmq_trio
 from ..protocols import samwise as proto
 from ..ratelimit import RateLimitedLog
 from ..spool.api import KIND_SAMWISE, MemorySource, Position, SpoolReader
-from .amqp import BrokerOutput, make_record
 from .config import SamwiseConfig
+from .output import BrokerOutput, make_record
+from .rpc import NOT_ALLOWED, OVERLOADED, QUEUE_TIMEOUT, RpcOverloaded, RpcRunner
 
 log = logging.getLogger("logjam_relay.samwise")
 _rl = RateLimitedLog(log)
@@ -104,6 +105,12 @@ class Distributor:
 class SamwiseService:
     """Endpoint + broker outputs.  ``await nursery.start(service.run)``."""
 
+    #: ZeroMQ MAXMSGSIZE of the endpoint (0 = none): a memory guard, set from
+    #: zmq_max_msg_bytes by the relay (a peer sending a larger frame is disconnected)
+    max_msg_bytes = 0
+    #: bytes one drained batch may hold (0 = only recv_batch bounds it): ingest_max_bytes
+    max_batch_bytes = 0
+
     def __init__(self, config: SamwiseConfig, store: SamwiseStore, *,
                  zmq_context: zmq.Context | None = None):
         self.config = config
@@ -114,14 +121,19 @@ class SamwiseService:
                          max_inflight=config.max_inflight, read_batch=config.read_batch,
                          on_delivered=self._on_delivered,
                          handoff=self._hand_off if config.handoff_after > 0 else None,
-                         handoff_after=config.handoff_after)
+                         handoff_after=config.handoff_after,
+                         publish_delay=config.publish_delay)
             for b in config.brokers
         ]
         self.by_name = {o.name: o for o in self.outputs}
         self.users = {b.user for b in config.brokers}
         self.distributor = Distributor(self.outputs)
+        self.rpc = RpcRunner(max_concurrent=config.rpc_max_concurrent,
+                             max_queued=config.rpc_max_queued, allow=config.rpc_allow,
+                             timeout=config.rpc_timeout)
         self.bound: list[str] = []     # actual endpoints (ephemeral ports resolved)
         self._sock: zmq.Socket | None = None
+        self._wait_scope: trio.CancelScope | None = None
         # metrics
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.accepted = 0
@@ -141,6 +153,8 @@ class SamwiseService:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable reply -> error, counted
+        if self.max_msg_bytes:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
         try:
             for ep in self.config.endpoints:
                 sock.bind(ep)
@@ -156,10 +170,31 @@ class SamwiseService:
             sock.close(linger=0)
 
     async def _serve(self, sock: zmq.Socket, nursery: trio.Nursery) -> None:
+        """Reply first, then yield: a REQ client waits for exactly this reply, and the
+        broker outputs' work (publishing, confirms) can wait until it is sent."""
         limit = self.config.recv_batch
+        drain = zmq_trio.drain
+        if self.max_batch_bytes:                   # bounded in bytes too (ingest_max_bytes)
+            max_bytes = self.max_batch_bytes
+
+            def drain(sock, limit):
+                return zmq_trio.drain_bytes(sock, limit, max_bytes)[0]
+        batch: list = []
         while True:
-            batch = await zmq_trio.recv_batch(sock, limit)
+            if not batch:
+                # a send from another task (an rpc reply) can consume the socket's
+                # edge-triggered FD signal; _reply cancels this wait so it re-drains
+                with trio.CancelScope() as self._wait_scope:
+                    await zmq_trio.wait_for(sock, zmq.POLLIN)
+                self._wait_scope = None
+                batch = drain(sock, limit)
+                if not batch:
+                    await trio.lowlevel.checkpoint()   # a spurious wake-up: never spin
+                    continue
             await self._handle_batch(batch, nursery)
+            batch = drain(sock, limit)
+            if batch:
+                await trio.lowlevel.checkpoint()       # busy: let the others run too
 
     async def _handle_batch(self, batch: list[list[bytes]], nursery: trio.Nursery) -> None:
         replies: list = []             # (envelope, frames) or (envelope, publish-index)
@@ -196,9 +231,18 @@ class SamwiseService:
                 self.requests[("status", "ok")] += 1
                 replies.append((env, proto.ok_reply(ev.version, self.status_text().encode())))
             elif isinstance(ev, proto.Rpc):
-                if ev.broker and ev.broker not in self.by_name:
+                if not self.rpc.allowed(ev.method):
+                    self.requests[("rpc", "not_allowed")] += 1
+                    _rl.warning("rpc-not-allowed", "samwise: rpc %s refused (not in "
+                                "samwise_rpc_allow)", ev.method)
+                    replies.append((env, proto.error_reply(NOT_ALLOWED)))
+                elif ev.broker and ev.broker not in self.by_name:
                     self.requests[("rpc", "rejected")] += 1
                     replies.append((env, proto.error_reply(UNKNOWN_BROKER)))
+                elif not self.rpc.admit():
+                    self.requests[("rpc", "overloaded")] += 1
+                    _rl.warning("rpc-overloaded", "samwise: too many rpc requests, refused")
+                    replies.append((env, proto.error_reply(OVERLOADED)))
                 else:
                     nursery.start_soon(self._rpc, env, ev)
             else:  # Control: stop / restart
@@ -265,21 +309,37 @@ class SamwiseService:
                 self.replies_dropped += 1
         except zmq.ZMQError:  # peer gone (ROUTER_MANDATORY: EHOSTUNREACH)
             self.replies_dropped += 1
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
 
     async def _rpc(self, env: list[bytes], ev: proto.Rpc) -> None:
+        try:
+            await self._rpc_run(env, ev)
+        finally:
+            self.rpc.done()
+
+    async def _rpc_run(self, env: list[bytes], ev: proto.Rpc) -> None:
         outs = [self.by_name[ev.broker]] if ev.broker else self.outputs
-        timeout = self.config.rpc_timeout
         errors: list[str] = []
+        overloaded = False
 
         async def one(o: BrokerOutput):
-            err = await o.rpc(ev.method, ev.exchange, ev.exchange_type, timeout)
+            nonlocal overloaded
+            try:
+                err = await self.rpc.call(o.cfg, ev.method, ev.exchange, ev.exchange_type)
+            except RpcOverloaded:
+                overloaded = True
+                return
             if err is not None:
                 errors.append(f"{o.name}: {err}")
 
         async with trio.open_nursery() as n:
             for o in outs:
                 n.start_soon(one, o)
-        if errors:
+        if overloaded:
+            self.requests[("rpc", "overloaded")] += 1
+            self._reply(env, proto.error_reply(QUEUE_TIMEOUT))
+        elif errors:
             self.requests[("rpc", "broker_error")] += 1
             self._reply(env, proto.error_reply("; ".join(sorted(errors)).encode()[:1000]))
         else:
@@ -347,6 +407,7 @@ class SamwiseService:
             "replies_dropped": self.replies_dropped,
             "spool_errors": self.spool_errors,
             "backlog_records": self.backlog(),
+            **self.rpc.stats(),
             "brokers": {o.name: o.stats() for o in self.outputs},
         }
 

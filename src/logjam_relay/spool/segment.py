@@ -463,3 +463,85 @@ def sealed_segments(directory) -> list[tuple[int, str]]:
             out.append((parsed[0], os.path.join(directory, name)))
     out.sort()
     return out
+
+
+def salvage_segment(path, segno: int, *, chunk: int = READ_CHUNK) -> ScanResult:
+    """:func:`scan_segment` for a file whose header is damaged: the records are parsed
+    from offset 40 all the same (each carries its CRC and seq), and a header is made up
+    from the first record (``created`` from the file's mtime).  ``header`` stays None if
+    not a single valid record follows."""
+    res = scan_segment(path, chunk=chunk)
+    if res.header is not None:
+        return res
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        mtime_ms = int(os.fstat(f.fileno()).st_mtime * 1000)
+        pos = HEADER_LEN
+        records = 0
+        first_seq = seq = None
+        last_meta = None
+        status = None
+        while True:
+            buf = _read_at(f, pos, chunk)
+            recs, used, status = parse_records(buf, 0, len(buf), 1 << 62, pos)
+            if recs:
+                if first_seq is None:
+                    first_seq = recs[0][2]
+                for r in recs:
+                    if r[2] != first_seq + records:      # seqs must be consecutive
+                        status = SegmentCorrupt("seq", "record seq out of order", r[0])
+                        break
+                    records += 1
+                    if r[1] == KIND_LOGJAM and len(r[3]) == 4:
+                        last_meta = r[3][3]
+                seq = first_seq + records
+                if isinstance(status, SegmentError) and status.reason == "seq":
+                    end = status.offset
+                    break
+            if status == "seal":
+                end = pos + used
+                try:
+                    count, data_end, _ = parse_seal_at(buf, used)
+                except SegmentError:
+                    break
+                if count == records and data_end == end and end + SEAL_RECORD_LEN == size \
+                        and first_seq is not None:
+                    return ScanResult(SegmentHeader(segno, mtime_ms, first_seq), size, end,
+                                      records, seq, True, 0, "header", 0, last_meta)
+                break
+            if isinstance(status, SegmentError):
+                end = pos + used
+                break
+            if status == "partial" and len(buf) >= chunk and used == 0:
+                chunk = PREFIX_LEN + PREFIX.unpack_from(buf, 0)[0]
+                continue
+            pos += used
+            end = pos
+            if len(buf) < chunk:
+                break
+    if first_seq is None:
+        return res
+    return ScanResult(SegmentHeader(segno, mtime_ms, first_seq), size, end, records, seq,
+                      False, size - end, "header", 0, last_meta)
+
+
+def resync(buf: bytes, base: int, start: int, expect_seq: int, end_seq: int,
+           tries: int = 64) -> tuple[int, int] | None:
+    """Find the first intact record after a damaged one.
+
+    ``buf`` holds file bytes from offset ``base``; the damaged record (seq
+    ``expect_seq``) starts at file offset ``start``.  Looks for the record of seq
+    ``expect_seq + 1`` (then +2, ... up to ``tries``) by its seq field and accepts it
+    only if its CRC and frame lengths check out.  Returns ``(offset, seq)`` or None.
+    """
+    lo = start - base + 1
+    for s in range(expect_seq + 1, min(end_seq, expect_seq + 1 + tries)):
+        needle = s.to_bytes(8, "little")
+        i = buf.find(needle, lo + 12)
+        while i >= 0:
+            cand = i - 12
+            recs, _, status = parse_records(buf, cand, len(buf), 1, base)
+            if recs and recs[0][2] == s:
+                return base + cand, s
+            i = buf.find(needle, i + 1)
+    return None

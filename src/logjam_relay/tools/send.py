@@ -14,11 +14,12 @@ import time
 
 import zmq
 
+from ..helptext import plain
 from ..protocols import logjam as L
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="logjam-relay send", description=__doc__,
+    p = argparse.ArgumentParser(prog="logjam-relay send", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--connect", default=None,
                    help="endpoint (default tcp://127.0.0.1:9604 for ROUTER, :9605 for PULL)")

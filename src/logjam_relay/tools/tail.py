@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ..helptext import plain
 from ..protocols import logjam as L
 
 
@@ -57,7 +58,7 @@ def format_message(frames: list[bytes], show_body: bool = True) -> tuple[str, in
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="logjam-relay tail", description=__doc__,
+    p = argparse.ArgumentParser(prog="logjam-relay tail", description=plain(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--connect", action="append", dest="connect_list",
                    help="PUB endpoint (default tcp://127.0.0.1:9606); repeatable")

@@ -1,0 +1,205 @@
+"""The listener every input shares: TCP/TLS, connection cap, handshake timeout, counters."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import Counter
+
+import trio
+
+from ..io.net import server_context
+from ..ratelimit import RateLimitedLog
+from . import InputSpec
+
+log = logging.getLogger("logjam_relay.inputs")
+
+
+class BaseInput:
+    """Subclasses implement ``async _connection(stream, peer)`` (raise on protocol errors
+    with a ``reason`` attribute; return on a clean close)."""
+
+    error_types: tuple = ()
+
+    def __init__(self, spec: InputSpec, relay):
+        self.spec = spec
+        self.name = spec.name
+        self.relay = relay
+        self.ssl_context = server_context(spec.cert, spec.key, spec.ca,
+                                          require_client_cert=bool(spec.ca)) \
+            if spec.tls else None
+        self.port: int | None = None
+        self.rlog = RateLimitedLog(logging.getLogger(f"logjam_relay.inputs.{spec.scheme}"))
+        # counters (exported by InputsCollector)
+        self.connections = 0
+        self.active = 0
+        self.refused = 0                    # over max_connections
+        self.batches = 0                    # windows / payloads spooled and acknowledged
+        self.events = 0
+        self.bytes = 0                      # bytes read from the network
+        self.acks = 0
+        self.unacked_at_close = 0           # batches complete but not acked (shutdown/close)
+        self.errors: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ serving
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        spec = self.spec
+        try:
+            listeners = await trio.open_tcp_listeners(spec.port, host=spec.host)
+        except OSError as e:
+            raise OSError(f"input {spec.name}: cannot listen on {spec.host}:{spec.port}: "
+                          f"{e.strerror or e}") from None
+        self.port = listeners[0].socket.getsockname()[1]
+        log.info("input %s listening on %s:%d (%s)", spec.name, spec.host, self.port,
+                 "TLS" + (" with client certificates" if spec.ca else "") if spec.tls
+                 else "plain TCP")
+        try:
+            async with trio.open_nursery() as nursery:
+                task_status.started(self.port)
+                await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+        finally:
+            for ln in listeners:
+                await trio.aclose_forcefully(ln)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        peer = _peer(stream)
+        if self.active >= self.spec.max_connections:
+            self.refused += 1
+            self.errors["too_many_connections"] += 1
+            self.rlog.warning("too_many_connections", "input %s: %s refused: %d connections "
+                              "open (max_connections)", self.name, peer, self.active)
+            await trio.aclose_forcefully(stream)
+            return
+        self.connections += 1
+        self.active += 1
+        try:
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        s: trio.abc.Stream = stream
+        try:
+            if self.ssl_context is not None:
+                s = trio.SSLStream(stream, self.ssl_context, server_side=True,
+                                   https_compatible=False)
+                with trio.move_on_after(self.spec.handshake_timeout) as cs:
+                    await s.do_handshake()
+                if cs.cancelled_caught:
+                    raise _Closed("handshake_timeout", "TLS handshake not done in time")
+            await self._connection(s, peer)
+        except _Closed as e:
+            self._error(e.reason, peer, str(e))
+        except self.error_types as e:
+            self._error(getattr(e, "reason", "protocol"), peer, str(e))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            self._error("io", peer, repr(e), level=logging.DEBUG)
+        except Exception as e:      # never take the listener down for one connection
+            self._error("internal", peer, repr(e), level=logging.ERROR)
+        finally:
+            self.active -= 1
+            await trio.aclose_forcefully(s)
+
+    def _error(self, reason: str, peer: str, msg: str, level: int = logging.WARNING) -> None:
+        self.errors[reason] += 1
+        if level == logging.DEBUG:
+            self.rlog.logger.debug("input %s: %s: %s", self.name, peer, msg)
+            return
+        self.rlog.log(level, reason, "input %s: %s: %s (%s); connection closed", self.name,
+                      peer, msg, reason)
+
+    async def receive(self, stream, deadline: float, reason: str) -> bytes:
+        """One read; raises _Closed(reason) when ``deadline`` (trio clock) passes first
+        (``reason``: "timeout" for a started window/payload, "idle" otherwise)."""
+        with trio.move_on_at(deadline) as cs:
+            data = await stream.receive_some(65536)
+        if cs.cancelled_caught:
+            raise _Closed(reason, "nothing received in time" if reason == "idle" else
+                          f"batch not complete within {self.spec.timeout:g}s")
+        self.bytes += len(data)
+        return data
+
+    async def spool(self, acc: list[tuple], stream, keepalive: bytes | None) -> bool:
+        """Stamp, publish and spool ``acc``; True once it is in the spool (then ACK).
+
+        While the spool makes us wait (full, policy block) a keep-alive is sent every
+        ``ack_interval`` seconds, when the protocol has one.
+        """
+        relay = self.relay
+        if relay.stopping:
+            return False
+        if keepalive is None:
+            return await relay.ingest_external(acc)
+        done = None
+        async with trio.open_nursery() as nursery:
+            async def ingest():
+                nonlocal done
+                done = await relay.ingest_external(acc)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(ingest)
+            while True:
+                await trio.sleep(self.spec.ack_interval)
+                await stream.send_all(keepalive)
+        return bool(done)
+
+    def stats(self) -> dict:
+        return {"connections": self.connections, "active_connections": self.active,
+                "refused_connections": self.refused, "batches": self.batches,
+                "events": self.events, "bytes": self.bytes, "acks": self.acks,
+                "errors": dict(self.errors), "port": self.port}
+
+
+class _Closed(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _peer(stream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except (AttributeError, OSError):
+        return "?"
+
+
+class InputsCollector:
+    """Prometheus families for the inputs (registered in RelayCollector.extra)."""
+
+    def __init__(self, relay, inputs: list[BaseInput]):
+        self.relay = relay
+        self.inputs = inputs
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        d = str(self.relay.settings.device_id)
+        lb = ["device", "input"]
+        fams = {
+            "connections": CounterMetricFamily("logjam_relay_input_connections",
+                                               "connections accepted", labels=lb),
+            "refused": CounterMetricFamily("logjam_relay_input_refused_connections",
+                                           "connections refused (max_connections)", labels=lb),
+            "active": GaugeMetricFamily("logjam_relay_input_active_connections",
+                                        "open connections", labels=lb),
+            "batches": CounterMetricFamily("logjam_relay_input_batches",
+                                           "windows/payloads spooled and acknowledged",
+                                           labels=lb),
+            "events": CounterMetricFamily("logjam_relay_input_events",
+                                          "events spooled and acknowledged", labels=lb),
+            "bytes": CounterMetricFamily("logjam_relay_input_bytes", "bytes received",
+                                         labels=lb),
+        }
+        errors = CounterMetricFamily("logjam_relay_input_errors",
+                                     "connections closed for bad input or I/O errors",
+                                     labels=lb + ["reason"])
+        for inp in self.inputs:
+            lbl = [d, inp.name]
+            fams["connections"].add_metric(lbl, inp.connections)
+            fams["refused"].add_metric(lbl, inp.refused)
+            fams["active"].add_metric(lbl, inp.active)
+            fams["batches"].add_metric(lbl, inp.batches)
+            fams["events"].add_metric(lbl, inp.events)
+            fams["bytes"].add_metric(lbl, inp.bytes)
+            for reason, n in sorted(inp.errors.items()):
+                errors.add_metric(lbl + [reason], n)
+        yield from fams.values()
+        yield errors

@@ -1,0 +1,51 @@
+"""Lumberjack input (v1 and v2/Beats): windows in, spooled, then ACKed."""
+
+from __future__ import annotations
+
+import trio
+
+from ..protocols import lumberjack_server as ljs
+from .base import BaseInput, _Closed
+from .mapping import json_event, lumberjack_v1
+
+
+class LumberjackInput(BaseInput):
+    error_types = (ljs.LumberjackError,)
+
+    async def _connection(self, stream, peer: str) -> None:
+        spec = self.spec
+        conn = ljs.ServerConnection(max_window=spec.max_window,
+                                    max_event_bytes=spec.max_event_bytes,
+                                    max_window_bytes=spec.max_batch_bytes)
+        name, opts = self.name, spec.mapping
+        clock = trio.current_time
+        started = None              # when the first byte of the current window arrived
+        while True:
+            ev = conn.next_event()
+            if ev is ljs.NEED_DATA:
+                if conn.buffered or conn.in_window:
+                    if started is None:
+                        started = clock()
+                    data = await self.receive(stream, started + spec.timeout, "timeout")
+                else:
+                    started = None
+                    data = await self.receive(stream, clock() + spec.idle_timeout, "idle")
+                conn.receive_data(data)
+                continue
+            if type(ev) is ljs.WindowReceived:
+                started = None
+                if ev.version == 1:
+                    acc = [lumberjack_v1(f, name, peer, opts) for f in ev.events]
+                else:
+                    acc = [json_event(raw, name, peer, opts) for raw in ev.events]
+                if ev.dropped:
+                    self.errors["events_beyond_window"] += ev.dropped
+                if not await self.spool(acc, stream, conn.keepalive()):
+                    self.unacked_at_close += 1
+                    raise _Closed("shutdown", "relay shutting down; window not acknowledged")
+                await stream.send_all(conn.ack(ev.count))
+                self.acks += 1
+                self.batches += 1
+                self.events += ev.count
+                continue
+            return      # ConnectionClosed

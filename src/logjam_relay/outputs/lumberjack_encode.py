@@ -1,0 +1,171 @@
+"""The Lumberjack output's event mapping: logjam records -> ``1D`` frames.
+
+The documented, stable mapping (``docs/lumberjack.md``), in C (``_ljencode.c``) when it
+is built and in Python (:meth:`EventEncoder.encode_py`, the reference).  Bodies are
+inflated through :func:`logjam_relay.limits.inflate_bounded`: an event whose body is
+(or inflates to) more than ``max_event_bytes`` is not mapped but handed back as
+rejected, for the dead-letter store.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .. import _native
+from ..limits import BadBody, EventTooLarge, inflate_bounded
+from ..protocols.logjam import HEARTBEAT, split_app_env, unpack_meta
+from ..spool.api import KIND_LOGJAM, Record
+
+#: what ``max_event_bytes`` defaults to (config.py): Filebeat's ``max_bytes`` default
+DEFAULT_MAX_EVENT_BYTES = 10 * 1024 * 1024
+
+# ----------------------------------------------------------------- event mapping
+
+_u32 = struct.Struct(">I").pack
+_ljencode = _native.load("logjam_relay.outputs._ljencode")   # the optional C event mapping
+_hdr_d = struct.Struct(">2sII").pack
+
+
+def _k(key: bytes) -> bytes:
+    return _u32(len(key)) + key
+
+
+def _kv(key: bytes, value: bytes) -> bytes:
+    return _k(key) + _u32(len(value)) + value
+
+
+_K_LINE = _k(b"line")
+_K_DEVICE = _k(b"device")
+_K_SEQUENCE = _k(b"sequence")
+_K_CREATED = _k(b"created_ms")
+_TAG_DECODE_ERROR = _kv(b"tags", b"logjam_decode_error")
+_PAIRS_OK = 9
+_PAIRS_ERROR = 10
+
+
+class EventEncoder:
+    """Maps logjam records to ``1D`` frames (the documented, stable event mapping).
+
+    Fields: ``line`` (decompressed JSON body), ``app``, ``env`` (app-env split at the
+    last ``-``), ``topic``, ``device``, ``sequence``, ``created_ms``, ``host`` (relay host),
+    ``type`` = ``logjam``; plus ``tags`` = ``logjam_decode_error`` when the body or the
+    meta frame cannot be decoded (``line`` is then the raw body as text).
+    """
+
+    def __init__(self, relay_host: str, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES):
+        self._tail = _kv(b"host", relay_host.encode()) + _kv(b"type", b"logjam")
+        self._stream_cache: dict[tuple[bytes, bytes], bytes] = {}
+        self.decode_errors = 0
+        self.max_event_bytes = max_event_bytes
+        limit = max_event_bytes
+
+        def decompress(body: bytes, comp: int) -> bytes:
+            return inflate_bounded(comp, body, limit)
+        self._decompress = decompress
+        # id(frames) -> reason detail, for the records the last encode refused
+        self._rejected: dict[int, str] = {}
+
+    def _stream_pairs(self, app_env: bytes, topic: bytes) -> bytes:
+        key = (app_env, topic)
+        r = self._stream_cache.get(key)
+        if r is None:
+            app, env = split_app_env(app_env)
+            r = (_kv(b"app", app.encode()) + _kv(b"env", env.encode())
+                 + _kv(b"topic", topic.decode("utf-8", "replace").encode()))
+            if len(self._stream_cache) >= 10_000:
+                self._stream_cache.clear()
+            self._stream_cache[key] = r
+        return r
+
+    def encode(self, records: list[Record]) -> tuple[bytes, int]:
+        """``1D`` frames (seq 1..n) for the logjam records; (bytes, n).
+
+        Records of other kinds are skipped (not forwarded).  Uses the C mapping
+        (``_ljencode.c``) when it is built; :meth:`encode_py` otherwise (same bytes).
+        An event over ``max_event_bytes`` gives an empty frame here (its sequence
+        number is used): :meth:`encode_checked` is what outputs call.
+        """
+        if _ljencode is None:
+            return self.encode_py(records)
+        return _ljencode.encode(records, KIND_LOGJAM, self._tail, self._stream_cache,
+                                self._stream_pairs, self._decompress, self._encode_one)
+
+    def encode_checked(self, records: list[Record]
+                       ) -> tuple[bytes, int, list[Record], list[tuple[Record, str]]]:
+        """(frames, n, kept records, [(rejected record, why)]): events over the limit left out.
+
+        The common case costs one length comparison: a window whose frames total at most
+        ``max_event_bytes`` cannot hold an event over it (and nothing was refused while
+        inflating).  Otherwise the plain bodies are measured and the window re-encoded
+        without the rejected records.
+        """
+        self._rejected.clear()
+        data, n = self.encode(records)
+        limit = self.max_event_bytes
+        if not self._rejected and len(data) <= limit:
+            return data, n, records, []
+        rejected = self._rejected
+        for rec in records:
+            fr = rec.frames
+            if rec.kind == KIND_LOGJAM and len(fr) > 2 and len(fr[2]) > limit \
+                    and id(fr) not in rejected:
+                rejected[id(fr)] = f"body of {len(fr[2])} bytes is over {limit} bytes"
+        if not rejected:
+            return data, n, records, []
+        kept = [r for r in records if id(r.frames) not in rejected]
+        out = [(r, rejected[id(r.frames)]) for r in records if id(r.frames) in rejected]
+        self._rejected = {}
+        data, n = self.encode(kept)
+        return data, n, kept, out
+
+    def encode_py(self, records: list[Record]) -> tuple[bytes, int]:
+        """:meth:`encode` in Python alone (the reference for the C mapping)."""
+        parts: list[bytes] = []
+        append = parts.append
+        seq = 0
+        encode_one = self._encode_one
+        for rec in records:
+            frames = rec.frames
+            if rec.kind != KIND_LOGJAM or (frames and frames[0] == HEARTBEAT):
+                continue            # heartbeats are spooled for the gapless archive only
+            seq += 1
+            append(encode_one(frames, seq))
+        return b"".join(parts), seq
+
+    def _encode_one(self, frames, seq: int) -> bytes:
+        """The ``1D`` frame of one logjam message (any frames, decodable or not)."""
+        ok = True
+        try:
+            app_env, topic, body, meta = frames
+            _tag, comp, _ver, device, created_ms, sequence = unpack_meta(meta)
+        except (ValueError, struct.error):
+            ok = False
+            app_env = frames[0] if frames else b""
+            topic = frames[1] if len(frames) > 1 else b""
+            body = frames[2] if len(frames) > 2 else b""
+            d = s = c = b""
+        else:
+            d = b"%d" % device
+            s = b"%d" % sequence
+            c = b"%d" % created_ms
+            if comp:
+                try:
+                    body = inflate_bounded(comp, body, self.max_event_bytes)
+                except EventTooLarge as e:
+                    self._rejected[id(frames)] = e.reason
+                    return b""
+                except BadBody:
+                    ok = False
+        if len(body) > self.max_event_bytes:
+            self._rejected[id(frames)] = (f"body of {len(body)} bytes is over "
+                                          f"{self.max_event_bytes} bytes")
+            return b""
+        if not ok:
+            self.decode_errors += 1
+            body = bytes(body).decode("utf-8", "replace").encode()
+        return b"".join((
+            _hdr_d(b"1D", seq, _PAIRS_OK if ok else _PAIRS_ERROR), _K_LINE, _u32(len(body)),
+            body, self._stream_pairs(app_env, topic),
+            _K_DEVICE, _u32(len(d)), d, _K_SEQUENCE, _u32(len(s)), s,
+            _K_CREATED, _u32(len(c)), c, self._tail,
+            b"" if ok else _TAG_DECODE_ERROR))

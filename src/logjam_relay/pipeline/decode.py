@@ -1,0 +1,554 @@
+"""Decoding archived spool segments into Arrow batches (no Spark needed here).
+
+The walk of a segment file (CRC check, frame lengths, (app-env, topic) interning) is
+``spool/_segscan.c`` when built, else :func:`decode_segment_py`; bodies are decompressed in
+Python; Arrow arrays are built in bulk.  ``columns`` selects which columns are built
+(column pruning: a query that does not need bodies skips decompression altogether), and
+the request fields of ``logs`` bodies can be extracted straight into typed columns
+(:mod:`.extract`).  The Spark side is :mod:`.datasource`; see ``docs/pipeline.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import lz4.block
+import numpy as np
+import pyarrow as pa
+import snappy
+
+from ..protocols.logjam import COMPRESSION_NAMES, MAX_DECOMPRESSED
+from ..spool import segment as fmt
+from .extract import EXTRACT_FIELDS, extract_fields
+
+log = logging.getLogger("logjam_relay.pipeline.decode")
+
+NAME = "logjam"
+
+SCHEMA_DDL = ("app string, env string, topic string, device long, sequence long, "
+              "created_ms long, compression string, body string, error string, "
+              "segment long, record int")
+
+ARROW_SCHEMA = pa.schema([
+    ("app", pa.string()), ("env", pa.string()), ("topic", pa.string()),
+    ("device", pa.int64()), ("sequence", pa.int64()), ("created_ms", pa.int64()),
+    ("compression", pa.string()), ("body", pa.string()), ("error", pa.string()),
+    ("segment", pa.int64()), ("record", pa.int32()),
+])
+BASE_COLUMNS = tuple(ARROW_SCHEMA.names)
+#: every column the reader can produce: the default schema plus the request fields
+#: extracted from ``logs`` bodies (only built when a query's schema asks for them)
+ALL_FIELDS = {f.name: f for f in ARROW_SCHEMA} | {f.name: f for f in EXTRACT_FIELDS}
+_NEED_BODIES = {"body", "error"} | {f.name for f in EXTRACT_FIELDS}
+_META_COLS = {"device", "sequence", "created_ms", "compression"}
+_EXTRACTED = {f.name for f in EXTRACT_FIELDS}
+
+
+def arrow_schema(columns) -> pa.Schema:
+    """The Arrow schema of a column selection (names from :data:`ALL_FIELDS`)."""
+    return pa.schema([ALL_FIELDS[c] for c in columns])
+
+_META_DT = np.dtype([("tag", ">u2"), ("comp", "u1"), ("ver", "u1"), ("device", ">u4"),
+                     ("created", ">u8"), ("seq", ">u8")])
+_META_IDX = np.arange(24, dtype=np.int64)
+_COMP_NAMES = pa.array([COMPRESSION_NAMES.get(i, f"unknown-{i}") for i in range(256)],
+                       pa.string())
+_FULL4 = struct.Struct("<IIBBHQIIII")
+_FULL_HEAD = struct.Struct("<IIBBHQ")
+_LEN_BE = struct.Struct(">I")
+_crc32 = zlib.crc32
+from .. import _native
+
+_segscan = _native.load("logjam_relay.spool._segscan")
+try:
+    import cramjam  # what python-snappy calls; skips a Python wrapper
+    _snappy_raw = cramjam.snappy.decompress_raw
+except (ImportError, AttributeError):  # pragma: no cover
+    _snappy_raw = snappy.uncompress
+# meta frame bytes 0..3 (tag, compression, version) -> compression, for acceptable metas
+_META_COMP = {bytes((t0, t1, c, 1)): c for (t0, t1) in ((0xCA, 0xBD), (0xBD, 0xCA))
+              for c in range(256)}
+DEFAULT_BATCH_ROWS = 32768
+MAX_BODY = fmt.MAX_BODY
+KIND_SEAL = fmt.KIND_SEAL
+
+
+# ============================================================================ files
+
+list_segments = fmt.sealed_segments
+
+
+def record_count(path: str) -> int:
+    """Data records in a segment: from the seal record (cheap), else by a full scan
+    (a damaged or incomplete file: only its valid records count)."""
+    seal = fmt.read_seal(path)
+    if seal is not None:
+        return seal[0]
+    try:
+        res = fmt.scan_segment(path)
+    except OSError:
+        return 0
+    # not properly sealed: one extra "record" slot for the reader's error row
+    return res.records + 1
+
+
+# ============================================================================ decoding
+
+@dataclass
+class DecodeStats:
+    records: int = 0          # rows produced (records + error rows)
+    bad_records: int = 0      # rows with error set
+    corrupt: int = 0          # corrupt segment regions
+    skipped_kinds: int = 0    # non-logjam records
+
+
+class _Cols:
+    """Column accumulators for one Arrow batch."""
+
+    __slots__ = ("pair", "meta_off", "bodies", "errors", "first", "n")
+
+    def __init__(self, first: int):
+        self.pair: list[int] = []                 # index into the (app_env, topic) table
+        self.meta_off: list[int] = []             # offset of the meta frame (0: bad meta)
+        self.bodies: list[bytes | None] = []
+        self.errors: dict[int, str] = {}          # row -> reason (sparse)
+        self.first = first                        # record index of the first row
+        self.n = 0
+
+
+def decode_segment(path: str, segno: int, start: int = 0, stop: int | None = None,
+                   batch_rows: int = DEFAULT_BATCH_ROWS,
+                   stats: DecodeStats | None = None,
+                   columns=None) -> Iterator[pa.RecordBatch]:
+    """Arrow batches (:data:`ARROW_SCHEMA`, or the ``columns`` named, in that order, from
+    :data:`ALL_FIELDS`) for records ``start`` (inclusive) to ``stop`` (exclusive; ``None``
+    = to the end) of the segment file ``path``.  Never raises on bad data; ``OSError`` for
+    an unreadable file propagates (callers turn it into a row).  Bodies are decompressed
+    only when ``body``, ``error`` or an extracted field is asked for.
+    Uses the C record walk (``spool/_segscan.c``) when it is built, else
+    :func:`decode_segment_py`; both give the same batches."""
+    if _segscan is None:
+        return decode_segment_py(path, segno, start, stop, batch_rows, stats, columns)
+    return _decode_segment_c(path, segno, start, stop, batch_rows, stats, columns)
+
+
+def _columns(columns) -> tuple[str, ...]:
+    if columns is None:
+        return BASE_COLUMNS
+    cols = tuple(columns)
+    unknown = [c for c in cols if c not in ALL_FIELDS]
+    if unknown:
+        raise ValueError(f"logjam data source: unknown column(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(ALL_FIELDS)}")
+    return cols
+
+
+def _decode_segment_c(path: str, segno: int, start: int, stop: int | None,
+                      batch_rows: int, stats: DecodeStats | None,
+                      columns=None) -> Iterator[pa.RecordBatch]:
+    st = stats if stats is not None else DecodeStats()
+    columns = _columns(columns)
+    decode = not _NEED_BODIES.isdisjoint(columns)
+    with open(path, "rb", buffering=0) as f:
+        buf = f.read()
+    try:
+        fmt.decode_header(buf[:fmt.HEADER_LEN])
+    except fmt.SegmentError as e:
+        yield _error_batch(segno, start, f"corrupt:{e.reason}",
+                           {"offset": 0, "message": str(e)}, st, columns)
+        return
+    stop_ = (1 << 62) if stop is None else stop
+    rows_b, pair_offs, pos, idx, status, skipped = _segscan.scan(buf, fmt.HEADER_LEN,
+                                                                  start, stop_)
+    st.skipped_kinds += skipped
+    rows = np.frombuffer(rows_b, dtype=np.int64).reshape(-1, 5)
+    pairs = [(buf[o:o + la], buf[o + la:o + la + lt]) for o, la, lt in pair_offs]
+    npbuf = np.frombuffer(buf, dtype=np.uint8)
+    mv = memoryview(buf)
+    body_of = _decompress_body
+    try:
+        for first in range(0, len(rows), batch_rows):
+            block = rows[first:first + batch_rows]
+            cols = _Cols(start + first)
+            cols.n = n = len(block)
+            cols.pair = block[:, 0]
+            cols.meta_off = block[:, 2]
+            errors = cols.errors
+            if not decode:                  # pruned: no body, no decompression
+                codes_np = block[:, 1]
+                for i in np.flatnonzero(codes_np < 0).tolist():
+                    errors[i] = "meta" if codes_np[i] == -1 else "frames"
+                yield _build(cols, pairs, npbuf, segno, st, columns, False)
+                continue
+            codes = block[:, 1].tolist()
+            body_off = block[:, 3].tolist()
+            body_len = block[:, 4].tolist()
+            bodies: list = [None] * n
+            for i in range(n):
+                comp = codes[i]
+                r = body_off[i]
+                lb = body_len[i]
+                if comp == 0:
+                    bodies[i] = buf[r:r + lb]
+                elif comp == -1:
+                    errors[i] = "meta"
+                elif comp == -2:
+                    errors[i] = "frames"
+                else:
+                    try:
+                        bodies[i] = body_of(buf, mv, r, r + lb, comp)
+                    except Exception:
+                        errors[i] = "decompress"
+            cols.bodies = bodies
+            yield _build(cols, pairs, npbuf, segno, st, columns)
+    finally:
+        mv.release()
+    if status not in ("stop", "seal") and start <= idx < stop_:
+        info = {"offset": pos}
+        seal = fmt.read_seal(path)
+        if seal is not None:
+            info["records_lost"] = max(0, seal[0] - idx)
+        elif status == "no_seal":
+            info["message"] = "segment has no valid seal record (incomplete copy?)"
+        st.corrupt += 1
+        yield _error_batch(segno, idx, f"corrupt:{status}", info, st, columns)
+
+
+def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = None,
+                      batch_rows: int = DEFAULT_BATCH_ROWS,
+                      stats: DecodeStats | None = None,
+                      columns=None) -> Iterator[pa.RecordBatch]:
+    """:func:`decode_segment` in Python alone (the reference for the C walk)."""
+    st = stats if stats is not None else DecodeStats()
+    columns = _columns(columns)
+    decode = not _NEED_BODIES.isdisjoint(columns)
+    with open(path, "rb", buffering=0) as f:
+        buf = f.read()
+    size = len(buf)
+    npbuf = np.frombuffer(buf, dtype=np.uint8)
+    # (app_env + topic) bytes -> pair index; pairs[k] = (app_env, topic)
+    pair_index: dict = {}
+    pairs: list[tuple[bytes, bytes]] = []
+    pair_la: list[int] = []                        # len(pairs[k][0])
+    pair_get = pair_index.get
+    stop = (1 << 62) if stop is None else stop
+
+    try:
+        fmt.decode_header(buf[:fmt.HEADER_LEN])
+    except fmt.SegmentError as e:
+        yield _error_batch(segno, start, f"corrupt:{e.reason}",
+                           {"offset": 0, "message": str(e)}, st, columns)
+        return
+
+    mv = memoryview(buf)
+    unpack4 = _FULL4.unpack_from
+    unpack_head = _FULL_HEAD.unpack_from
+    crc32 = _crc32
+    meta_comp = _META_COMP.get
+    body_of = _decompress_body
+    pos = fmt.HEADER_LEN
+    idx = 0                       # index of the record at pos (logjam records only)
+    cols = _Cols(start)
+    ap_pair, ap_meta, ap_body = cols.pair.append, cols.meta_off.append, cols.bodies.append
+    errors = cols.errors
+    i = 0                         # row in the current batch
+    corrupt: tuple[str, int] | None = None
+    try:
+        while idx < stop:
+            if size - pos >= 36:
+                body_len, crc, kind, _fl, n, _seq, la, lt, lb, lm = unpack4(buf, pos)
+            elif size - pos >= fmt.MIN_RECORD:
+                body_len, crc, kind, _fl, n, _seq = unpack_head(buf, pos)
+                la = lt = lb = lm = 0
+            else:
+                corrupt = ("torn" if pos != size else "no_seal", pos)
+                break
+            rend = pos + 8 + body_len
+            if body_len < 12 + 4 * n or body_len > MAX_BODY:
+                corrupt = ("bad_length", pos)
+                break
+            if rend > size:
+                corrupt = ("torn", pos)
+                break
+            if crc32(mv[pos + 8:rend]) != crc:
+                corrupt = ("crc", pos)
+                break
+            if kind:
+                if kind == KIND_SEAL:
+                    break
+                st.skipped_kinds += 1          # not a logjam record: no row, no index
+                pos = rend
+                continue
+            if idx < start:
+                idx += 1
+                pos = rend
+                continue
+            if n == 4:
+                p = pos + 36
+                r = p + la + lt
+                s = r + lb
+                if s + lm != rend:
+                    corrupt = ("frame_lengths", pos)
+                    break
+                key = buf[p:r]
+                k = pair_get(key)
+                if k is None or pair_la[k] != la:
+                    k = _intern_pair(pair_index, pairs, pair_la, key, la)
+                ap_pair(k)
+                comp = meta_comp(buf[s:s + 4]) if lm == 24 else None
+                if comp == 0 or (comp is not None and not decode):
+                    ap_meta(s)
+                    ap_body(buf[r:s] if decode else None)
+                elif comp is None:
+                    ap_meta(0)
+                    ap_body(None)
+                    errors[i] = "meta"
+                else:
+                    ap_meta(s)
+                    try:
+                        ap_body(body_of(buf, mv, r, s, comp))
+                    except Exception:
+                        ap_body(None)
+                        errors[i] = "decompress"
+            else:
+                # a logjam record must have 4 frames; keep it as an error row
+                lens = struct.unpack_from(f"<{n}I", buf, pos + 20)
+                p = pos + 20 + 4 * n
+                if p + sum(lens) != rend:
+                    corrupt = ("frame_lengths", pos)
+                    break
+                first = buf[p:p + lens[0]] if n else b""
+                ap_pair(_intern_pair(pair_index, pairs, pair_la, first, len(first)))
+                ap_meta(0)
+                ap_body(None)
+                errors[i] = "frames"
+            i += 1
+            idx += 1
+            pos = rend
+            if i >= batch_rows:
+                cols.n = i
+                yield _build(cols, pairs, npbuf, segno, st, columns, decode)
+                cols = _Cols(idx)
+                ap_pair, ap_meta, ap_body = (cols.pair.append, cols.meta_off.append,
+                                             cols.bodies.append)
+                errors = cols.errors
+                i = 0
+        cols.n = i
+    finally:
+        mv.release()
+    if cols.n:
+        yield _build(cols, pairs, npbuf, segno, st, columns, decode)
+    if corrupt is not None and start <= idx < stop:
+        reason, off = corrupt
+        seal = fmt.read_seal(path)
+        info = {"offset": off}
+        if seal is not None:
+            info["records_lost"] = max(0, seal[0] - idx)
+        elif reason == "no_seal":
+            info["message"] = "segment has no valid seal record (incomplete copy?)"
+        st.corrupt += 1
+        yield _error_batch(segno, idx, f"corrupt:{reason}", info, st, columns)
+
+
+def _intern_pair(pair_index: dict, pairs: list, pair_la: list, key: bytes, la: int) -> int:
+    """Index of (key[:la], key[la:]); the combined key is ambiguous only in theory
+    (same concatenation, different split): such a pair is stored under a tuple key."""
+    k = pair_index.get(key)
+    if k is not None and pair_la[k] == la:
+        return k
+    alt = (key, la)
+    k = pair_index.get(alt)
+    if k is not None:
+        return k
+    k = len(pairs)
+    pairs.append((key[:la], key[la:]))
+    pair_la.append(la)
+    if key in pair_index:
+        pair_index[alt] = k
+    else:
+        pair_index[key] = k
+    return k
+
+
+_SMALL_ZLIB = MAX_DECOMPRESSED // 1100          # zlib expands at most ~1032x
+_SMALL_SNAPPY = MAX_DECOMPRESSED // 64
+
+
+def _decompress_body(buf: bytes, mv: memoryview, r: int, s: int, comp: int) -> bytes:
+    """The body ``buf[r:s]`` compressed with ``comp`` (1 zlib, 2 snappy, 3 lz4), inflated
+    within :data:`MAX_DECOMPRESSED`; raises on anything undecodable."""
+    lb = s - r
+    if comp == 1:
+        return zlib.decompress(mv[r:s]) if lb < _SMALL_ZLIB else _zlib_bounded(mv[r:s])
+    if comp == 2:
+        if lb > _SMALL_SNAPPY:
+            _snappy_check(buf[r:r + 5])
+        return _snappy_raw(mv[r:s])
+    if comp == 3:
+        (m,) = _LEN_BE.unpack_from(buf, r)
+        if m > MAX_DECOMPRESSED:
+            raise ValueError("lz4 length too large")
+        b = lz4.block.decompress(mv[r + 4:s], uncompressed_size=m)
+        if len(b) != m:
+            raise ValueError("lz4 length mismatch")
+        return b
+    raise ValueError(f"unknown compression {comp}")
+
+
+def _snappy_check(b: bytes) -> None:
+    n = shift = 0
+    for i in range(min(len(b), 5)):         # the varint length prefix of a raw block
+        c = b[i]
+        n |= (c & 0x7F) << shift
+        if not c & 0x80:
+            break
+        shift += 7
+    if n > MAX_DECOMPRESSED:
+        raise ValueError("snappy length too large")
+
+
+def _zlib_bounded(b: bytes) -> bytes:
+    d = zlib.decompressobj()
+    out = d.decompress(b, MAX_DECOMPRESSED)
+    if d.unconsumed_tail or not d.eof:
+        raise ValueError("zlib body truncated or too large")
+    return out
+
+
+def _pair_columns(pairs: list[tuple[bytes, bytes]]) -> tuple[pa.Array, pa.Array, pa.Array]:
+    """Arrow arrays (app, env, topic) indexed like ``pairs``: app and env split at the
+    last ``-`` of the app-env frame."""
+    apps, envs, topics = [], [], []
+    for ae, t in pairs:
+        s = ae.decode("utf-8", "replace")
+        a, sep, e = s.rpartition("-")
+        if not sep:
+            a, e = s, ""
+        apps.append(a)
+        envs.append(e)
+        topics.append(t.decode("utf-8", "replace"))
+    return (pa.array(apps, pa.string()), pa.array(envs, pa.string()),
+            pa.array(topics, pa.string()))
+
+
+def _build(cols: _Cols, pairs, npbuf, segno: int, st: DecodeStats,
+           columns=BASE_COLUMNS, decoded: bool = True) -> pa.RecordBatch:
+    """One batch with the ``columns`` asked for; ``cols.bodies`` is ignored when the
+    bodies were not decoded (``decoded`` False: no body/error/extracted column asked)."""
+    n = cols.n
+    want = set(columns)
+    out: dict[str, pa.Array] = {}
+    pidx = None
+    if want & {"app", "env", "topic"} or want & _NEED_BODIES:
+        apps, envs, topics = _pair_columns(pairs)
+        pidx = pa.array(np.asarray(cols.pair, dtype=np.int32))
+        for name, arr in (("app", apps), ("env", envs), ("topic", topics)):
+            if name in want:
+                out[name] = arr.take(pidx)
+
+    if want & _META_COLS:
+        offs = np.asarray(cols.meta_off, dtype=np.int64)
+        metas = npbuf[offs[:, None] + _META_IDX].view(_META_DT).reshape(n)
+        bad = None
+        if cols.errors:
+            bad_rows = [i for i, e in cols.errors.items() if e in ("meta", "frames")]
+            if bad_rows:
+                bad = np.zeros(n, dtype=bool)
+                bad[bad_rows] = True
+        if "device" in want:
+            out["device"] = pa.array(metas["device"].astype(np.int64), mask=bad)
+        if "sequence" in want:
+            out["sequence"] = pa.array(metas["seq"].astype(np.int64), mask=bad)
+        if "created_ms" in want:
+            out["created_ms"] = pa.array(metas["created"].astype(np.int64), mask=bad)
+        if "compression" in want:
+            out["compression"] = _COMP_NAMES.take(pa.array(metas["comp"], mask=bad))
+
+    if decoded:
+        body_col = _string_array(cols.bodies, cols.errors)
+        if "body" in want:
+            out["body"] = body_col
+        extracted = [c for c in columns if c in _EXTRACTED]
+        if extracted:
+            # request fields of logs bodies (valid UTF-8, no error)
+            is_logs = np.fromiter((t.startswith(b"logs") for _, t in pairs), dtype=bool,
+                                  count=len(pairs))
+            rows = is_logs[np.asarray(cols.pair, dtype=np.int64)]
+            if cols.errors:
+                rows = rows.copy()
+                rows[list(cols.errors)] = False
+            out.update(extract_fields(body_col, rows, extracted))
+    if "error" in want:
+        if cols.errors:
+            errs: list[str | None] = [None] * n
+            for i, e in cols.errors.items():
+                errs[i] = e
+            out["error"] = pa.array(errs, pa.string())
+        else:
+            out["error"] = pa.nulls(n, pa.string())
+    st.records += n
+    st.bad_records += len(cols.errors)
+    if "segment" in want:
+        out["segment"] = pa.array(np.full(n, segno, dtype=np.int64))
+    if "record" in want:
+        out["record"] = pa.array(np.arange(cols.first, cols.first + n, dtype=np.int32))
+    return pa.RecordBatch.from_arrays([out[c] for c in columns],
+                                      schema=arrow_schema(columns))
+
+
+def _string_array(bodies: list[bytes | None], errors: dict[int, str]) -> pa.Array:
+    """A UTF-8 string array from bytes objects via one joined buffer; invalid UTF-8
+    becomes null with ``errors[i] = "utf8"``."""
+    n = len(bodies)
+    if errors:
+        valid = np.ones(n, dtype=bool)
+        for i in errors:
+            if bodies[i] is None:
+                valid[i] = False
+        filled = [b if b is not None else b"" for b in bodies]
+    else:
+        valid = None
+        filled = bodies
+    lens = np.fromiter(map(len, filled), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    data = b"".join(filled)
+    if offsets[-1] < (1 << 31) - 1:
+        offs_buf = pa.py_buffer(offsets.astype(np.int32))
+    else:  # > 2 GiB of text in one batch: cannot happen with batch_rows * 64 MiB bound
+        raise ValueError("batch too large for a string column")
+    validity = None if valid is None else pa.array(valid).buffers()[1]
+    arr = pa.Array.from_buffers(pa.string(), n, [validity, offs_buf, pa.py_buffer(data)],
+                                null_count=-1 if valid is not None else 0)
+    try:
+        arr.validate(full=True)
+        return arr
+    except pa.ArrowInvalid:
+        pass
+    out: list[str | None] = []
+    for i, b in enumerate(bodies):
+        if b is None:
+            out.append(None)
+            continue
+        try:
+            out.append(bytes(b).decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(None)
+            errors[i] = "utf8"
+    return pa.array(out, pa.string())
+
+
+def _error_batch(segno: int, record: int, error: str, info: dict,
+                 st: DecodeStats, columns=BASE_COLUMNS) -> pa.RecordBatch:
+    st.records += 1
+    st.bad_records += 1
+    row = dict.fromkeys(ALL_FIELDS)
+    row.update(body=json.dumps(info), error=error, segment=segno, record=record,
+               bad_json=False)
+    schema = arrow_schema(columns)
+    return pa.RecordBatch.from_pylist([{c: row[c] for c in columns}], schema=schema)

@@ -1,0 +1,238 @@
+"""The loss report, incrementally: per device, what has been seen so far, in numpy.
+
+One implementation serves both modes: the batch pipeline runs :meth:`DeviceLoss.update`
+once per device over all its records (a grouped Arrow function on the executors), the
+streaming pipeline keeps one :class:`LossState` between micro-batches and feeds it only the
+records of each committed batch, so the loss table is never rebuilt from all records.
+
+Definitions (``docs/pipeline.md``, same as :func:`.reference.reference_tables`), per
+device, records in arrival order ``(segment, record)``; rows per minute of ``created_ms``:
+``received``; ``duplicates`` (number seen before); ``out_of_order`` (first arrival of a
+number below one seen before); ``missing`` (numbers absent between consecutive distinct
+numbers, counted at the minute of the first arrival of the lower one); ``first_sequence``,
+``last_sequence``.
+
+State per device: the distinct numbers seen, as sorted disjoint runs ``[lo, hi]`` with the
+first-arrival minute of ``hi`` (the only one a gap is ever counted at), so it grows with the
+number of gaps, not of records; plus the per-minute counters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+ROW_FIELDS = ("received", "duplicates", "out_of_order", "first_sequence", "last_sequence")
+OUT_SCHEMA = pa.schema([
+    ("device", pa.int64()), ("minute_ms", pa.int64()), ("received", pa.int64()),
+    ("missing", pa.int64()), ("duplicates", pa.int64()), ("out_of_order", pa.int64()),
+    ("first_sequence", pa.int64()), ("last_sequence", pa.int64()),
+])
+OUT_DDL = ("device long, minute_ms long, received long, missing long, duplicates long, "
+           "out_of_order long, first_sequence long, last_sequence long")
+_COLS = ("device", "sequence", "created_ms", "record")
+_E = np.empty(0, dtype=np.int64)
+
+
+class DeviceLoss:
+    __slots__ = ("lo", "hi", "hm", "rows")
+
+    def __init__(self):
+        self.lo = self.hi = self.hm = _E          # runs of distinct numbers
+        self.rows: dict[int, list[int]] = {}      # minute -> received, dup, ooo, first, last
+
+    def missing(self) -> dict[int, int]:
+        """minute -> numbers missing after the runs ending in that minute."""
+        if len(self.lo) < 2:
+            return {}
+        gaps = self.lo[1:] - self.hi[:-1] - 1
+        out: dict[int, int] = {}
+        for m, g in zip(self.hm[:-1].tolist(), gaps.tolist(), strict=True):
+            out[m] = out.get(m, 0) + g
+        return out
+
+    def update(self, seq: np.ndarray, minute: np.ndarray, track: bool = True) -> set[int]:
+        """Add records (arrays in arrival order); return the minutes whose row changed
+        (with ``track``; else only the minutes of the records)."""
+        n = len(seq)
+        if n == 0:
+            return set()
+        seq = np.asarray(seq, dtype=np.int64)
+        minute = np.asarray(minute, dtype=np.int64)
+        before = self.missing() if track else {}
+        # seen before this batch?
+        if len(self.lo):
+            k = np.searchsorted(self.lo, seq, side="right") - 1
+            in_old = (k >= 0) & (seq <= self.hi[np.maximum(k, 0)])
+            old_max = int(self.hi[-1])
+        else:
+            in_old = np.zeros(n, dtype=bool)
+            old_max = None
+        # ... or earlier in this batch (first arrival of each number)
+        by = np.argsort(seq, kind="stable")
+        s = seq[by]
+        first = np.ones(n, dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        first_in_batch = np.zeros(n, dtype=bool)
+        first_in_batch[by[first]] = True
+        dup = in_old | ~first_in_batch
+        # out of order: a new number below the highest seen before it
+        runmax = np.maximum.accumulate(seq)
+        prev = np.empty(n, dtype=np.int64)
+        prev[1:] = runmax[:-1]
+        has_prev = np.ones(n, dtype=bool)
+        if old_max is None:
+            has_prev[0] = False
+            prev[0] = 0
+        else:
+            prev[0] = old_max
+            prev = np.maximum(prev, old_max)
+        ooo = ~dup & has_prev & (seq < prev)
+        # merge the new distinct numbers into the runs
+        new = ~dup
+        lo = np.concatenate([self.lo, seq[new]])
+        hi = np.concatenate([self.hi, seq[new]])
+        hm = np.concatenate([self.hm, minute[new]])
+        o = np.argsort(lo, kind="stable")
+        lo, hi, hm = lo[o], hi[o], hm[o]
+        brk = np.ones(len(lo), dtype=bool)
+        brk[1:] = lo[1:] != hi[:-1] + 1
+        starts = np.flatnonzero(brk)
+        ends = np.append(starts[1:], len(lo)) - 1
+        self.lo, self.hi, self.hm = lo[starts], hi[ends], hm[ends]
+        # per-minute counters
+        mins, inv = np.unique(minute, return_inverse=True)
+        cnt = np.bincount(inv)
+        dups = np.bincount(inv, weights=dup).astype(np.int64)
+        ooos = np.bincount(inv, weights=ooo).astype(np.int64)
+        fst = np.full(len(mins), np.iinfo(np.int64).max, dtype=np.int64)
+        lst = np.full(len(mins), np.iinfo(np.int64).min, dtype=np.int64)
+        np.minimum.at(fst, inv, seq)
+        np.maximum.at(lst, inv, seq)
+        rows = self.rows
+        for m, c, d, q, f, la in zip(mins.tolist(), cnt.tolist(), dups.tolist(),
+                                     ooos.tolist(), fst.tolist(), lst.tolist(), strict=True):
+            r = rows.get(m)
+            if r is None:
+                rows[m] = [c, d, q, f, la]
+            else:
+                r[0] += c
+                r[1] += d
+                r[2] += q
+                r[3] = min(r[3], f)
+                r[4] = max(r[4], la)
+        changed = set(mins.tolist())
+        if track:
+            after = self.missing()
+            changed.update(m for m in set(before) | set(after)
+                           if before.get(m) != after.get(m))
+        return changed
+
+    def table(self, device: int, minutes=None) -> dict[str, list]:
+        miss = self.missing()
+        out: dict[str, list] = {f.name: [] for f in OUT_SCHEMA}
+        for m in sorted(self.rows if minutes is None else minutes):
+            r = self.rows.get(m)
+            if r is None:
+                continue
+            out["device"].append(device)
+            out["minute_ms"].append(m)
+            out["received"].append(r[0])
+            out["missing"].append(miss.get(m, 0))
+            out["duplicates"].append(r[1])
+            out["out_of_order"].append(r[2])
+            out["first_sequence"].append(r[3])
+            out["last_sequence"].append(r[4])
+        return out
+
+
+def arrival_order(segment, record) -> np.ndarray:
+    return np.lexsort((np.asarray(record), np.asarray(segment)))
+
+
+class LossState:
+    """All devices, for the streaming pipeline; saved as one ``.npz`` file."""
+
+    def __init__(self):
+        self.devices: dict[int, DeviceLoss] = {}
+
+    def update(self, device, sequence, segment, record, minute_ms,
+               track: bool = True) -> dict[int, set[int]]:
+        """Records of one committed micro-batch (any order: sorted here by arrival);
+        returns device -> changed minutes."""
+        device = np.asarray(device, dtype=np.int64)
+        o = arrival_order(segment, record)
+        device, seq, minute = device[o], np.asarray(sequence)[o], np.asarray(minute_ms)[o]
+        changed = {}
+        for dev in np.unique(device).tolist():
+            sel = device == dev
+            d = self.devices.setdefault(dev, DeviceLoss())
+            changed[dev] = d.update(seq[sel], minute[sel], track)
+        return changed
+
+    def add_archive(self, input_dir: str) -> dict[str, int]:
+        """Batch mode: every segment of an archive directory, in number order, meta frames
+        only (bodies are not decompressed); returns the decode counters."""
+        from .decode import DecodeStats, decode_segment, list_segments
+        st = DecodeStats()
+        for segno, path in list_segments(input_dir):
+            try:
+                for b in decode_segment(path, segno, batch_rows=1 << 20, stats=st,
+                                        columns=_COLS):
+                    dev, seq, created = (b.column(i) for i in range(3))
+                    ok = np.asarray(dev.is_valid()) & np.asarray(created.is_valid())
+                    if not ok.all():
+                        dev, seq, created, rec = (b.column(i).filter(ok) for i in
+                                                  (0, 1, 2, 3))
+                    else:
+                        rec = b.column(3)
+                    c = created.to_numpy()
+                    n = len(c)
+                    self.update(dev.to_numpy(), seq.to_numpy(), np.full(n, segno),
+                                rec.to_numpy(), c - c % 60000, track=False)
+            except OSError:
+                continue      # vanished/unreadable: the scan reports it as a row
+        return {"records": st.records, "bad_records": st.bad_records}
+
+    def table(self, minutes_by_device=None) -> pa.Table:
+        parts = [pa.table(d.table(dev, None if minutes_by_device is None
+                                  else minutes_by_device.get(dev, ())), schema=OUT_SCHEMA)
+                 for dev, d in sorted(self.devices.items())]
+        return pa.concat_tables(parts) if parts else OUT_SCHEMA.empty_table()
+
+    def save(self, path: str, batch: int) -> None:
+        import os
+        arrays = {"batch": np.array([batch], dtype=np.int64)}
+        for dev, d in self.devices.items():
+            rows = np.array([[m, *r] for m, r in sorted(d.rows.items())],
+                            dtype=np.int64).reshape(-1, 6)
+            arrays[f"{dev}_runs"] = np.stack([d.lo, d.hi, d.hm]) if len(d.lo) else \
+                np.empty((3, 0), dtype=np.int64)
+            arrays[f"{dev}_rows"] = rows
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> tuple[LossState, int]:
+        """(state, last batch included); an empty state and -1 when there is none."""
+        st = cls()
+        try:
+            z = np.load(path)
+        except FileNotFoundError:
+            return st, -1
+        with z:
+            batch = int(z["batch"][0])
+            for key in z.files:
+                if not key.endswith("_runs"):
+                    continue
+                dev = int(key[:-5])
+                d = DeviceLoss()
+                runs = z[key]
+                d.lo, d.hi, d.hm = (runs[0].copy(), runs[1].copy(), runs[2].copy())
+                d.rows = {int(r[0]): [int(x) for x in r[1:]] for r in z[f"{dev}_rows"]}
+                st.devices[dev] = d
+        return st, batch

@@ -1,0 +1,100 @@
+"""The relay's documented RSS ceiling (docs/operations.md, "Memory").
+
+Every place that can hold data in memory is bounded by a setting; :func:`ceiling` adds
+the bounds up for a given configuration.  ``tests/test_memory_ceiling.py`` runs the real
+command under ``RLIMIT_AS`` set from this figure and throws bombs, huge frames, floods
+and a stalled subscriber at it; the peak RSS must stay below.
+
+What is not bounded by a setting -- and so left out here -- is written down in the docs:
+a ZeroMQ message with an unbounded number of frames (``MAXMSGSIZE`` bounds each frame;
+libzmq has no limit on frames per message) and the number of connected peers (each one
+gets its own ``rcv_hwm`` queue: the formula takes the number of peers as an argument).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Settings
+from ..io.zmq_trio import MAX_TOPIC_BYTES
+
+MiB = 1024 * 1024
+
+#: frames besides the body: app-env, topic, meta (24), routing id, empty -- generous
+ENVELOPE_BYTES = 1024
+#: libzmq's subscription trie costs about this much per topic byte (a node per byte;
+#: measured with random topics: 12.4 KB for 255 bytes, 1.8 KB for 32 bytes)
+TRIE_BYTES_PER_TOPIC_BYTE = 50
+#: subscriptions one cut peer may still get in before libzmq drops it (the XPUB's
+#: RCVHWM: what is already in its pipe when the guard disconnects it)
+SUBSCRIPTION_OVERSHOOT = 1000
+#: copies of a drained batch alive at once: the frames, the spool's encoded write, and
+#: the compressed bodies with -x
+BATCH_COPIES = 3
+#: allocator slack (glibc arenas, fragmentation) on top of the sum
+SLACK_FRACTION = 0.10
+SLACK_BYTES = 32 * MiB
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    baseline: int
+    ingress_queues: int
+    ingest_batches: int
+    pub_queue: int
+    output_windows: int
+    subscriptions: int
+    slack: int
+
+    @property
+    def total(self) -> int:
+        return (self.baseline + self.ingress_queues + self.ingest_batches + self.pub_queue
+                + self.output_windows + self.subscriptions + self.slack)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / MiB:.0f}" for k, v in self.__dict__.items())
+        return f"RSS ceiling {self.total / MiB:.0f} MiB ({parts}; MiB)"
+
+
+def output_window_bytes(settings: Settings) -> int:
+    """Events the outputs may hold at once, each up to max_event_bytes decoded and again
+    encoded (x2): window x pipeline per Lumberjack output, payload x pending per Courier."""
+    from ..outputs.supervisor import parse_outputs
+    total = 0
+    for spec in parse_outputs(settings.outputs):
+        if spec.scheme == "lumberjack":
+            from ..outputs.lumberjack_config import parse_url
+            cfg = parse_url(spec.url)
+            events = cfg.window * cfg.pipeline
+        else:
+            from ..outputs.courier_config import parse_url as parse_courier
+            cfg = parse_courier(spec.url)
+            events = cfg.payload_size * cfg.max_pending
+        total += 2 * events * settings.max_event_bytes
+    return total
+
+
+def ceiling(settings: Settings, *, baseline: int, input_peers: int,
+            output_bytes: int | None = None) -> Ceiling:
+    """The RSS bound, in bytes, of a relay with ``settings``.
+
+    ``baseline``: the idle RSS measured on the host (Python, libzmq, the C twins);
+    ``input_peers``: ZeroMQ connections on ROUTER + PULL (each has its own queue);
+    ``output_bytes``: what the outputs may hold (default: :func:`output_window_bytes`).
+    """
+    s = settings
+    message = s.resolved_zmq_max_msg_bytes() + ENVELOPE_BYTES     # the largest that gets in
+    # each peer's queue holds rcv_hwm whole messages, plus one frame being read
+    ingress = input_peers * (s.rcv_hwm + 1) * message
+    inputs = (1 if s.router_port else 0) + (1 if s.pull_port else 0)
+    # one batch per input socket in process: ingest_max_bytes + the message that crossed it
+    batches = inputs * BATCH_COPIES * (s.ingest_max_bytes + message)
+    # what PUB holds for the slowest subscriber (libzmq shares a message among subscribers)
+    pub = s.snd_hwm * (s.max_event_bytes + ENVELOPE_BYTES)
+    outputs = output_window_bytes(s) if output_bytes is None else output_bytes
+    sockets = 2 + (1 if s.cmdp_port else 0)           # PUB, stats, CMDP
+    subs = sockets * (s.max_subscriptions + SUBSCRIPTION_OVERSHOOT) * MAX_TOPIC_BYTES \
+        * TRIE_BYTES_PER_TOPIC_BYTE
+    subtotal = baseline + ingress + batches + pub + outputs + subs
+    slack = int(subtotal * SLACK_FRACTION) + SLACK_BYTES
+    return Ceiling(baseline, ingress, batches, pub, outputs, subs, slack)

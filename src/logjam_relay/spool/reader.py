@@ -1,0 +1,348 @@
+"""One output's view of the spool (:class:`SpoolReader`): read, ack, rewind, cursor.
+
+Loss accounting lives here: the *acknowledged* cursor only moves forward, and every
+time it moves over records that were never served (a dropped, missing, truncated or
+damaged stretch) their number is added to ``lost`` (by reason, see
+``Spool._lost_reasons``).  The read position skips the same stretches without counting,
+so a rewind never counts twice.  See docs/spool-format.md, "Recovery".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import trio
+
+from . import segment as fmt
+from .api import Position, Record
+from .cursors import CursorLog
+from .errors import SpoolError, write_error
+
+if TYPE_CHECKING:
+    from .spool import Spool, _Seg
+
+MiB = 1 << 20
+_SERVED_MAX = 4096
+
+
+class SpoolReader:
+    """One output's view of the spool; implements :class:`spool.api.SpoolReader`."""
+
+    CHUNK = 1 * MiB
+
+    def __init__(self, spool: Spool, name: str, pos: Position, seq: int):
+        self.name = name
+        self._spool = spool
+        self._ack_pos = pos          # first unacknowledged record
+        self._ack_seq = seq
+        self._read_pos = pos         # next record read() returns
+        self._read_seq = seq
+        self._persisted: tuple | None = None
+        self._last_persist = -1e18
+        # last record of every parsed chunk served and not yet acknowledged:
+        # Position -> (end offset, seq); outputs ack those, so ack() needs no disk read
+        self._served: dict[Position, tuple[int, int]] = {}
+        self._pending_drop: list[int] | None = None   # [lo, hi): served, then dropped
+        self._fd: int | None = None
+        self._fd_seg = -1
+        self._buf = b""
+        self._buf_seg = -1
+        self._buf_base = 0
+        self._log = CursorLog(spool._cursor_dir, name, spool.fsync != "never")
+        self.lost = 0
+        self.lost_by_reason: dict[str, int] = {}
+        self.acks = 0
+        self.records_read = 0
+        self.cursor_writes = 0
+        self.cursor_errors = 0
+        self.corrupt_skips = 0
+        self._normalize_ack()
+
+    # -- positions --------------------------------------------------------------
+    def _normalize(self, pos: Position, seq: int) -> tuple[Position, int]:
+        """Move ``pos`` over the end of sealed segments, over holes and over segments
+        that are not on disk, to the next record that exists (or to where the next
+        appended record will be).  ``seq`` follows."""
+        sp = self._spool
+        segs = sp._segs
+        while True:
+            seg = segs.get(pos.segment)
+            if seg is None:
+                nxt = sp._next_existing(pos.segment)
+                if nxt is not None:
+                    pos, seq = Position(nxt.segno, fmt.HEADER_LEN), max(seq, nxt.first_seq)
+                    continue
+                if pos.segment < sp._next_segno or seq < sp._next_seq:
+                    pos, seq = Position(sp._next_segno, fmt.HEADER_LEN), max(seq, sp._next_seq)
+                return pos, seq
+            if seg.holes:
+                hole = seg.holes.get(pos.offset)
+                if hole is not None:
+                    pos, seq = Position(seg.segno, hole[0]), max(seq, hole[1])
+                    continue
+            if seg.sealed and pos.offset >= seg.limit:
+                pos, seq = Position(seg.segno + 1, fmt.HEADER_LEN), max(seq, seg.end_seq)
+                continue
+            return pos, seq
+
+    def _normalize_read(self) -> None:
+        self._read_pos, self._read_seq = self._normalize(self._read_pos, self._read_seq)
+
+    def _normalize_ack(self) -> None:
+        old = self._ack_seq
+        pos, seq = self._normalize(self._ack_pos, old)
+        if seq > old:
+            self._count_lost(old, seq)
+        self._ack_pos, self._ack_seq = pos, seq
+        if self._read_seq < seq or self._read_pos < pos:
+            self._read_pos, self._read_seq = pos, seq
+
+    def _count_lost(self, lo: int, hi: int, remainder: bool = True) -> None:
+        """Records ``lo..hi-1`` were passed over by the acknowledged cursor: lost.
+        With ``remainder=False`` only the registered gaps in the range count (an ack
+        covering served records and a hole between them)."""
+        sp = self._spool
+        pend = self._pending_drop
+        if pend is not None:
+            # served before their segment was dropped: not lost unless never acknowledged
+            a, b = max(lo, pend[0]), min(hi, pend[1])
+            if a < b:
+                for reason, n in sp._lost_reasons(lo, a, remainder) + \
+                        sp._lost_reasons(b, hi, remainder):
+                    self._add_lost(reason, n)
+                return
+        for reason, n in sp._lost_reasons(lo, hi, remainder):
+            self._add_lost(reason, n)
+
+    def _add_lost(self, reason: str, n: int) -> None:
+        if n > 0:
+            self.lost += n
+            self.lost_by_reason[reason] = self.lost_by_reason.get(reason, 0) + n
+
+    def _forget(self, segno: int) -> None:
+        if self._fd_seg == segno and self._fd is not None:
+            os.close(self._fd)
+            self._fd, self._fd_seg = None, -1
+        if self._buf_seg == segno:
+            self._buf, self._buf_seg = b"", -1
+
+    def _fd_for(self, seg: _Seg) -> int:
+        if self._fd_seg != seg.segno:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd, self._fd_seg = None, -1
+            self._fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fd_seg = seg.segno
+        return self._fd
+
+    def _load(self, seg: _Seg, off: int, need: int) -> None:
+        size = min(max(self.CHUNK, need), seg.limit - off)
+        buf = os.pread(self._fd_for(seg), size, off)
+        self._buf, self._buf_seg, self._buf_base = buf, seg.segno, off
+        if len(buf) < size:
+            raise fmt.SegmentTruncated("short_file", "segment file shorter than expected",
+                                       off + len(buf))
+
+    # -- protocol ---------------------------------------------------------------
+    def read(self, max_records: int) -> list[Record]:
+        sp = self._spool
+        out: list[Record] = []
+        served = self._served
+        while len(out) < max_records:
+            self._normalize_read()
+            if self._read_seq >= sp._next_seq:
+                break
+            seg = sp._segs.get(self._read_pos.segment)
+            if seg is None:
+                break
+            off = self._read_pos.offset
+            if off >= seg.limit:
+                break                              # end of the active segment
+            try:
+                if not (self._buf_seg == seg.segno
+                        and self._buf_base <= off < self._buf_base + len(self._buf)):
+                    self._load(seg, off, 0)
+                buf, base = self._buf, self._buf_base
+                stop = min(len(buf), seg.limit - base)
+                hole_at = min((h for h in seg.holes if h >= off), default=None) \
+                    if seg.holes else None
+                if hole_at is not None and hole_at - base < stop:
+                    stop = hole_at - base
+                    if stop <= off - base:
+                        continue                   # at a hole: _normalize_read jumps it
+                recs, _, status = fmt.parse_records(buf, off - base, stop,
+                                                    max_records - len(out), base)
+                if recs:
+                    segno = seg.segno
+                    # tuple.__new__ builds the NamedTuples without their Python-level __new__
+                    tnew = tuple.__new__
+                    out.extend([tnew(Record, (tnew(Position, (segno, r[0])), r[1], r[3]))
+                                for r in recs])
+                    last = recs[-1]
+                    self._read_pos = Position(segno, last[4])
+                    self._read_seq = last[2] + 1
+                    if len(served) >= _SERVED_MAX:
+                        del served[next(iter(served))]
+                    served[Position(segno, last[0])] = (last[4], last[2])
+                    continue
+                if status is None:
+                    continue
+                if status == "partial":
+                    need = fmt.PREFIX_LEN + (fmt.PREFIX.unpack_from(buf, off - base)[0]
+                                             if stop - (off - base) >= fmt.PREFIX_LEN else 0)
+                    if base == off and len(buf) >= min(need, seg.limit - off):
+                        raise fmt.SegmentTruncated("torn", "record crosses the committed end",
+                                                   off)
+                    self._load(seg, off, need)
+                    continue
+                if status == "seal":
+                    raise fmt.SegmentCorrupt("unexpected_seal", "seal record inside data", off)
+                raise status
+            except fmt.SegmentError as e:
+                sp._on_corrupt(self, seg, e)
+            except OSError as e:
+                sp._on_corrupt(self, seg, fmt.SegmentError(
+                    "unreadable", f"cannot read segment: {e}", off))
+        self.records_read += len(out)
+        return out
+
+    async def wait(self) -> None:
+        sp = self._spool
+        while True:
+            self._normalize_read()
+            if self._read_seq < sp._next_seq:
+                await trio.lowlevel.checkpoint()
+                return
+            await sp._appended.wait()
+
+    def ack(self, upto: Position) -> None:
+        served = self._served
+        hit = served.get(upto)
+        if served:
+            # forget everything served up to here (dict order = read order)
+            while served:
+                k = next(iter(served))
+                if k > upto:
+                    break
+                del served[k]
+        pend = self._pending_drop
+        if pend is not None and hit is not None and hit[1] >= pend[0]:
+            pend[0] = hit[1] + 1                  # served from a dropped segment and acked
+            if pend[0] >= pend[1]:
+                self._pending_drop = None
+        if upto < self._ack_pos:
+            return
+        sp = self._spool
+        seg = sp._segs.get(upto.segment)
+        if seg is None:
+            return
+        if hit is not None:
+            end, seq = hit
+        else:
+            head = os.pread(self._fd_for(seg), fmt.MIN_RECORD, upto.offset)
+            if len(head) < fmt.MIN_RECORD:
+                raise ValueError(f"ack: no record at {upto}")
+            body_len, _, _, _, _, seq = fmt._FULL_HEAD.unpack_from(head)
+            end = upto.offset + fmt.PREFIX_LEN + body_len
+            if end > seg.limit:
+                raise ValueError(f"ack: no record at {upto}")
+        old_segment = self._ack_pos.segment
+        if seq > self._ack_seq and sp._gaps:
+            self._count_lost(self._ack_seq, seq, remainder=False)   # holes in the acked range
+        self._ack_pos, self._ack_seq = Position(upto.segment, end), max(self._ack_seq, seq + 1)
+        self._normalize_ack()
+        self.acks += 1
+        if not sp._space.is_set():
+            sp._space.set()                       # block policy: acked bytes free space
+        if sp._mono() - self._last_persist >= sp.cursor_flush_s:
+            self._persist_quiet()
+        if self._ack_pos.segment != old_segment:
+            sp._maybe_delete()
+
+    def rewind(self) -> None:
+        self._normalize_ack()
+        pend = self._pending_drop
+        if pend is not None:
+            # served records whose segment was dropped before they were acknowledged
+            for reason, n in self._spool._lost_reasons(pend[0], pend[1]):
+                self._add_lost(reason, n)
+            self._pending_drop = None
+        self._served.clear()
+        self._read_pos, self._read_seq = self._ack_pos, self._ack_seq
+
+    def _note_drop(self, ack_seq_before: int, read_seq_before: int) -> None:
+        """Segments were dropped under this reader: records it had been served keep
+        their chance to be acknowledged (counted lost on rewind, not now)."""
+        hi = min(read_seq_before, self._spool._first_seq())
+        if hi > ack_seq_before:
+            pend = self._pending_drop
+            if pend is None:
+                self._pending_drop = [ack_seq_before, hi]
+            else:
+                pend[1] = max(pend[1], hi)
+
+    # -- cursor -----------------------------------------------------------------
+    def persist(self, force: bool = False) -> None:
+        """Append the cursor to the reader's cursor log if it changed."""
+        state = (self._ack_pos.segment, self._ack_pos.offset, self._ack_seq)
+        self._last_persist = self._spool._mono()
+        if state == self._persisted and not force:
+            return
+        try:
+            self._log.append(*state)
+        except OSError as e:
+            self.cursor_errors += 1
+            raise self._spool._count_error(write_error("writing cursor", self._log.path, e)) \
+                from None
+        self._persisted = state
+        self.cursor_writes += 1
+
+    def _persist_quiet(self) -> None:
+        try:
+            self.persist()
+        except SpoolError:
+            pass                # counted and logged; a stale cursor only causes duplicates
+
+    def sync_cursor(self) -> None:
+        try:
+            self._log.sync()
+        except OSError as e:
+            self.cursor_errors += 1
+            self._spool._count_error(write_error("syncing cursor", self._log.path, e))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd, self._fd_seg = None, -1
+        self._buf, self._buf_seg = b"", -1
+        self._log.close()
+
+    def stats(self) -> dict:
+        sp = self._spool
+        self._normalize_ack()
+        backlog = max(0, sp._next_seq - self._ack_seq)
+        nbytes = 0
+        age = 0.0
+        if backlog:
+            for seg in sp._segs.values():
+                if seg.segno >= self._ack_pos.segment:
+                    nbytes += seg.limit - fmt.HEADER_LEN
+            nbytes -= max(0, self._ack_pos.offset - fmt.HEADER_LEN)
+            seg = sp._segs.get(self._ack_pos.segment)
+            if seg is not None:
+                age = max(0.0, sp._clock() - seg.created_ms / 1000.0)
+        return {
+            "backlog_records": backlog,
+            "backlog_bytes": max(0, nbytes),
+            "oldest_unacked_age_s": age,
+            "lost": self.lost,
+            "lost_by_reason": dict(self.lost_by_reason),
+            "acks": self.acks,
+            "records_read": self.records_read,
+            "cursor_writes": self.cursor_writes,
+            "cursor_errors": self.cursor_errors,
+            "corrupt_skips": self.corrupt_skips,
+            "cursor_segment": self._ack_pos.segment,
+            "cursor_offset": self._ack_pos.offset,
+        }

@@ -1,0 +1,30 @@
+"""``logjam-relay keygen DIR NAME``: a ZeroMQ CURVE key pair for the relay or a client.
+
+Writes ``DIR/NAME.key`` (the public key: copy it into the peers' ``curve_allow_dir``, or
+give it to clients as the server key) and ``DIR/NAME.key_secret`` (mode 0600: the relay's
+``curve_secret_key``, or the client's own secret key), in the ZPL format of
+``zmq.auth.create_certificates``.  The secret key is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="logjam-relay keygen",
+                                description="generate a ZeroMQ CURVE key pair "
+                                            "(NAME.key public, NAME.key_secret 0600)")
+    p.add_argument("directory")
+    p.add_argument("name", help="file name stem, e.g. relay or agent-web1")
+    a = p.parse_args(argv)
+    from ..io.curve import _read_key, keygen
+    try:
+        pub, sec = keygen(a.directory, a.name)
+    except OSError as e:
+        print(f"logjam-relay keygen: {a.directory}: {e.strerror}", file=sys.stderr)
+        return 2
+    print(f"public key {_read_key(pub, 'public').decode()}: {pub}")
+    print(f"secret key (keep private, mode 0600): {sec}")
+    return 0

@@ -1,0 +1,298 @@
+"""``pipeline stats`` however it is launched, and on a real Spark standalone cluster.
+
+* the console script called by absolute path with a PATH whose ``python3`` cannot run
+  Spark's workers (what systemd/cron do): the workers must use this interpreter;
+* a standalone cluster from the installed pyspark: a master and two workers, each its own
+  JVM (``spark-class org.apache.spark.deploy.master.Master`` / ``...worker.Worker``),
+  loopback only, small memory, one module-scoped fixture.  The executors' Python is a
+  wrapper that CANNOT import ``logjam_relay`` (the package is hidden from its sys.path),
+  so the command must ship the package itself.  Batch and streaming (with a SIGKILL and a
+  restart) run against it; the tables must equal a ``local[2]`` run and the reference.
+
+Outputs are read with pyarrow (no Spark session in the test process).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pyspark = pytest.importorskip("pyspark")
+
+import pyarrow.parquet as pq  # noqa: E402
+from conftest import free_port  # noqa: E402
+
+from logjam_relay.pipeline import sample, stats  # noqa: E402
+from logjam_relay.pipeline.java import ensure_java  # noqa: E402
+
+N_MSGS = 3000
+SRC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(
+    sys.modules["logjam_relay"].__file__)))
+EXE = os.path.join(os.path.dirname(sys.executable), "logjam-relay")
+KEYS = {"request_stats": ("minute", "app", "env", "action"),
+        "exceptions": ("minute", "app", "env", "action", "exception"),
+        "loss": ("minute", "device"), "topics": ("minute", "app", "env", "topic")}
+
+pytestmark = pytest.mark.slow
+
+
+def base_env(**extra):
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", **extra)
+    env.update(ensure_java())
+    env.pop("PYSPARK_PYTHON", None)
+    env.pop("PYSPARK_DRIVER_PYTHON", None)
+    return env
+
+
+def command(*args):
+    exe = [EXE] if os.path.exists(EXE) else [sys.executable, "-m", "logjam_relay.cli"]
+    return [*exe, "pipeline", "stats", *args]
+
+
+def run(cmd, env, log, timeout=600):
+    with open(log, "wb") as fh:
+        r = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+    out = open(log, "rb").read().decode(errors="replace")
+    assert r.returncode == 0, out[-4000:]
+    return out
+
+
+def tables(out_dir, files_of=None):
+    """{table: {key: row}} with minute as epoch ms and without date."""
+    res = {}
+    for name, key in KEYS.items():
+        rows = pq.read_table(os.path.join(out_dir, name)).to_pylist()
+        d = {}
+        for r in rows:
+            r.pop("date", None)
+            r["minute"] = int(r["minute"].timestamp() * 1000)
+            d[tuple(r[k] for k in key)] = r
+        res[name] = d
+    return res
+
+
+def reference(messages):
+    from test_pipeline import reference_input
+    ref = stats.reference_tables(reference_input(messages))
+    out = {}
+    for name, key in KEYS.items():
+        d = {}
+        for r in ref[name]:
+            r = dict(r)
+            r.pop("date")
+            r["minute"] = r.pop("minute_ms")
+            d[tuple(r[k] for k in key)] = r
+        out[name] = d
+    return out
+
+
+def assert_same(got, want):
+    import math
+    for name in KEYS:
+        g, w = got[name], want[name]
+        assert set(g) == set(w), (name, sorted(set(g) ^ set(w))[:5])
+        for k, wr in w.items():
+            for col, wv in wr.items():
+                gv = g[k][col]
+                if isinstance(wv, float) or isinstance(gv, float):
+                    assert math.isclose(gv, wv, rel_tol=1e-9, abs_tol=1e-9), (name, k, col)
+                else:
+                    assert gv == wv, (name, k, col, gv, wv)
+
+
+@pytest.fixture(scope="module")
+def messages():
+    return sample.make_messages(N_MSGS, seed=17)
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory, messages):
+    d = tmp_path_factory.mktemp("cluster_data")       # one path every worker sees
+    sample.write_archive(d / "spool", d / "archive", messages, segment_bytes=128 << 10)
+    return str(d / "archive")
+
+
+@pytest.fixture(scope="module")
+def local_run(archive, tmp_path_factory):
+    d = tmp_path_factory.mktemp("local_run")
+    run(command("--input", archive, "--output", str(d / "out"), "--master", "local[2]"),
+        base_env(), d / "log")
+    return tables(str(d / "out"))
+
+
+# ------------------------------------------------------------------ launch
+
+
+def test_console_script_by_path_without_venv_on_path(archive, tmp_path, messages):
+    """PATH has no venv and its `python3` is useless (exits 1): Spark's workers must be
+    started with the interpreter running the command (PYSPARK_PYTHON defaults to it)."""
+    if not os.path.exists(EXE):
+        pytest.fail(f"console script not installed next to {sys.executable}")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name in ("python3", "python"):
+        p = fake / name
+        p.write_text("#!/bin/sh\necho 'not the venv python' >&2\nexit 1\n")
+        p.chmod(0o755)
+    env = base_env(PATH=f"{fake}:/usr/bin:/bin")
+    env.pop("VIRTUAL_ENV", None)
+    assert subprocess.run(["python3", "-c", "1"], env=env).returncode == 1
+    out = run([EXE, "pipeline", "stats", "--input", archive, "--output", str(tmp_path / "o"),
+               "--master", "local[1]"], env, tmp_path / "log")
+    assert f"summary: rows in {len(messages)}" in out
+    assert_same(tables(str(tmp_path / "o")), reference(messages))
+
+
+# ------------------------------------------------------------------ cluster
+
+
+def _wait_port(port, proc, timeout=120):
+    import socket
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "cluster process exited"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"port {port} never opened")
+
+
+def _alive_workers(ui_port) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=5) as r:
+            return int(json.load(r).get("aliveworkers", 0))
+    except OSError:
+        return 0
+
+
+HIDE = """#!{python}
+# An executor Python WITHOUT logjam_relay: the package's source dir is removed from
+# sys.path before anything is imported; then run like `python [-u] -m module ...`.
+import os, runpy, sys
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != {src!r}]
+args = sys.argv[1:]
+while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):
+    args.pop(0)
+if args[0] == "-c":
+    sys.argv = ["-c", *args[2:]]
+    exec(compile(args[1], "<string>", "exec"))
+elif args[0] == "-m":
+    sys.argv = [args[1], *args[2:]]
+    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = args
+    runpy.run_path(args[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cluster")
+    spark_class = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-class")
+    env = base_env(SPARK_HOME=os.path.dirname(pyspark.__file__), SPARK_DAEMON_MEMORY="256m",
+                   SPARK_LOG_DIR=str(d / "logs"), SPARK_WORKER_DIR=str(d / "work"),
+                   SPARK_NO_DAEMONIZE="1")
+    port, ui = free_port(), free_port()
+    procs = []
+    logs = []
+
+    def start(args, name):
+        log = open(d / f"{name}.log", "wb")
+        logs.append(log)
+        p = subprocess.Popen([spark_class, *args], env=env, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(p)
+        return p
+
+    try:
+        master = start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                        "--port", str(port), "--webui-port", str(ui)], "master")
+        _wait_port(port, master)
+        url = f"spark://127.0.0.1:{port}"
+        for i in range(2):
+            start(["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+                   "--port", str(free_port()), "--webui-port", str(free_port()),
+                   "--cores", "1", "--memory", "700m", "--work-dir", str(d / f"w{i}"), url],
+                  f"worker{i}")
+        deadline = time.monotonic() + 120
+        while _alive_workers(ui) < 2:
+            assert time.monotonic() < deadline, (d / "worker0.log").read_text()[-3000:]
+            assert all(p.poll() is None for p in procs), "a cluster JVM exited"
+            time.sleep(0.5)
+        hide = d / "python-without-logjam-relay"
+        hide.write_text(HIDE.format(python=sys.executable, src=os.path.realpath(SRC_DIR)))
+        hide.chmod(0o755)
+        r = subprocess.run([str(hide), "-c", "import logjam_relay"], capture_output=True)
+        assert r.returncode != 0 and b"No module named 'logjam_relay'" in r.stderr
+        yield {"url": url, "python": str(hide), "ui": ui}
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        for log in logs:
+            log.close()
+
+
+def cluster_args(cluster):
+    return ["--master", cluster["url"], "--conf", "spark.executor.memory=512m",
+            "--conf", "spark.cores.max=2", "--conf", "spark.sql.shuffle.partitions=4"]
+
+
+def test_batch_on_standalone_cluster(cluster, archive, local_run, messages, tmp_path):
+    env = base_env(PYSPARK_PYTHON=cluster["python"])
+    out = run(command("--input", archive, "--output", str(tmp_path / "o"),
+                      *cluster_args(cluster)), env, tmp_path / "log")
+    assert f"summary: rows in {len(messages)}" in out
+    got = tables(str(tmp_path / "o"))
+    assert_same(got, local_run)
+    assert_same(got, reference(messages))
+
+
+def _committed_records(out_dir):
+    meta = os.path.join(out_dir, stats.RECORDS_DIR, "_spark_metadata")
+    files = []
+    for b in range(stats._last_batch(meta) + 1):
+        files += stats._batch_files(meta, b) or []
+    return pa.concat_tables([pq.read_table(f, columns=["segment", "record"]) for f in files])
+
+
+def test_stream_on_cluster_killed_and_restarted_exactly_once(cluster, archive, local_run,
+                                                             messages, tmp_path):
+    env = base_env(PYSPARK_PYTHON=cluster["python"])
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = command("--input", archive, "--output", str(out), "--stream", "--checkpoint",
+                   str(ckpt), "--max-records-per-trigger", "700", "--trigger-interval",
+                   "0.2s", *cluster_args(cluster))
+    log = open(tmp_path / "stream.log", "wb")
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (ckpt / "commits" / "0").exists():
+            assert proc.poll() is None, (tmp_path / "stream.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no micro-batch committed"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)          # the driver, mid-run
+        proc.wait(30)
+        log.close()
+    assert len(os.listdir(ckpt / "commits")) < 5         # 5 batches in all: killed early
+    run(args + ["--available-now"], env, tmp_path / "restart.log")
+    rec = _committed_records(str(out))
+    pairs = list(zip(rec["segment"].to_pylist(), rec["record"].to_pylist(), strict=True))
+    assert len(pairs) == len(messages) and len(set(pairs)) == len(pairs)
+    assert_same(tables(str(out)), local_run)

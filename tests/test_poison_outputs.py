@@ -1,0 +1,320 @@
+"""Poison events never block an output: dead letters, bisection, bounded inflating.
+
+In-process, against the in-repo readers on loopback (the real-command variants are in
+tests/test_relay_poison.py).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import trio
+
+from logjam_relay.deadletter import DeadLetterStore, read_dead_letters
+from logjam_relay.io.net import TLSSettings
+from logjam_relay.limits import BadBody, EventTooLarge, inflate_bounded
+from logjam_relay.outputs.courier import CourierConfig, CourierOutput
+from logjam_relay.outputs.lumberjack import LumberjackConfig, LumberjackOutput
+from logjam_relay.peers.courier_receiver import CourierReceiver
+from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from logjam_relay.protocols.logjam import compress, encode_meta
+from logjam_relay.spool.api import MemorySource
+
+POISON = b"POISON"
+LIMIT = 64 * 1024
+
+
+def good(i: int) -> bytes:
+    return json.dumps({"i": i, "msg": "fine"}).encode()
+
+
+def rec(body: bytes, i: int, comp: int = 0) -> list[bytes]:
+    return [b"app-prod", b"logs.app", body, encode_meta(comp, 1, 1_700_000_000_000 + i, i + 1)]
+
+
+def bomb(size: int) -> bytes:
+    return zlib.compress(b"\0" * size, 9)
+
+
+async def run_until_acked(nursery, out, src, timeout=20.0):
+    cs = trio.CancelScope()
+
+    async def runner():
+        with cs:
+            await out.run()
+    nursery.start_soon(runner)
+    with trio.fail_after(timeout):
+        while not src.all_acked:
+            await trio.sleep(0.01)
+    cs.cancel()
+
+
+def lj_out(port, src, store, **kw):
+    cfg = LumberjackConfig(hosts=(("127.0.0.1", port),), tls=TLSSettings(enabled=False),
+                           backoff_min=0.01, backoff_max=0.05, name="lj", **kw)
+    return LumberjackOutput(src, cfg, dead_letters=store, max_event_bytes=LIMIT)
+
+
+def co_out(port, src, store, **kw):
+    kw.setdefault("payload_size", 50)
+    cfg = CourierConfig(hosts=(("127.0.0.1", port),), tls=TLSSettings(enabled=False),
+                        backoff_initial=0.01, backoff_max=0.05, network_timeout=5.0,
+                        max_event_bytes=LIMIT, name="co", **kw)
+    return CourierOutput(cfg, src, dead_letters=store)
+
+
+# ------------------------------------------------------------------ inflate_bounded
+
+def test_inflate_bounded_every_codec():
+    body = b'{"a":"' + b"x" * 1000 + b'"}'
+    for codec in (0, 1, 2, 3, "zlib", "snappy", "lz4", "none"):
+        num = codec if isinstance(codec, int) else {"none": 0, "zlib": 1, "snappy": 2,
+                                                      "lz4": 3}[codec]
+        assert inflate_bounded(codec, compress(body, num), 2000) == body
+        with pytest.raises(EventTooLarge):
+            inflate_bounded(codec, compress(body, num), 1000)
+    import gzip
+    import lz4.frame
+    assert inflate_bounded("gzip", gzip.compress(body), 2000) == body
+    assert inflate_bounded("lz4frame", lz4.frame.compress(body), 2000) == body
+    with pytest.raises(EventTooLarge):
+        inflate_bounded("lz4frame", lz4.frame.compress(body), 100)
+    with pytest.raises(EventTooLarge):
+        inflate_bounded("gzip", gzip.compress(body), 100)
+    for codec, junk in ((1, b"not zlib"), (3, b"\0\0\0\x10\x01"), (2, b"\x0a\xff\xff\xff"),
+                        (9, b"x"), ("lz4frame", b"nope")):
+        with pytest.raises(BadBody):
+            inflate_bounded(codec, junk, 1 << 20)
+    # a lying lz4 length prefix is refused before anything is allocated
+    with pytest.raises(EventTooLarge):
+        inflate_bounded(3, b"\x7f\xff\xff\xff" + b"\0" * 10, 1 << 20)
+
+
+def test_zlib_bomb_costs_the_limit_not_the_bomb():
+    import resource
+    b = bomb(200 * 1024 * 1024)                   # 200 MiB of zeros in ~200 KB
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(EventTooLarge):
+        inflate_bounded("zlib", b, 1024 * 1024)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 50 * 1024, f"peak RSS grew {grown_kib} KiB inflating a bomb"
+
+
+# ------------------------------------------------------------------ dead-letter store
+
+def test_store_is_bounded_and_counts_what_it_drops(tmp_path):
+    st = DeadLetterStore(tmp_path / "dl", max_bytes=100_000)
+    for i in range(60):
+        st.put("o", "too_large", rec(b"y" * 4000, i), position=(1, i), detail=f"#{i}")
+    letters = list(read_dead_letters(tmp_path / "dl"))
+    assert st.bytes <= 100_000
+    assert st.dropped + len(letters) == 60 and st.dropped > 0
+    assert letters[-1].detail == "#59"
+    assert letters[-1].position == (1, 59) and letters[-1].reason == "too_large"
+    assert st.count_for("o") == {"too_large": 60}
+    st.close()
+    # a restart appends to a new file; the old letters stay readable
+    st2 = DeadLetterStore(tmp_path / "dl", max_bytes=100_000)
+    st2.put("o", "refused", rec(b"z", 1))
+    after = list(read_dead_letters(tmp_path / "dl"))
+    assert after[-1].reason == "refused" and len(after) == len(letters) + 1
+
+
+# ------------------------------------------------------------------ Lumberjack
+
+@pytest.mark.parametrize("where", [0, 37, 100])
+async def test_lumberjack_refused_event_is_bisected_out(nursery, tmp_path, where):
+    store = DeadLetterStore(tmp_path / "dl")
+    src = MemorySource()
+    for i in range(101):
+        src.append(rec(POISON if i == where else good(i), i))
+    reader = LumberjackReader(refuse=lambda ev: ev.fields.get("line") == "POISON")
+    await nursery.start(reader.serve)
+    out = lj_out(reader.port, src, store, window=64, pipeline=4)
+    if where == 100:
+        # the refused event is the last one: it is diverted once something behind it is
+        # acknowledged, so more traffic arrives later
+        async def later():
+            await trio.sleep(1.0)
+            src.append(rec(good(101), 101))
+        nursery.start_soon(later)
+    await run_until_acked(nursery, out, src)
+    lines = [e.fields["line"] for e in reader.events]
+    assert POISON.decode() not in lines
+    assert sorted(json.loads(x)["i"] for x in lines) == \
+        [i for i in range(102 if where == 100 else 101) if i != where]
+    letters = list(read_dead_letters(tmp_path / "dl"))
+    assert [(d.reason, d.frames[2], d.output) for d in letters] == [("refused", POISON, "lj")]
+    assert out.stats()["dead_letters"] == {"refused": 1}
+
+
+async def test_lumberjack_reader_refusing_everything_fills_no_dead_letters(nursery, tmp_path):
+    store = DeadLetterStore(tmp_path / "dl")
+    src = MemorySource()
+    for i in range(20):
+        src.append(rec(good(i), i))
+    reader = LumberjackReader(refuse=lambda ev: True)
+    await nursery.start(reader.serve)
+    out = lj_out(reader.port, src, store, window=8)
+    with trio.move_on_after(4):
+        await out.run()
+    assert out.refusals >= 10
+    assert list(read_dead_letters(tmp_path / "dl")) == []
+    assert not src.all_acked
+
+
+async def test_courier_receiver_refusing_everything_fills_no_dead_letters(nursery, tmp_path):
+    store = DeadLetterStore(tmp_path / "dl")
+    src = MemorySource()
+    for i in range(20):
+        src.append(rec(good(i), i))
+    rcv = CourierReceiver(refuse=lambda ev: True)
+    await nursery.start(rcv.serve)
+    out = co_out(rcv.port, src, store, payload_size=8)
+    with trio.move_on_after(3):
+        await out.run()
+    assert out.refusals >= 8
+    assert list(read_dead_letters(tmp_path / "dl")) == []
+    assert not src.all_acked
+
+
+async def test_lumberjack_over_limit_events_are_dead_lettered(nursery, tmp_path):
+    store = DeadLetterStore(tmp_path / "dl")
+    src = MemorySource()
+    for i in range(30):
+        if i == 5:
+            src.append(rec(b"p" * (LIMIT + 1), i))                      # plain, too large
+        elif i == 9:
+            src.append(rec(bomb(60 * 1024 * 1024), i, comp=1))         # 60 MiB zlib bomb
+        elif i == 12:
+            src.append(rec(b"\x7f\xff\xff\xff" + b"\0" * 20, i, comp=3))   # lying lz4 prefix
+        else:
+            src.append(rec(compress(good(i), i % 4), i, comp=i % 4))
+    reader = LumberjackReader()
+    await nursery.start(reader.serve)
+    out = lj_out(reader.port, src, store, window=10, compression=0)
+    await run_until_acked(nursery, out, src)
+    got = sorted(json.loads(e.fields["line"])["i"] for e in reader.events)
+    assert got == [i for i in range(30) if i not in (5, 9, 12)]
+    letters = list(read_dead_letters(tmp_path / "dl"))
+    assert [(d.reason, d.position[1]) for d in letters] == \
+        [("too_large", 5), ("too_large", 9), ("too_large", 12)]
+    assert out.stats()["dead_letters"] == {"too_large": 3}
+
+
+# ------------------------------------------------------------------ Courier
+
+@pytest.mark.parametrize("where", [0, 77])
+async def test_courier_refused_event_is_bisected_out(nursery, tmp_path, where):
+    store = DeadLetterStore(tmp_path / "dl")
+    src = MemorySource()
+    for i in range(101):
+        src.append(rec(b'{"poison":1}' if i == where else good(i), i))
+    rcv = CourierReceiver(refuse=lambda ev: b'"poison"' in ev, ack_chunk=7)
+    await nursery.start(rcv.serve)
+    out = co_out(rcv.port, src, store)
+    await run_until_acked(nursery, out, src)
+    got = [json.loads(e)["payload"] for e in rcv.events]
+    assert all("poison" not in g for g in got)
+    assert sorted(set(g["i"] for g in got)) == [i for i in range(101) if i != where]
+    letters = list(read_dead_letters(tmp_path / "dl"))
+    assert [(d.reason, d.position[1]) for d in letters] == [("refused", where)]
+    assert out.stats()["dead_letters"] == {"refused": 1}
+
+
+async def test_courier_over_limit_events_are_dead_lettered_off_the_loop(nursery, tmp_path):
+    store = DeadLetterStore(tmp_path / "dl")
+    src = MemorySource()
+    for i in range(40):
+        if i in (3, 4):
+            src.append(rec(bomb(60 * 1024 * 1024), i, comp=1))
+        elif i == 20:
+            src.append(rec(b'"' + b"q" * LIMIT + b'"', i))
+        else:
+            src.append(rec(good(i), i))
+    rcv = CourierReceiver()
+    await nursery.start(rcv.serve)
+    out = co_out(rcv.port, src, store, payload_size=10)
+    await run_until_acked(nursery, out, src)
+    got = sorted(json.loads(e)["payload"]["i"] for e in rcv.events)
+    assert got == [i for i in range(40) if i not in (3, 4, 20)]
+    letters = list(read_dead_letters(tmp_path / "dl"))
+    assert sorted(d.position[1] for d in letters) == [3, 4, 20]
+    assert {d.reason for d in letters} == {"too_large"}
+
+
+async def test_courier_partial_ack_moves_the_spool_cursor_inside_a_payload(nursery, tmp_path):
+    src = MemorySource()
+    for i in range(100):
+        src.append(rec(good(i), i))
+    release = trio.Event()
+    seen = 0
+
+    async def sink(nonce, part):
+        nonlocal seen
+        seen += len(part)
+        if seen > 30:
+            await release.wait()
+    rcv = CourierReceiver(ack_chunk=10, sink=sink)
+    await nursery.start(rcv.serve)
+    out = co_out(rcv.port, src, None, payload_size=100)
+    cs = trio.CancelScope()
+
+    async def runner():
+        with cs:
+            await out.run()
+    nursery.start_soon(runner)
+    with trio.fail_after(10):
+        while not src.acked_positions or src.acked_positions[-1].offset < 29:
+            await trio.sleep(0.01)
+    # the payload of 100 is not complete, yet the cursor is inside it
+    assert src._acked == 30 and out.stats()["partial_acks"] >= 1
+    release.set()
+    with trio.fail_after(10):
+        while not src.all_acked:
+            await trio.sleep(0.01)
+    cs.cancel()
+
+
+# ------------------------------------------------------------------ settings, CMDP, CLI
+
+def test_max_event_bytes_and_dead_letter_settings_are_validated():
+    from logjam_relay import config
+    s = config.load({}, environ={})
+    assert s.max_event_bytes == 10 * 1024 * 1024 and s.dead_letter_max_bytes == 1024 ** 3
+    s = config.load({}, environ={"LOGJAM_RELAY_MAX_EVENT_BYTES": "1MiB",
+                                 "LOGJAM_RELAY_DEAD_LETTER_DIR": "/x/dl"})
+    assert s.max_event_bytes == 1024 * 1024 and str(s.resolved_dead_letter_dir()) == "/x/dl"
+    with pytest.raises(config.ConfigError, match=r"max_event_bytes \(--max-event-bytes\): "
+                                                 r"must be between 1KiB and 1GiB"):
+        config.load({"max_event_bytes": "100"}, environ={})
+    with pytest.raises(config.ConfigError, match=r"dead_letter_max_bytes "
+                                                 r"\(--dead-letter-max-bytes\): must be "
+                                                 r">= max_event_bytes"):
+        config.load({"dead_letter_max_bytes": "1MiB"}, environ={})
+
+
+def test_cmdp_stat_carries_dead_letters():
+    from logjam_relay.health.cmdp import RelayStatsProvider
+    p = RelayStatsProvider(lambda: {}, lambda: {"lj": {"dead_letters": 3}})
+    assert p()["OUTPUT_LJ_DEAD_LETTERS"].value == 3
+
+
+def test_deadletters_list_and_show_commands(tmp_path, capsys):
+    from logjam_relay.tools.deadletters import main
+    st = DeadLetterStore(tmp_path / "dl")
+    st.put("lj", "too_large", rec(compress(b'{"big":1}', 1), 7, comp=1), detail="over")
+    st.put("co", "refused", rec(b'{"r":1}', 8), position=(3, 99))
+    assert main(["list", "--dir", str(tmp_path / "dl")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "\tlj\ttoo_large\tapp-prod\t" in out[0] and out[1].endswith("\t")
+    assert main(["list", "--dir", str(tmp_path / "dl"), "--json", "--reason", "refused"]) == 0
+    (only,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert only["output"] == "co" and only["position"] == [3, 99]
+    assert main(["show", "--dir", str(tmp_path / "dl"), "--id", out[0].split("\t")[0]]) == 0
+    shown = capsys.readouterr().out
+    assert '{"big":1}' in shown                          # inflated for display
+    assert main(["show", "--dir", str(tmp_path / "dl"), "--id", "99:1"]) == 1
+    assert main(["resend", "--dir", str(tmp_path / "dl")]) == 2       # --to is required

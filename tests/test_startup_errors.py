@@ -1,0 +1,231 @@
+"""Start-up failures through the real command: one line on stderr, exit 2, no traceback.
+
+Every bind (router, pull, pub, stats, metrics, cmdp, samwise) and every resource start-up
+needs (state dir, spool dir, archive dir, TLS files, broker URLs, the state lock, the
+environment) is broken on purpose; the relay must refuse with one line that names the
+setting, its value, where the value came from and the likely cause.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import free_port
+from relay_harness import relay_settings, start_process, stop_process
+
+EXIT_WAIT = 10          # generous bound on the wait (the relay exits in well under 1 s)
+
+
+def base_argv(tmp_path, ports: dict | None = None) -> list[str]:
+    p = {"-t": free_port(), "-p": free_port(), "-P": free_port(), "-s": free_port(),
+         "-m": free_port()}
+    p.update(ports or {})
+    argv = [sys.executable, "-m", "logjam_relay", "--bind", "127.0.0.1", "-M", "127.0.0.1",
+            "--fqdn", "vm", "--state-dir", str(tmp_path / "state")]
+    for flag, port in p.items():
+        argv += [flag, str(port)]
+    return argv
+
+
+def run_failing(argv: list[str], env_extra: dict | None = None) -> tuple[str, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOGJAM_RELAY_")
+           or k == "LOGJAM_RELAY_PURE_PYTHON"}
+    env.update(env_extra or {})
+    t0 = time.monotonic()
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=EXIT_WAIT)
+    elapsed = time.monotonic() - t0
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    print(f"exit 2 after {elapsed:.2f} s: {lines[0]}")
+    return lines[0], elapsed
+
+
+def assert_names(line: str, *parts: str) -> None:
+    for part in parts:
+        assert part in line, (part, line)
+
+
+@pytest.fixture
+def busy_port():
+    """A port held by a plain listening TCP socket (as a running logjam-device would)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    yield s.getsockname()[1]
+    s.close()
+
+
+@pytest.mark.parametrize("setting,flag", [
+    ("router_port", "-t"), ("pull_port", "-p"), ("pub_port", "-P"), ("stats_port", "-s"),
+    ("metrics_port", "-m"), ("cmdp_port", "--cmdp-port"),
+])
+def test_port_in_use(tmp_path, busy_port, setting, flag):
+    argv = base_argv(tmp_path)
+    if flag.startswith("--"):
+        argv += [flag, str(busy_port)]
+    else:
+        argv[argv.index(flag, 3) + 1] = str(busy_port)
+    line, _ = run_failing(argv)
+    long_flag = {"-t": "--router-port", "-p": "--pull-port", "-P": "--pub-port",
+                 "-s": "--stats-port", "-m": "--metrics-port"}.get(flag, flag)
+    assert_names(line, f"{setting} {busy_port} (flag {long_flag})", "address already in use",
+                 "still running?")
+    # nothing half-started: the other ports were released again
+    for other in ("-t", "-p", "-P", "-s", "-m"):
+        if other != flag:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", int(argv[argv.index(other, 3) + 1])))
+
+
+def test_port_in_use_zmq_and_env_source(tmp_path):
+    """A ZeroMQ socket on the port (logjam-device itself), the value from the environment."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = free_port()
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        argv = base_argv(tmp_path)
+        i = argv.index("-p", 3)
+        del argv[i:i + 2]
+        line, _ = run_failing(argv, {"LOGJAM_RELAY_PULL_PORT": str(port)})
+        assert_names(line, f"pull_port {port} (env LOGJAM_RELAY_PULL_PORT)",
+                     "address already in use")
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_port_in_use_file_source(tmp_path, busy_port):
+    toml = tmp_path / "relay.toml"
+    toml.write_text(f"pub_port = {busy_port}\n")
+    argv = base_argv(tmp_path)
+    i = argv.index("-P", 3)
+    del argv[i:i + 2]
+    line, _ = run_failing(argv + ["--config", str(toml)])
+    assert_names(line, f"pub_port {busy_port} (file {toml})", "address already in use")
+
+
+def test_samwise_port_in_use(tmp_path, busy_port):
+    ep = f"tcp://127.0.0.1:{busy_port}"
+    line, _ = run_failing(base_argv(tmp_path) + [
+        "--samwise", ep, "--amqp-broker", "a=amqp://guest:guest@127.0.0.1:1/"])
+    assert_names(line, f"samwise {ep} (flag --samwise)", "address already in use")
+
+
+def _under_a_file(tmp_path, name):
+    (tmp_path / "plainfile").write_text("x")
+    return str(tmp_path / "plainfile" / name)
+
+
+def _immutable_dir(tmp_path, name):
+    """A directory nobody may write in, even root (chattr +i); skips where unsupported."""
+    d = tmp_path / name
+    d.mkdir()
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(d)],
+                                                        capture_output=True).returncode:
+        pytest.skip("chattr +i is not supported here (the path-under-a-file case still runs)")
+    return str(d)
+
+
+@pytest.fixture
+def cleanup_immutable(tmp_path):
+    yield
+    for p in tmp_path.iterdir():
+        subprocess.run(["chattr", "-i", str(p)], capture_output=True)
+
+
+@pytest.mark.parametrize("how", ["under_a_file", "immutable"])
+def test_state_dir_unwritable(tmp_path, how, cleanup_immutable):
+    d = _under_a_file(tmp_path, "state") if how == "under_a_file" else \
+        _immutable_dir(tmp_path, "state")
+    argv = base_argv(tmp_path)
+    argv[argv.index("--state-dir") + 1] = d
+    line, _ = run_failing(argv)
+    assert_names(line, f"state_dir {d} (flag --state-dir)", "sequence")
+    if how == "immutable":
+        assert os.listdir(d) == []          # nothing written, nothing half-created
+
+
+@pytest.mark.parametrize("how", ["under_a_file", "immutable"])
+def test_spool_dir_unwritable(tmp_path, how, cleanup_immutable):
+    d = _under_a_file(tmp_path, "spool") if how == "under_a_file" else \
+        _immutable_dir(tmp_path, "spool")
+    line, _ = run_failing(base_argv(tmp_path) + [
+        "--spool-dir", d, "--output", "lumberjack://127.0.0.1:1?tls=off"])
+    assert_names(line, f"spool_dir {d} (flag --spool-dir)", "cannot write",
+                 "could not be spooled")
+
+
+def test_archive_dir_unwritable(tmp_path):
+    d = _under_a_file(tmp_path, "archive")
+    line, _ = run_failing(base_argv(tmp_path) + ["--archive-dir", d])
+    assert_names(line, f"archive_dir {d} (flag --archive-dir)", "cannot write")
+
+
+@pytest.mark.parametrize("param", ["ca", "cert"])
+def test_missing_tls_file(tmp_path, param):
+    missing = str(tmp_path / f"no-{param}.pem")
+    extra = f"&key={tmp_path / 'no-key.pem'}" if param == "cert" else ""
+    url = f"lumberjack://127.0.0.1:5044?{param}={missing}{extra}"
+    line, _ = run_failing(base_argv(tmp_path) + ["--output", url])
+    assert_names(line, f"outputs {url} (flag --output)", f"TLS {param} file {missing}",
+                 "no such file")
+
+
+def test_bad_broker_url(tmp_path):
+    line, _ = run_failing(base_argv(tmp_path) + [
+        "--samwise", f"tcp://127.0.0.1:{free_port()}", "--amqp-broker", "a=amqp://u:secret@[::1"])
+    assert_names(line, "amqp_brokers (flag --amqp-broker)", "bad URL")
+    assert "secret" not in line
+
+
+def test_misspelt_environment_variable(tmp_path):
+    line, _ = run_failing(base_argv(tmp_path), {"LOGJAM_RELAY_SPOOL_MAX_BYTE": "1GiB"})
+    assert_names(line, "LOGJAM_RELAY_SPOOL_MAX_BYTE", "unknown setting",
+                 "did you mean LOGJAM_RELAY_SPOOL_MAX_BYTES?")
+
+
+def test_second_relay_on_the_same_state_dir_refuses(tmp_path):
+    settings = relay_settings(tmp_path, device_id=3)
+    first = start_process(settings, log_path=tmp_path / "first.log")
+    try:
+        state_file = tmp_path / "state" / "sequence-device-3.json"
+        before = state_file.read_bytes()
+        argv = base_argv(tmp_path) + ["-d", "3"]
+        line, _ = run_failing(argv)
+        assert_names(line, f"state_dir {tmp_path / 'state'} (flag --state-dir)",
+                     "locked by another relay with device_id 3", f"pid {first.pid}")
+        assert state_file.read_bytes() == before        # the second one wrote nothing
+        # another device id on the same state dir is fine: the lock is per device
+        other = relay_settings(tmp_path, device_id=4)
+        second = start_process(other, log_path=tmp_path / "second.log")
+        assert stop_process(second) == 0
+    finally:
+        assert stop_process(first) == 0
+
+
+def test_lock_is_released_when_the_holder_dies(tmp_path):
+    import signal
+    settings = relay_settings(tmp_path, device_id=5)
+    first = start_process(settings)
+    stop_process(first, signal.SIGKILL)
+    again = start_process(relay_settings(tmp_path, device_id=5))
+    assert stop_process(again) == 0
+
+
+def test_dead_letter_dir_unwritable(tmp_path):
+    d = _under_a_file(tmp_path, "dead")
+    line, _ = run_failing(base_argv(tmp_path) + [
+        "--dead-letter-dir", d, "--output", "lumberjack://127.0.0.1:1?tls=off"])
+    assert_names(line, f"dead_letter_dir {d} (flag --dead-letter-dir)", "cannot write")
