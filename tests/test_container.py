@@ -142,6 +142,7 @@ def image(podman_env):
                            "/etc/ssl/certs/ca-certificates.crt") if c and os.path.isfile(c)),
               None)
     secret = ["--secret", f"id=pip-ca,src={ca}"] if ca else []
+    before = _run(["podman", "image", "inspect", "-f", "{{.Id}}", IMAGE]).stdout.strip()
     t0 = time.monotonic()
     # --format docker: the OCI image format has no HEALTHCHECK
     r = _run(["podman", "build", *runtime, *_limits(), *secret, "--pull=never", "--format", "docker",
@@ -150,6 +151,9 @@ def image(podman_env):
               "-t", IMAGE, str(ROOT)], timeout=1800)
     assert r.returncode == 0, "podman build failed:\n" + r.stdout[-4000:] + r.stderr[-3000:]
     print(f"podman build: {time.monotonic() - t0:.1f} s")
+    after = _run(["podman", "image", "inspect", "-f", "{{.Id}}", IMAGE]).stdout.strip()
+    if before and before != after:          # our previous image only, not others'
+        _run(["podman", "rmi", before], timeout=120)
     return IMAGE, runtime, r.stdout
 
 

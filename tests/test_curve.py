@@ -94,10 +94,16 @@ async def test_curve_accept_refuse_and_allow_list_changes(tmp_path, keys):
             w, wmon = _client(ctx, zmq.DEALER, keys, "agent", server_key=keys["other_server"][0])
             w.connect(router_ep)
             assert await _handshake(wmon) & FAILED
+            with trio.fail_after(10):               # counted by the relay's socket monitor
+                while relay.curve.refused["handshake"] < 1:
+                    await trio.sleep(0.01)
             # 4. a plain client: refused on the secure endpoint, served on the plain one
             p, pmon = _client(ctx, zmq.DEALER, keys, None)
             p.connect(router_ep)
             assert await _handshake(pmon) & FAILED
+            with trio.fail_after(10):
+                while relay.curve.refused["handshake"] < 2:
+                    await trio.sleep(0.01)
             p2, p2mon = _client(ctx, zmq.DEALER, keys, None)
             p2.connect(f"tcp://127.0.0.1:{plain_port}")
             assert await _handshake(p2mon) == OK

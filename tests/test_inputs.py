@@ -7,11 +7,11 @@ import zlib
 
 import pytest
 import trio
-import zmq
 
 from conftest import free_port
 from logjam_relay.inputs import parse_input
 from logjam_relay.inputs.mapping import MappingOptions, json_event, lumberjack_v1
+from logjam_relay.io import zmq_trio
 from logjam_relay.io.net import TLSSettings
 from logjam_relay.outputs.courier import CourierOutput, record_to_event
 from logjam_relay.outputs.courier import parse_url as courier_url
@@ -21,7 +21,6 @@ from logjam_relay.protocols import lumberjack_server as ljs
 from logjam_relay.protocols.logjam import compress, encode_meta
 from logjam_relay.spool.api import MemorySource, Position, Record
 from relay_harness import running_relay, sync_sub, unmeta
-from logjam_relay.io import zmq_trio
 
 OPTS = MappingOptions()
 
@@ -273,7 +272,35 @@ async def test_third_party_client_timbersnake(tmp_path):
         got = await _collect(sub, len(sent))
     assert relay.inputs[0].stats()["acks"] == 3
     assert [m[:2] for m in got] == [[b"tsapp-dev", b"logs.tsapp.dev"]] * len(sent)
-    for m, ev in zip(got, sent):
+    for m, ev in zip(got, sent, strict=True):
         doc = json.loads(m[2])
         assert doc.pop("logjam_origin")["input"] == "ts"
         assert doc == ev
+
+
+async def test_input_with_client_ca_requires_a_client_certificate(tmp_path, tls_files):
+    lport = free_port()
+    url = f"lumberjack://127.0.0.1:{lport}?cert={tls_files['server']}&ca={tls_files['ca']}&name=m"
+    async with running_relay(tmp_path, inputs=[url]) as (relay, cl):
+        frames = lj.encode_data_frames([{"line": "{}", "app": "a"}])
+        import ssl as _ssl
+
+        async def attempt(cert):
+            ctx = _ssl.create_default_context(cafile=tls_files["ca"])
+            if cert:
+                ctx.load_cert_chain(cert)
+            s = trio.SSLStream(await trio.open_tcp_stream("127.0.0.1", lport), ctx,
+                               server_hostname="localhost")
+            try:
+                await s.send_all(lj.encode_window(frames, 1))
+                with trio.fail_after(10):
+                    return await s.receive_some(6)
+            except (trio.BrokenResourceError, _ssl.SSLError):
+                return None
+            finally:
+                await trio.aclose_forcefully(s)
+
+        assert await attempt(tls_files["client"]) == b"1A\x00\x00\x00\x01"
+        assert await attempt(None) in (None, b"")
+        assert relay.inputs[0].stats()["acks"] == 1
+        assert relay.inputs[0].errors["tls_handshake"] >= 1

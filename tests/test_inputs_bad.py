@@ -23,9 +23,9 @@ def _metrics(port: int) -> str:
 
 
 def _errors(text: str, inp: str) -> dict[str, float]:
-    return {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'logjam_relay_input_errors_total\{device="0",input="%s",reason="([a-z_]+)"\} (\S+)'
-        % inp, text)}
+    pattern = (r'logjam_relay_input_errors_total\{device="0",input="' + re.escape(inp) +
+               r'",reason="([a-z_]+)"\} (\S+)')
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text)}
 
 
 def _vm_hwm_kib(pid: int) -> int:

@@ -302,3 +302,5 @@ def test_a_stalled_subscriber_costs_at_most_snd_hwm_messages(ctx, impl):
     assert pub.drops >= 1                             # the queue was found full
     # snd_hwm (8) + what sits in the subscriber's pipe and the socket buffers
     assert grown < 48 * (1 << 20), f"RSS grew {grown / (1 << 20):.0f} MiB"
+    sub.close(linger=0)
+    xpub.close(linger=0)

@@ -318,3 +318,58 @@ def test_deadletters_list_and_show_commands(tmp_path, capsys):
     assert '{"big":1}' in shown                          # inflated for display
     assert main(["show", "--dir", str(tmp_path / "dl"), "--id", "99:1"]) == 1
     assert main(["resend", "--dir", str(tmp_path / "dl")]) == 2       # --to is required
+
+
+def test_deadletters_resend_into_a_relay_pull_port(tmp_path):
+    import zmq
+
+    from conftest import free_port
+    from logjam_relay.tools.deadletters import resend
+    st = DeadLetterStore(tmp_path / "dl")
+    for i in range(3):
+        st.put("lj", "refused", rec(good(i), i))
+    letters = list(read_dead_letters(tmp_path / "dl"))
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = free_port()
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        assert resend(letters, f"tcp://127.0.0.1:{port}", max_event_bytes=LIMIT, timeout=5,
+                      relay_host="h") == 3
+        pull.setsockopt(zmq.RCVTIMEO, 5000)
+        got = [pull.recv_multipart() for _ in range(3)]
+        assert got == [rec(good(i), i) for i in range(3)]
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("kind", ["lumberjack", "courier"])
+async def test_receiver_size_limit_below_ours_is_found_and_diverted(nursery, tmp_path, kind):
+    """An event under max_event_bytes but over the receiver's own limit: refused, bisected
+    out, dead-lettered; the rest flows."""
+    store = DeadLetterStore(tmp_path / "dl")
+    src = MemorySource()
+    for i in range(60):
+        src.append(rec(json.dumps({"i": i, "pad": "z" * (5000 if i == 23 else 10)}).encode(), i))
+    if kind == "lumberjack":
+        peer = LumberjackReader(max_event_bytes=2000)
+        await nursery.start(peer.serve)
+        out = lj_out(peer.port, src, store, window=16)
+    else:
+        peer = CourierReceiver(max_event_bytes=2000)
+        await nursery.start(peer.serve)
+        out = co_out(peer.port, src, store, payload_size=16)
+    await run_until_acked(nursery, out, src)
+    events = [e.fields["line"] for e in peer.events] if kind == "lumberjack" else \
+        [json.dumps(json.loads(e)["payload"]) for e in peer.events]
+    assert sorted({json.loads(x)["i"] for x in events}) == [i for i in range(60) if i != 23]
+    (letter,) = read_dead_letters(tmp_path / "dl")
+    assert letter.reason == "refused" and letter.position[1] == 23 and peer.refused >= 6
+
+
+def test_letter_larger_than_the_budget_is_counted_not_raised(tmp_path):
+    st = DeadLetterStore(tmp_path / "dl", max_bytes=10_000)
+    assert st.put("o", "too_large", [b"x" * 20_000]) is None      # larger than the budget
+    assert st.dropped == 1 and st.count_for("o") == {"too_large": 1}
+    assert st.put("o", "too_large", [b"x" * 2_000]) is not None
+    assert len(list(read_dead_letters(tmp_path / "dl"))) == 1

@@ -1,7 +1,9 @@
 """The relay with --samwise/--amqp-broker: requests spooled, published to a real RabbitMQ."""
 
+import signal
 import urllib.request
 
+import pytest
 import trio
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
@@ -70,3 +72,92 @@ async def test_relay_samwise_endpoint_publishes_to_rabbitmq(tmp_path, rabbit):  
     assert val("logjam_relay_samwise_rpc_waiting") == 0
     assert val("logjam_relay_samwise_spool_segments") >= 1
     assert sorted(body for _props, body in got) == sorted(b"m%d" % i for i in range(20))
+
+
+def _broker_connections(pid: int) -> int:
+    import psutil
+    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == 5672 and c.status == "ESTABLISHED")
+
+
+def _metric(port: int, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()):
+                return smp.value
+    raise KeyError(name)
+
+
+@pytest.mark.slow
+async def test_real_command_sigkill_loses_no_accepted_publish_and_bounds_rpc(tmp_path, rabbit):  # noqa: F811
+    """The real `logjam-relay` command: a publish answered [0, ''] is in the samwise spool,
+    so a SIGKILL in mid-stream loses none of them (the restarted relay publishes what was
+    not confirmed; duplicates only from what was in flight).  The rpc flags bound a burst."""
+    from relay_harness import relay_settings, start_process, stop_process
+    q = await trio.to_thread.run_sync(Queue, "/")
+    port = free_port()
+    broker = "main=amqp://guest:guest@127.0.0.1:5672/%2F"
+    extra = ["--samwise", f"tcp://127.0.0.1:{port}", "--amqp-broker", broker,
+             "--samwise-rpc-max-concurrent", "2", "--samwise-rpc-max-queued", "4"]
+    settings = relay_settings(tmp_path)
+    n_msgs, kill_at = 3000, 1500
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    proc = await trio.to_thread.run_sync(start_process, settings, extra)
+    try:
+        # rpc burst: at most 2 rpc connections besides the publishing one
+        for i in range(100):
+            await zmq_trio.send_multipart(sock, [b"", *p.build_rpc("exchange.declare",
+                                                                   f"lj-burst-{i % 2}", "fanout")])
+        peak = 0
+        replies = []
+        with trio.fail_after(30):
+            while len(replies) < 100:
+                with trio.move_on_after(0.002):
+                    replies.append(await zmq_trio.recv_multipart(sock))
+                peak = max(peak, await trio.to_thread.run_sync(_broker_connections, proc.pid))
+        ok = sum(r == [b"", b"0", b""] for r in replies)
+        refused = sum(r == [b"", b"-1", b"too many rpc requests"] for r in replies)
+        assert ok + refused == 100 and ok >= 6 and refused >= 1, replies
+        assert peak <= 3, peak
+        # publishes, SIGKILL after kill_at replies, restart on the same state dir
+        accepted = 0
+        for i in range(n_msgs):
+            if i == kill_at:
+                assert stop_process(proc, signal.SIGKILL) == -signal.SIGKILL
+                proc = await trio.to_thread.run_sync(start_process, settings, extra)
+            await zmq_trio.send_multipart(sock, [b"", *p.build_publish("amq.direct", q.key,
+                                                                       b"m%d" % i)])
+            with trio.fail_after(10):
+                assert await zmq_trio.recv_multipart(sock) == [b"", b"0", b""]
+            accepted += 1
+        with trio.fail_after(30):
+            while await trio.to_thread.run_sync(
+                    _metric, settings.metrics_port, "logjam_relay_samwise_backlog_records"):
+                await trio.sleep(0.05)
+    finally:
+        ctx.destroy(linger=0)
+        stop_process(proc)
+    got = [body for _props, body in await get_all(q, expect=n_msgs)]
+    want = {b"m%d" % i for i in range(n_msgs)}
+    lost = want - set(got)
+    dups = len(got) - len(set(got))
+    print(f"samwise SIGKILL: accepted {accepted}, delivered {len(set(got))}, lost {len(lost)}, "
+          f"duplicated {dups}; rpc burst 100: {ok} ok, {refused} refused, peak broker "
+          f"connections {peak} (1 publishing + rpc)")
+    assert not lost and accepted == n_msgs
+    assert dups <= kill_at      # at most what was unconfirmed at the kill (max_inflight 2000)
+
+
+def test_bad_rpc_allow_is_one_line_exit_2(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "logjam_relay", "--check-config",
+                        "--samwise-rpc-allow", "exchange.declare,queue.purge"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert "samwise_rpc_allow" in r.stderr and "queue.purge" in r.stderr

@@ -228,6 +228,9 @@ MALFORMED = {
     "method_inside_content": (srv(1, spec.Basic.Return(312, "NO_ROUTE", "e", "k"))
                               + srv(1, spec.Basic.Ack(1))),
     "truncated_shortstr": _frame(1, 1, struct.pack(">HHH", 60, 50, 312) + b"\x10ab"),
+    "returned_body_too_large": (srv(1, spec.Basic.Return(312, "NO_ROUTE", "e", "k"))
+                                + pframe.Header(1, A.MAX_RETURNED_BODY + 1,
+                                                spec.BasicProperties()).marshal()),
 }
 
 
@@ -238,7 +241,8 @@ def test_malformed_input_is_an_amqp_error_and_closes(name):
         c.receive_data(MALFORMED[name])
     reason = {"header_without_return": "unexpected_content", "body_too_long": "unexpected_content",
               "method_inside_content": "unexpected_method",
-              "truncated_shortstr": "truncated"}.get(name, name)
+              "truncated_shortstr": "truncated",
+              "returned_body_too_large": "frame_too_large"}.get(name, name)
     assert ei.value.reason == reason
     assert c.state == "closed" and c.receive_data(srv(1, spec.Basic.Ack(1))) == []
 

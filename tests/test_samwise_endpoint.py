@@ -13,9 +13,9 @@ import zmq
 
 from logjam_relay.io import zmq_trio
 from logjam_relay.protocols import samwise as p
-from logjam_relay.samwise.output import split_record
 from logjam_relay.samwise.config import BrokerConfig, SamwiseConfig
 from logjam_relay.samwise.endpoint import Distributor, MemoryStore, SamwiseService
+from logjam_relay.samwise.output import split_record
 from logjam_relay.spool.api import KIND_SAMWISE
 from test_samwise_protocol import MALFORMED_PUBLISH, MALFORMED_RPC
 

@@ -22,8 +22,8 @@ import zmq
 from logjam_relay.io import zmq_trio
 from logjam_relay.protocols import samwise as p
 from logjam_relay.samwise.config import BrokerConfig, SamwiseConfig
-from logjam_relay.samwise.output import make_record
 from logjam_relay.samwise.endpoint import MemoryStore, SamwiseService
+from logjam_relay.samwise.output import make_record
 from logjam_relay.spool.api import KIND_SAMWISE
 
 HOST, PORT = "127.0.0.1", 5672
@@ -276,8 +276,9 @@ async def test_messages_waiting_for_a_down_broker_are_handed_to_brokers_that_are
         assert st["dead"]["handed_off"] == 6 and st["dead"]["sent"] == 0
         # "all3" and "behind" still wait for the dead broker
         assert st["dead"]["reader"]["backlog_records"] == 2 + 6  # + the 6 re-addressed copies
-    a = sorted(b for _, b in await get_all(qa, 5))
-    b = sorted(b for _, b in await get_all(qb, 5))
+    # both outputs drained = broker-confirmed = routed: the queues hold everything already
+    a = sorted(b for _, b in await get_all(qa))
+    b = sorted(b for _, b in await get_all(qb))
     assert sorted(a + b) == sorted([b"rr%d" % i for i in range(5)] + [b"red", b"red",
                                                                        b"all3", b"all3"])
     assert b"red" in a and b"red" in b           # original copy on a, handed-off copy on b
@@ -451,6 +452,7 @@ def _amqp_connections() -> int:
                if c.raddr and c.raddr.port == PORT and c.status == "ESTABLISHED")
 
 
+@pytest.mark.slow
 async def test_rpc_burst_is_bounded(vhosts):
     """Issue 10 §6: 2,000 rpc requests at once opened up to 144 AMQP connections.  Now at
     most samwise_rpc_max_concurrent (8) are open, 64 wait, the rest are refused at once;

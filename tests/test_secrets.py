@@ -12,7 +12,12 @@ from constellation.core.message.cmdp1 import CMDP1LogMessage, CMDP1Message
 from conftest import free_port
 from logjam_relay import config
 from logjam_relay.io import zmq_trio
-from logjam_relay.redact import install_log_redaction, redact_setting, redact_text
+from logjam_relay.redact import (
+    install_log_redaction,
+    redact_exceptions,
+    redact_setting,
+    redact_text,
+)
 from logjam_relay.samwise.config import parse_broker
 from relay_harness import running_relay
 
@@ -123,3 +128,13 @@ async def test_cmdp_log_records_are_redacted(tmp_path):
             assert m.log_message == "cannot reach amqp://guest:***@10.0.0.1/"
         finally:
             ctx.destroy(linger=0)
+
+
+def test_tracebacks_are_redacted_too():
+    f = redact_exceptions(logging.Formatter("%(message)s"))
+    try:
+        raise ConnectionError(f"cannot connect to amqp://guest:{PW}@10.0.0.1/")
+    except ConnectionError:
+        rec = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    out = f.format(rec)
+    assert "amqp://guest:***@10.0.0.1/" in out and PW not in out

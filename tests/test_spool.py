@@ -538,13 +538,18 @@ def test_write_error_enospc_injected(tmp_path, monkeypatch):
         assert e.value.reason == "enospc" and e.value.errno == errno.ENOSPC
         assert "No space left on device" in str(e.value) and "disk is full" in str(e.value)
     st = sp.stats()
-    # each failed append tried to seal the segment (with the reserve): also ENOSPC here
-    assert st["write_errors"] == 6 and st["write_errors_by_reason"] == {"enospc": 6}
+    # the first failure sealed the segment: the seal failed even with the reserve given
+    # back, so it was closed in memory (seal record owed); the next appends fail on the
+    # new segment's header
+    assert st["write_errors"] == 4 and st["write_errors_by_reason"] == {"enospc": 4}
     assert st["appends"] == 20 and st["disk_full"] == 1 and st["reserve_releases"] == 1
+    assert st["deferred_seals"] == 1
     assert sp.paused_reason() == f"disk full (ENOSPC) on {tmp_path}" and sp.would_block()
     monkeypatch.setattr(spool_mod, "_write", real)
     sp.append_batch([msg(20)])
     assert [seq_of(r) for r in drain(sp.reader("a"))] == list(range(21))
+    sp.tick()                                            # space again: the seal is written
+    assert fmt.read_seal(tmp_path / fmt.segment_name(0, True)) is not None
     sp.close()
     sp = open_spool(tmp_path, readers=["a"])
     assert sp.stats()["corrupt_tails_cut"] == 0          # the partial write was cut at once
@@ -800,4 +805,22 @@ def test_cursor_with_a_bad_offset_is_relocated_by_its_seq(tmp_path):
     assert got == list(range(got[0], 80)) and a.stats()["lost"] == 0   # duplicates only
     fill(sp, 80, 5, size=100)
     assert [seq_of(r) for r in drain(a)] == list(range(80, 85))      # new records flow
+    sp.close()
+
+
+def test_segment_cut_while_running_loses_only_the_cut_records(tmp_path):
+    sp = open_spool(tmp_path, readers=["a"], segment_bytes=4096)
+    fill(sp, 0, 60, size=100)
+    sp.seal()
+    name = segment_files(tmp_path)[1]
+    offs = [o for o, _, _ in fmt.iter_records(tmp_path / name)]
+    with open(tmp_path / name, "rb") as f:
+        first = fmt.decode_header(f.read(fmt.HEADER_LEN)).first_seq
+    os.truncate(tmp_path / name, offs[3] + 10)          # records 3.. of it are gone
+    a = sp.reader("a")
+    recs = drain(a)
+    a.ack(recs[-1].position)
+    gone = set(range(first + 3, first + len(offs)))
+    assert [seq_of(r) for r in recs] == [s for s in range(60) if s not in gone]
+    assert a.stats()["lost"] == len(gone) and a.stats()["backlog_records"] == 0
     sp.close()

@@ -18,7 +18,7 @@ from . import __version__
 from .config import ConfigError, StartupError, add_arguments, find_exception, load
 from .helptext import display_value, effective_values
 from .ratelimit import escape_controls
-from .redact import install_log_redaction, redact_setting, redact_text
+from .redact import install_log_redaction, redact_exceptions, redact_setting, redact_text
 
 SUBCOMMANDS = ("run", "tail", "send", "pipeline", "spool", "deadletters", "keygen")
 
@@ -109,6 +109,7 @@ def setup_logging(verbose: int = 0, quiet: bool = False, fmt: str = "text") -> N
         handler.setFormatter(_TextFormatter("%(asctime)s [%(levelname).1s] %(name)s: "
                                             "%(message)s"))
     install_log_redaction()
+    redact_exceptions(handler.formatter)        # tracebacks too
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

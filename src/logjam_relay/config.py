@@ -344,6 +344,11 @@ class Settings:
     outputs: list[str] = opt([], string_list, "reliable output URL (repeatable), e.g. "
                              "lumberjack://host:5044?window=1000&tls=off", "--output",
                              action="append", metavar="URL")
+    output_isolation: str = opt("inline", choice("inline", "process"),
+                                "where outputs run: inline (in the relay's event loop) or "
+                                "process (each in a worker process fed from the spool, off "
+                                "the ingest thread)", "--output-isolation",
+                                metavar="inline|process")
     inputs: list[str] = opt([], string_list, "Lumberjack/Courier input URL (repeatable), e.g. "
                             "lumberjack://0.0.0.0:5044?cert=...&key=... or "
                             "courier://0.0.0.0:5043?tls=off (docs/inputs.md)", "--input",

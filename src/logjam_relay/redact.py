@@ -79,3 +79,11 @@ def install_log_redaction() -> None:
         return record
 
     logging.setLogRecordFactory(factory)
+
+
+def redact_exceptions(formatter: logging.Formatter) -> logging.Formatter:
+    """Make ``formatter`` redact the tracebacks it formats too (the record factory only sees
+    the message; an exception's text may quote a URL with its password)."""
+    orig = formatter.formatException
+    formatter.formatException = lambda ei: redact_text(orig(ei))     # type: ignore[method-assign]
+    return formatter

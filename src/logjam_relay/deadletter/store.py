@@ -20,6 +20,10 @@ rotated at ``max_bytes / 8`` and the oldest files are deleted when the total
 would exceed the budget; the records they held are counted as ``dropped``.  A
 letter larger than the whole budget is not written (counted as dropped too).
 
+A letter that cannot be written (disk full, I/O error) is logged as an error and
+counted in ``write_errors`` (``logjam_relay_dead_letter_write_errors_total``): the output
+does not stop for it.
+
 Writes are rare (one per poison event), synchronous and fsynced; outputs call
 :meth:`DeadLetterStore.put` through ``trio.to_thread.run_sync``.  A relay that
 restarts never appends to an old file (a torn tail stays readable up to the tear);
@@ -132,7 +136,7 @@ class DeadLetterStore:
             self.counts[key] = self.counts.get(key, 0) + 1
             try:
                 return self._append(kind, frames)
-            except OSError as e:
+            except (OSError, ValueError) as e:   # disk full, I/O error; a record too large
                 self.write_errors += 1
                 log.error("dead-letter store %s: cannot write a %s letter of %s: %s",
                           self.directory, reason, output, e)

@@ -238,6 +238,9 @@ class RelayCollector:
             yield _one(_counter, "logjam_relay_dead_letters_dropped",
                        "dead letters deleted (oldest first) because the store was full",
                        [d], ds["dropped"])
+            yield _one(_counter, "logjam_relay_dead_letter_write_errors",
+                       "dead letters that could not be written (disk full, I/O error)",
+                       [d], ds["write_errors"])
 
         st = r.spool.stats()
         dl = [d]

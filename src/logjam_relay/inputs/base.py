@@ -82,7 +82,12 @@ class BaseInput:
                 s = trio.SSLStream(stream, self.ssl_context, server_side=True,
                                    https_compatible=False)
                 with trio.move_on_after(self.spec.handshake_timeout) as cs:
-                    await s.do_handshake()
+                    try:
+                        await s.do_handshake()
+                    except (trio.BrokenResourceError, OSError) as e:
+                        cause = e.__cause__ or e
+                        raise _Closed("tls_handshake", f"TLS handshake failed: {cause}") \
+                            from None
                 if cs.cancelled_caught:
                     raise _Closed("handshake_timeout", "TLS handshake not done in time")
             await self._connection(s, peer)

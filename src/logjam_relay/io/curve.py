@@ -161,6 +161,8 @@ class Curve:
         self.plain_accepted = 0             # connections on the plain endpoints
         self.refused: Counter[str] = Counter()
         self.plain_endpoints: dict[str, list[str]] = {}
+        self.monitors: list[tuple[str, zmq.Socket]] = []
+        self.register = lambda sock: None       # the relay closes what is registered
         self._rlog = RateLimitedLog(log)
 
     # ---------------------------------------------------------------- sockets
@@ -174,7 +176,16 @@ class Curve:
 
     def secure(self, sock: zmq.Socket, setting: str) -> None:
         """CURVE server options, before the socket's (secure) bind."""
-        if _SETTING_TO_NAME.get(setting) in self.sockets:
+        name = _SETTING_TO_NAME.get(setting)
+        if name in self.sockets:
+            if name in ("router", "pull"):
+                # handshakes libzmq fails before asking ZAP (a wrong server key, a client
+                # without CURVE) are seen only by a socket monitor; the XPUBs' monitor
+                # belongs to their SubscriptionGuard (libzmq allows one per socket)
+                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                self.register(mon)
+                self.monitors.append((name, mon))
             # libzmq applies MAXMSGSIZE to the handshake commands (INITIATE ~300 bytes) and
             # to the encrypted frames (+33 bytes): the XPUBs' small topic cap must grow
             limit = sock.getsockopt(zmq.MAXMSGSIZE)
@@ -227,6 +238,25 @@ class Curve:
         return [frames[0], b"", b"1.0", rid, b"400", b"CURVE required", b"", b""]
 
     async def serve(self) -> None:
+        import trio
+        async with trio.open_nursery() as nursery:
+            for name, mon in self.monitors:
+                nursery.start_soon(self._watch, name, mon)
+            await self._serve_zap()
+
+    async def _watch(self, name: str, mon: zmq.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        from . import zmq_trio
+        while True:
+            ev = parse_monitor_message(await zmq_trio.recv_multipart(mon))
+            self.refused["handshake"] += 1
+            self._rlog.warning("handshake", "curve: handshake on %s failed from a client of "
+                               "%s (wrong server key, or a client without CURVE): event "
+                               "%s, errno %s", name, ev["endpoint"].decode("ascii", "replace"),
+                               getattr(ev["event"], "name", ev["event"]), ev["value"])
+
+    async def _serve_zap(self) -> None:
         from . import zmq_trio
         sock = self.zap
         while True:
@@ -253,7 +283,7 @@ class Curve:
         acc.add_metric([device], self.accepted)
         ref = CounterMetricFamily("logjam_relay_curve_refused", "CURVE/ZAP handshakes refused",
                                   labels=["device", "reason"])
-        for reason in ("unknown_key", "mechanism", "bad_request"):
+        for reason in ("unknown_key", "handshake", "mechanism", "bad_request"):
             ref.add_metric([device, reason], self.refused.get(reason, 0))
         keys = GaugeMetricFamily("logjam_relay_curve_allowed_keys",
                                  "client public keys in curve_allow_dir", labels=["device"])

@@ -10,6 +10,7 @@ inflates to, more than the limit raises :class:`~logjam_relay.limits.EventTooLar
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 from .. import _native
@@ -75,13 +76,18 @@ BAD_META_TAG = "_logjam_bad_meta"
 
 
 _inflaters: dict[int, object] = {}
+_refused = threading.local()   # .too_large: what the C mapping's inflate refused last
 
 
 def _inflater(limit: int):
     f = _inflaters.get(limit)
     if f is None:
         def f(body: bytes, comp: int) -> bytes:
-            return inflate_bounded(comp, body, limit)
+            try:
+                return inflate_bounded(comp, body, limit)
+            except EventTooLarge as e:
+                _refused.too_large = e       # not inflated a second time by the fallback
+                raise
         if len(_inflaters) > 16:
             _inflaters.clear()
         _inflaters[limit] = f
@@ -107,6 +113,10 @@ def record_to_event(record: Record, hostname: str,
                                _inflater(limit))
         if ev is not None:
             return ev
+        e = getattr(_refused, "too_large", None)
+        if e is not None:
+            _refused.too_large = None
+            raise e
     return record_to_event_py(record, hostname, limit)
 
 

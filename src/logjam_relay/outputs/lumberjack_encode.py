@@ -59,8 +59,14 @@ class EventEncoder:
         self.max_event_bytes = max_event_bytes
         limit = max_event_bytes
 
+        too_large = self._too_large = {}    # id(body) -> why, seen by the C mapping
+
         def decompress(body: bytes, comp: int) -> bytes:
-            return inflate_bounded(comp, body, limit)
+            try:
+                return inflate_bounded(comp, body, limit)
+            except EventTooLarge as e:
+                too_large[id(body)] = e.reason      # the fallback need not inflate it again
+                raise
         self._decompress = decompress
         # id(frames) -> reason detail, for the records the last encode refused
         self._rejected: dict[int, str] = {}
@@ -82,8 +88,10 @@ class EventEncoder:
 
         Records of other kinds are skipped (not forwarded).  Uses the C mapping
         (``_ljencode.c``) when it is built; :meth:`encode_py` otherwise (same bytes).
-        An event over ``max_event_bytes`` gives an empty frame here (its sequence
-        number is used): :meth:`encode_checked` is what outputs call.
+        An event that inflates past ``max_event_bytes`` gives an empty frame here (its
+        sequence number is used), and a plain body over it is mapped by the C twin but
+        not by :meth:`encode_py`: :meth:`encode_checked`, which takes both out and
+        re-encodes, is what outputs call (same bytes either way).
         """
         if _ljencode is None:
             return self.encode_py(records)
@@ -100,6 +108,7 @@ class EventEncoder:
         without the rejected records.
         """
         self._rejected.clear()
+        self._too_large.clear()
         data, n = self.encode(records)
         limit = self.max_event_bytes
         if not self._rejected and len(data) <= limit:
@@ -149,6 +158,10 @@ class EventEncoder:
             s = b"%d" % sequence
             c = b"%d" % created_ms
             if comp:
+                why = self._too_large.pop(id(body), None)
+                if why is not None:
+                    self._rejected[id(frames)] = why
+                    return b""
                 try:
                     body = inflate_bounded(comp, body, self.max_event_bytes)
                 except EventTooLarge as e:

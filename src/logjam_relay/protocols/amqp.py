@@ -32,6 +32,7 @@ FRAME_END = 0xCE
 FRAME_END_B = b"\xce"
 FRAME_MIN_SIZE = 4096          # the spec's minimum frame_max
 DEFAULT_FRAME_MAX = 131072
+MAX_RETURNED_BODY = 128 * 1024 * 1024   # RabbitMQ's own largest message (max_message_size)
 
 # class ids and (class, method) ids
 CONNECTION, CHANNEL, EXCHANGE, BASIC, CONFIRM = 10, 20, 40, 60, 85
@@ -391,7 +392,7 @@ class AmqpClient:
         self.server_properties: dict = {}
         self._in = bytearray()
         self._out: list[bytes] = []
-        self._content: dict[int, list] = {}    # channel -> [Returned args, size, chunks]
+        self._content: dict[int, list] = {}    # channel -> [Returned args, size, chunks, got]
         self._got_start = False
 
     # ------------------------------------------------------------ commands
@@ -510,7 +511,7 @@ class AmqpClient:
         elif m == BASIC_RETURN:
             code = r.short()
             text, ex, rk = r.shortstr(), r.shortstr(), r.shortstr()
-            self._content[ch] = [(ch, code, text, ex, rk), None, []]
+            self._content[ch] = [(ch, code, text, ex, rk), None, [], 0]
         elif m == CHANNEL_OPEN_OK:
             events.append(ChannelOpenOk(ch))
         elif m == CONFIRM_SELECT_OK:
@@ -592,7 +593,7 @@ class AmqpClient:
         cls, _weight, size = r.short(), r.short(), r.longlong()
         if cls != BASIC:
             raise AmqpError("unexpected_content", f"AMQP content header of class {cls}")
-        if size > 1 << 31:
+        if size > MAX_RETURNED_BODY:
             raise AmqpError("frame_too_large", f"AMQP returned body of {size} bytes")
         c[1] = size
         if size == 0:
@@ -603,12 +604,12 @@ class AmqpClient:
         if c is None or c[1] is None:
             raise AmqpError("unexpected_content", "AMQP body frame without a content header")
         c[2].append(payload)
-        got = sum(len(x) for x in c[2])
+        c[3] = got = c[3] + len(payload)
         if got > c[1]:
             raise AmqpError("unexpected_content", "AMQP body longer than its content header says")
         if got == c[1]:
             self._returned(ch, events)
 
     def _returned(self, ch: int, events: list) -> None:
-        args, _size, chunks = self._content.pop(ch)
+        args, _size, chunks, _got = self._content.pop(ch)
         events.append(Returned(*args, b"".join(chunks)))

@@ -18,8 +18,14 @@ pending-payload limit is never reached by a well-behaved client.
 
 from __future__ import annotations
 
-from .courier import (DEFAULT, CourierError, Payload, ReceiverBehaviour, ServerConnection,
-                      encode_ackn)
+from .courier import (
+    DEFAULT,
+    CourierError,
+    Payload,
+    ReceiverBehaviour,
+    ServerConnection,
+    encode_ackn,
+)
 
 __all__ = ["InputConnection", "CourierError", "Payload"]
 

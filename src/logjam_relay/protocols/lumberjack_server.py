@@ -34,6 +34,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from ..limits import BadBody, EventTooLarge, inflate_bounded
 from .lumberjack import MAX_WINDOW, NEED_DATA, ConnectionClosed, LumberjackError, encode_ack
 
 __all__ = ["ServerConnection", "WindowReceived", "NEED_DATA", "ConnectionClosed",
@@ -285,20 +286,17 @@ class ServerConnection:
         return None
 
     def _inflate_raw(self, payload: bytes, budget: int) -> bytes:
+        """Inflate with :func:`logjam_relay.limits.inflate_bounded` (never past ``budget``)."""
         if not payload:
             raise LumberjackError("zlib_error", "empty compressed frame")
-        d = zlib.decompressobj()
         try:
-            data = d.decompress(payload, budget + 1)
-        except zlib.error as e:
-            raise LumberjackError("zlib_error", f"zlib: {e}") from None
-        if len(data) > budget or d.unconsumed_tail:
+            return inflate_bounded("zlib", payload, budget)
+        except EventTooLarge:
             raise LumberjackError("inflate_too_large",
                                   f"compressed frame inflates beyond the window budget "
-                                  f"({self.max_window_bytes} bytes)")
-        if not d.eof:
-            raise LumberjackError("zlib_error", "zlib: unexpected EOF (truncated stream)")
-        return data
+                                  f"({self.max_window_bytes} bytes)") from None
+        except BadBody as e:
+            raise LumberjackError("zlib_error", str(e)) from None
 
     def _inflate(self, payload: bytes, depth: int) -> None:
         if depth > _MAX_NESTING:

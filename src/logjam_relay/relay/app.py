@@ -16,7 +16,7 @@ from ..io import zmq_fast, zmq_trio
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from .sequence import SequenceState, StateDirError
-from .stamping import Pipeline
+from .stamping import Pipeline, tune_gc
 
 log = logging.getLogger("logjam_relay.relay")
 rlog = RateLimitedLog(log)
@@ -185,6 +185,7 @@ class Relay:
                     nursery.start_soon(self.spool.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
+                tune_gc()       # start-up done: the collector off the hot path
                 self.ready.set()
                 log.info("%s", self.ready_line(first))
                 task_status.started(self)
@@ -516,15 +517,17 @@ class Relay:
         within a poll (nobody waits on their FDs, so any task may publish)."""
         guards = [g for g in (self.pub.guard, self.stats_guard) if g is not None]
         while True:
+            busy = False
             for g in guards:
-                refused = g.refused
-                g.poll()
-                if g.refused > refused:
-                    rlog.warning("subscriptions", "%d subscriptions refused on %s (cap "
-                                 "max_subscriptions=%d reached): peer disconnected",
-                                 g.refused - refused, g.sock.getsockopt_string(
-                                     zmq.LAST_ENDPOINT), g.max_subscriptions)
-            await trio.sleep(0.05)
+                refused, cut = g.refused, g.disconnected
+                g.poll(500)           # small rounds: a flood never holds the event loop
+                busy = busy or g.busy
+                if g.disconnected > cut:
+                    rlog.warning("subscriptions", "subscriptions over max_subscriptions=%d "
+                                 "on %s: %d refused, peer disconnected", g.max_subscriptions,
+                                 g.sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                                 g.refused - refused)
+            await trio.sleep(0 if busy else 0.05)
 
     async def _lag_monitor(self) -> None:
         period = 0.1

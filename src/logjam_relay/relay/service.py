@@ -119,10 +119,16 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
         relay.dead_letters = dead_letters
     for spec in specs:
         reader = spool.reader(spec.name)
-        relay.outputs.append(OutputSupervisor(
-            spec, reader, lambda spec=spec, reader=reader: make_output(
+        if settings.output_isolation == "process":   # off the ingest thread (outputs/worker.py)
+            from ..outputs.worker import isolated_factory
+            factory = isolated_factory(spec, reader, relay.fqdn, dead_letters=dead_letters,
+                                       max_event_bytes=settings.max_event_bytes)
+        else:
+            factory = (lambda spec=spec, reader=reader: make_output(
                 spec, reader, relay.fqdn, dead_letters=dead_letters,
-                max_event_bytes=settings.max_event_bytes),
+                max_event_bytes=settings.max_event_bytes))
+        relay.outputs.append(OutputSupervisor(
+            spec, reader, factory,
             retry_budget=settings.ready_output_down_after or float("inf")))
     from ..helptext import human_size
     log.info("spool %s (%s, max %s, fsync %s) with outputs: %s", spool_dir,
@@ -153,6 +159,7 @@ def attach_curve(relay: Relay, settings: Settings) -> None:
     curve = Curve(settings.curve_secret_key, settings.curve_allow_dir, settings.curve_sockets,
                   parse_plain_endpoints(settings.curve_plain_endpoints))
     relay._sockets.append(curve.open(relay.ctx))     # ZAP bound before any relay socket
+    curve.register = relay._sockets.append           # its socket monitors, closed with it
     relay.curve = curve
 
     async def start_zap(nursery):

@@ -210,7 +210,9 @@ class Link:
                     self._session_scope = None
                     conn, self._conn = self._conn, None
                     if conn is not None:
-                        await conn.aclose(graceful=0.2 if self._down_reason else 0)
+                        # polite connection.close when the peer is still there (also on
+                        # shutdown); shielded, at most 0.2 s for a dead peer
+                        await conn.aclose(graceful=0.2)
                 self._set_down(gen, reason)
                 delay = self._backoff
                 self._backoff = min(self.cfg.backoff_max, self._backoff * 2)

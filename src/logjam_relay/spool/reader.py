@@ -49,6 +49,7 @@ class SpoolReader:
         self._buf = b""
         self._buf_seg = -1
         self._buf_base = 0
+        self._short = False
         self._log = CursorLog(spool._cursor_dir, name, spool.fsync != "never")
         self.lost = 0
         self.lost_by_reason: dict[str, int] = {}
@@ -137,12 +138,13 @@ class SpoolReader:
         return self._fd
 
     def _load(self, seg: _Seg, off: int, need: int) -> None:
+        """Cache file data from ``off``.  A file shorter than expected (cut while we run)
+        is not an error here: the records before the cut are served, the parser then
+        reports the record the cut tore (``_short``)."""
         size = min(max(self.CHUNK, need), seg.limit - off)
         buf = os.pread(self._fd_for(seg), size, off)
         self._buf, self._buf_seg, self._buf_base = buf, seg.segno, off
-        if len(buf) < size:
-            raise fmt.SegmentTruncated("short_file", "segment file shorter than expected",
-                                       off + len(buf))
+        self._short = len(buf) < size
 
     # -- protocol ---------------------------------------------------------------
     def read(self, max_records: int) -> list[Record]:
@@ -163,6 +165,9 @@ class SpoolReader:
                 if not (self._buf_seg == seg.segno
                         and self._buf_base <= off < self._buf_base + len(self._buf)):
                     self._load(seg, off, 0)
+                    if not self._buf:
+                        raise fmt.SegmentTruncated("short_file", "segment file shorter than "
+                                                   "expected", off)
                 buf, base = self._buf, self._buf_base
                 stop = min(len(buf), seg.limit - base)
                 hole_at = min((h for h in seg.holes if h >= off), default=None) \
@@ -191,7 +196,7 @@ class SpoolReader:
                 if status == "partial":
                     need = fmt.PREFIX_LEN + (fmt.PREFIX.unpack_from(buf, off - base)[0]
                                              if stop - (off - base) >= fmt.PREFIX_LEN else 0)
-                    if base == off and len(buf) >= min(need, seg.limit - off):
+                    if base == off and (self._short or len(buf) >= min(need, seg.limit - off)):
                         raise fmt.SegmentTruncated("torn", "record crosses the committed end",
                                                    off)
                     self._load(seg, off, need)

@@ -148,6 +148,7 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
         self._blocked_since: float | None = None
         self._blocked_total = 0.0
         self._reserve_ok = False
+        self._pending_seals: list[_Seg] = []     # closed on a full disk, seal record owed
         self._reserve_tried = 0.0
         self._last_cursor_sync = 0.0
         self._pressure_at: float | None = None
@@ -167,6 +168,7 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
         self.deleted_segments = 0
         self.sealed_segments = 0
         self.enospc_drops = 0
+        self.deferred_seals = 0
         self.enospc_seals = 0
         self.reserve_releases = 0
         self.last_error: str | None = None
@@ -431,6 +433,8 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
                 _write_all(fd, rec, "seal record")
             os.fsync(fd)                       # always: sealed segments are published
         except OSError as e:
+            if is_disk_full(e) and self._seal_later(seg, fd, e):
+                return
             self._dirty_tail = True
             raise self._count_error(_write_error("sealing", seg.path, e)) from None
         self.fsyncs += 1
@@ -455,6 +459,68 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
         except SpoolWriteError:
             pass
         if notify:
+            for cb in self._seal_listeners:
+                try:
+                    cb(seg.segno, seg.path)
+                except Exception:
+                    log.exception("spool: seal listener %r failed", cb)
+
+    def _seal_later(self, seg: _Seg, fd: int, err: OSError) -> bool:
+        """The disk is full and the reserve is gone: close the segment in memory (readers
+        treat it as sealed, it can be deleted once acknowledged) and write its seal record
+        from :meth:`tick` when there is space again.  A crash meanwhile is harmless: an
+        ``.open`` segment that is not the newest is sealed by the recovery."""
+        try:
+            os.ftruncate(fd, seg.data_end)
+        except OSError:
+            return False
+        self._count_error(_write_error("sealing", seg.path, err))
+        os.close(fd)
+        self._active, self._fd = None, None
+        self._unsynced = False
+        self._dirty_tail = False
+        seg.sealed = True
+        self.deferred_seals += 1
+        self._pending_seals.append(seg)
+        log.warning("spool: disk full; segment %d closed without its seal record (written "
+                    "once there is space)", seg.segno)
+        return True
+
+    def _retry_pending_seals(self) -> None:
+        for seg in list(self._pending_seals):
+            if self._segs.get(seg.segno) is not seg:
+                self._pending_seals.remove(seg)       # acknowledged and deleted meanwhile
+                if self._seal_listeners:
+                    log.warning("spool: segment %d was deleted before its seal record could "
+                                "be written: it was not archived", seg.segno)
+                continue
+            rec = fmt.encode_seal(seg.end_seq, seg.count, seg.data_end, self._now_ms())
+            try:
+                fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                _write_all(fd, rec, "seal record")
+                os.fsync(fd)
+            except OSError:
+                try:
+                    os.ftruncate(fd, seg.data_end)
+                except OSError:
+                    pass
+                continue
+            finally:
+                os.close(fd)
+            self._pending_seals.remove(seg)
+            seg.size = seg.data_end + len(rec)
+            self._bytes += len(rec)
+            self.sealed_segments += 1
+            new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
+            try:
+                os.replace(seg.path, new)
+                seg.path = new
+                self._fsync_dir()
+            except (OSError, SpoolWriteError):
+                continue
             for cb in self._seal_listeners:
                 try:
                     cb(seg.segno, seg.path)
@@ -488,6 +554,8 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
             self._last_cursor_sync = now
             for r in self.readers.values():
                 r.sync_cursor()
+        if self._pending_seals:
+            self._retry_pending_seals()
         if not self._reserve_ok and self._disk_full is None and now - self._reserve_tried >= 5:
             self._make_reserve()
 
@@ -552,6 +620,7 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
             "enospc_seals": self.enospc_seals,
             "enospc_drops": self.enospc_drops,
             "reserve_releases": self.reserve_releases,
+            "deferred_seals": self.deferred_seals,
             "cursor_writes": sum(r["cursor_writes"] for r in readers.values()),
         }
 
@@ -562,7 +631,7 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
         if self._closed:
             return
         try:
-            steps = [self.seal if seal else self._sync_on_close,
+            steps = [self.seal if seal else self._sync_on_close, self._retry_pending_seals,
                      *(r.persist for r in self.readers.values()), self._save_state]
             for step in steps:
                 try:

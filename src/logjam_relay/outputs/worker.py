@@ -1,0 +1,389 @@
+"""An output in its own process (``output_isolation = "process"``).
+
+Ingest and the outputs used to share one event-loop thread (and one GIL): with a
+Lumberjack and a Courier output attached, the outputs' mapping, zlib and socket work
+took most of that thread and ingest fell to a fraction of its bare rate (issue 14).
+Here each output runs in a worker process of its own; the relay keeps everything that
+must stay in one place:
+
+* the spool and the output's :class:`~logjam_relay.spool.reader.SpoolReader` (cursor,
+  loss accounting, space management) stay in the relay: the relay side reads records
+  (C record parser) and ships them to the worker in batches over a Unix socket pair;
+* the worker runs the unchanged output class (:func:`supervisor.make_output`) on a
+  :class:`RemoteSource`, an in-memory reader (like ``MemorySource``) that keeps what it
+  was given until it is acknowledged (so the output's own ``rewind()`` after a reconnect
+  works locally) and sends every ``ack(position)`` back; the relay applies it to the real
+  reader, which persists the cursor;
+* dead letters are sent back too and written by the relay's store, before any later ack
+  (one ordered channel), so "acknowledged" still implies "delivered or dead-lettered";
+* the worker sends its ``stats()`` every 0.5 s; metrics and readiness read the last one.
+
+Flow control: at most ``MAX_INFLIGHT`` records are in the worker, unacknowledged.  A
+worker that dies (crash, SIGKILL) makes :meth:`ProcessOutput.run` raise; the
+supervisor restarts it from the acknowledged cursor (``reader.rewind()``), exactly as
+for a crashed inline output.  ``request_shutdown()`` is passed on: the worker lets its
+output finish what is in flight, sends the last acks and exits.
+
+Wire format (both directions): ``<u32 length><u8 type><payload>``; payloads are pickles
+of plain tuples (positions as ``(segment, offset)``), built once per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+from collections import deque
+
+import trio
+
+from ..spool.api import Position, Record
+
+log = logging.getLogger("logjam_relay.outputs.worker")
+
+MAX_INFLIGHT = 20_000        # records handed to a worker and not yet acknowledged
+BATCH = 2_000                # records per message to the worker
+STATS_EVERY = 0.5
+
+_HDR = struct.Struct(">IB")
+_ACK = struct.Struct(">QQ")
+T_CONFIG, T_RECORDS, T_STOP = ord("C"), ord("R"), ord("S")     # relay -> worker
+T_ACK, T_STATS, T_DEAD = ord("A"), ord("T"), ord("D")          # worker -> relay
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended without being asked to (the supervisor restarts it)."""
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return _HDR.pack(len(payload) + 1, kind) + payload
+
+
+async def _read_messages(stream: trio.SocketStream):
+    """Yield ``(type, payload)`` until EOF."""
+    buf = bytearray()
+    while True:
+        data = await stream.receive_some(1 << 20)
+        if not data:
+            return
+        buf += data
+        pos = 0
+        n = len(buf)
+        while n - pos >= 5:
+            length, kind = _HDR.unpack_from(buf, pos)
+            if n - pos - 4 < length:
+                break
+            yield kind, bytes(buf[pos + 5:pos + 4 + length])
+            pos += 4 + length
+        del buf[:pos]
+
+
+# ======================================================================= relay side
+
+
+class ProcessOutput:
+    """Stands for one output in the relay: the same ``run/request_shutdown/stats``
+    surface as the output classes, the work done by a worker process."""
+
+    def __init__(self, spec, reader, relay_host: str, *, dead_letters=None,
+                 max_event_bytes: int | None = None, log_level: int | None = None):
+        self.spec = spec
+        self.name = spec.name
+        self.reader = reader
+        self.relay_host = relay_host
+        self.dead_letters = dead_letters
+        self.max_event_bytes = max_event_bytes
+        self.log_level = log_level if log_level is not None else \
+            logging.getLogger("logjam_relay").getEffectiveLevel()
+        self._stats: dict = {}
+        self._inflight = 0
+        self._batches: deque[tuple[tuple[int, int], int]] = deque()   # (last pos, count)
+        self._credit = trio.Event()
+        self._stop_requested = False
+        self._stream: trio.SocketStream | None = None
+        self._send_lock = trio.Lock()
+        self.pid: int | None = None
+        self.records_shipped = 0
+        self.acks_applied = 0
+
+    # -- the output surface ------------------------------------------------------
+    def stats(self) -> dict:
+        d = dict(self._stats)
+        d["isolation"] = "process"
+        d["worker_pid"] = self.pid or 0
+        d["worker_inflight"] = self._inflight
+        return d
+
+    def request_shutdown(self) -> None:
+        self._stop_requested = True
+        stream = self._stream
+        if stream is not None:
+            try:
+                trio.lowlevel.spawn_system_task(self._send_stop, stream)
+            except RuntimeError:       # pragma: no cover - not inside trio
+                pass
+
+    async def _send_stop(self, stream) -> None:
+        try:
+            async with self._send_lock:
+                await stream.send_all(_frame(T_STOP, b""))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+    async def run(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for s in (ours, theirs):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        fd = theirs.fileno()
+        argv = [sys.executable, "-m", "logjam_relay.outputs.worker", str(fd)]
+        try:
+            proc = await trio.lowlevel.open_process(argv, pass_fds=(fd,),
+                                                    start_new_session=True)
+        finally:
+            theirs.close()
+        self.pid = proc.pid
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        self._stream = stream
+        self._inflight = 0
+        self._batches.clear()
+        clean = False
+        try:
+            cfg = (self.spec.name, self.spec.scheme, self.spec.url, self.relay_host,
+                   self.max_event_bytes, self.dead_letters is not None, self.log_level)
+            await stream.send_all(_frame(T_CONFIG, pickle.dumps(cfg)))
+            if self._stop_requested:
+                await self._send_stop(stream)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._feed, stream)
+                await self._receive(stream)           # until the worker closes
+                nursery.cancel_scope.cancel()
+            code = await proc.wait()
+            clean = code == 0 and self._stop_requested
+            if not clean:
+                raise WorkerDied(f"output worker {self.name} (pid {proc.pid}) exited with "
+                                 f"status {code}")
+        finally:
+            self._stream = None
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+                if proc.returncode is None:
+                    proc.send_signal(signal.SIGTERM)
+                    with trio.move_on_after(2):
+                        await proc.wait()
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
+
+    # -- pumps ---------------------------------------------------------------------
+    async def _feed(self, stream) -> None:
+        reader = self.reader
+        dumps = pickle.dumps
+        while not self._stop_requested:
+            room = MAX_INFLIGHT - self._inflight
+            if room <= 0:
+                self._credit = trio.Event()
+                await self._credit.wait()
+                continue
+            recs = reader.read(min(room, BATCH))
+            if not recs:
+                await reader.wait()
+                continue
+            payload = dumps([(p[0], p[1], k, f) for p, k, f in recs], 5)
+            last = recs[-1][0]
+            self._batches.append(((last[0], last[1]), len(recs)))
+            self._inflight += len(recs)
+            self.records_shipped += len(recs)
+            async with self._send_lock:
+                await stream.send_all(_frame(T_RECORDS, payload))
+
+    async def _receive(self, stream) -> None:
+        reader = self.reader
+        unpack = _ACK.unpack
+        async for kind, payload in _read_messages(stream):
+            if kind == T_ACK:
+                seg, off = unpack(payload)
+                reader.ack(Position(seg, off))
+                self.acks_applied += 1
+                pos = (seg, off)
+                freed = 0
+                batches = self._batches
+                while batches and batches[0][0] <= pos:
+                    freed += batches.popleft()[1]
+                if freed:
+                    self._inflight -= freed
+                    self._credit.set()
+            elif kind == T_STATS:
+                self._stats = pickle.loads(payload)
+            elif kind == T_DEAD:
+                output, reason, frames, rkind, detail, position = pickle.loads(payload)
+                store = self.dead_letters
+                if store is not None:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(
+                            lambda: store.put(output, reason, frames, kind=rkind,
+                                              detail=detail, position=position))
+
+
+def isolated_factory(spec, reader, relay_host: str, *, dead_letters=None,
+                     max_event_bytes: int | None = None):
+    """A factory for :class:`~logjam_relay.outputs.supervisor.OutputSupervisor`."""
+    return lambda: ProcessOutput(spec, reader, relay_host, dead_letters=dead_letters,
+                                 max_event_bytes=max_event_bytes)
+
+
+# ====================================================================== worker side
+
+
+class RemoteSource:
+    """The worker's spool reader: records given by the relay, kept until acknowledged."""
+
+    def __init__(self, name: str, send_ack):
+        self.name = name
+        self._records: deque[Record] = deque()    # unacknowledged, in order
+        self._read = 0                            # index into _records of the next read
+        self._event = trio.Event()
+        self._send_ack = send_ack
+        self.records_received = 0
+        self.acks = 0
+
+    def add(self, rows: list[tuple]) -> None:
+        tnew = tuple.__new__
+        self._records.extend([tnew(Record, (tnew(Position, (s, o)), k, f))
+                              for s, o, k, f in rows])
+        self.records_received += len(rows)
+        self._event.set()
+
+    def read(self, max_records: int) -> list[Record]:
+        recs = self._records
+        start = self._read
+        stop = min(len(recs), start + max_records)
+        if start >= stop:
+            return []
+        if start == 0 and stop == len(recs):
+            out = list(recs)
+        else:
+            out = [recs[i] for i in range(start, stop)]
+        self._read = stop
+        return out
+
+    async def wait(self) -> None:
+        while self._read >= len(self._records):
+            self._event = trio.Event()
+            await self._event.wait()
+
+    def ack(self, upto: Position) -> None:
+        recs = self._records
+        n = 0
+        while recs and recs[0].position <= upto:
+            recs.popleft()
+            n += 1
+        if n:
+            self._read = max(0, self._read - n)
+            self.acks += 1
+            self._send_ack(upto)
+
+    def rewind(self) -> None:
+        self._read = 0
+
+    def stats(self) -> dict:
+        return {"worker_buffered": len(self._records), "worker_acks": self.acks}
+
+
+class DeadLetterProxy:
+    """The store interface the output's DeadLetterSink calls (from a worker thread):
+    each letter goes to the relay, which writes it to its store."""
+
+    def __init__(self, send):
+        self._send = send
+        self._lock = threading.Lock()
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def put(self, output, reason, frames, *, kind=0, detail="", position=None):
+        with self._lock:
+            self.counts[(output, reason)] = self.counts.get((output, reason), 0) + 1
+        self._send(T_DEAD, pickle.dumps((output, reason, [bytes(f) for f in frames], kind,
+                                         detail, position)))
+        return None
+
+    def count_for(self, output: str) -> dict[str, int]:
+        with self._lock:
+            return {r: n for (o, r), n in self.counts.items() if o == output}
+
+
+async def worker_main(fd: int) -> int:
+    from .supervisor import OutputSpec, make_output
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(False)
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+    # acks, stats and dead letters are written synchronously (small, in order, callable
+    # from the output's worker threads too); the socket stays non-blocking for trio's
+    # reads, so a full buffer is waited out with poll()
+    out_lock = threading.Lock()
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+
+    def send(kind: int, payload: bytes) -> None:
+        data = memoryview(_frame(kind, payload))
+        with out_lock:
+            while data:
+                try:
+                    data = data[sock.send(data):]
+                except BlockingIOError:
+                    poller.poll(1000)
+
+    messages = _read_messages(stream)
+    kind, payload = await messages.__anext__()
+    if kind != T_CONFIG:
+        raise RuntimeError("output worker: no configuration received")
+    name, scheme, url, relay_host, max_event_bytes, with_dead, level = pickle.loads(payload)
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [{name} worker] "
+                                            "%(name)s: %(message)s")
+    ack = _ACK.pack
+    source = RemoteSource(name, lambda pos: send(T_ACK, ack(pos[0], pos[1])))
+    dead = DeadLetterProxy(send) if with_dead else None
+    output = make_output(OutputSpec(name, scheme, url), source, relay_host, dead_letters=dead,
+                         max_event_bytes=max_event_bytes)
+
+    async def receive(cancel_scope):
+        async for kind, payload in messages:
+            if kind == T_RECORDS:
+                source.add(pickle.loads(payload))
+            elif kind == T_STOP:
+                if hasattr(output, "request_shutdown"):
+                    output.request_shutdown()
+                else:
+                    cancel_scope.cancel()
+        cancel_scope.cancel()               # the relay went away: stop
+
+    async def report():
+        while True:
+            st = dict(output.stats())
+            st.update(source.stats())
+            send(T_STATS, pickle.dumps(st))
+            await trio.sleep(STATS_EVERY)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive, nursery.cancel_scope)
+        nursery.start_soon(report)
+        await output.run()
+        nursery.cancel_scope.cancel()
+    st = dict(output.stats())
+    st.update(source.stats())
+    send(T_STATS, pickle.dumps(st))
+    return 0
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the relay decides when we stop
+    sys.exit(trio.run(worker_main, int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
