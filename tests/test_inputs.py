@@ -304,3 +304,48 @@ async def test_input_with_client_ca_requires_a_client_certificate(tmp_path, tls_
         assert await attempt(None) in (None, b"")
         assert relay.inputs[0].stats()["acks"] == 1
         assert relay.inputs[0].errors["tls_handshake"] >= 1
+
+
+async def test_full_spool_holds_the_ack_and_sends_keepalives(tmp_path):
+    """A full spool (policy block; its only output's receiver is down) holds the window's
+    ACK; the input sends 2A 0 keep-alives meanwhile, and the ACK follows once the output's
+    receiver is up and the spool drains."""
+    from logjam_relay.peers.lumberjack_reader import LumberjackReader
+
+    lport, out_port = free_port(), free_port()
+    async with running_relay(
+            tmp_path, inputs=[f"lumberjack://127.0.0.1:{lport}?tls=off&ack_interval=0.2s"],
+            outputs=[f"lumberjack://127.0.0.1:{out_port}?tls=off&backoff_min=0.05"
+                     "&backoff_max=0.2&window=50"],
+            spool_max_bytes="64KiB", spool_segment_bytes="16KiB") as (relay, cl):
+        docs = [json.dumps({"message": "x" * 1000, "i": i}).encode() for i in range(10)]
+        s = await trio.open_tcp_stream("127.0.0.1", lport)
+        got = b""
+        acks = keepalives = 0
+        with trio.fail_after(30):
+            while keepalives < 2:               # windows until one waits for the spool
+                await s.send_all(ljs.encode_window_v2(docs, level=0))
+                while len(got) < 6:
+                    got += await s.receive_some(100)
+                while len(got) >= 6:
+                    frame, got = got[:6], got[6:]
+                    if frame == b"2A\x00\x00\x00\x00":
+                        keepalives += 1
+                    else:
+                        assert frame == b"2A\x00\x00\x00\x0a"
+                        acks += 1
+                if keepalives:
+                    while keepalives < 2:
+                        got += await s.receive_some(100)
+                        while len(got) >= 6 and got[:6] == b"2A\x00\x00\x00\x00":
+                            keepalives += 1
+                            got = got[6:]
+            assert relay.spool.would_block()
+            reader = LumberjackReader(port=out_port, keep_windows=False)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(reader.serve)
+                while b"2A\x00\x00\x00\x0a" not in got:     # the held window's ACK
+                    got += await s.receive_some(100)
+                nursery.cancel_scope.cancel()
+        await s.aclose()
+    assert acks >= 1 and keepalives >= 2 and relay.spool_blocked_seconds > 0

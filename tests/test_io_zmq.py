@@ -286,7 +286,8 @@ def test_a_stalled_subscriber_costs_at_most_snd_hwm_messages(ctx, impl):
     xpub.setsockopt(zmq.SNDBUF, 65536)
     xpub.bind("tcp://127.0.0.1:*")
     pub = zmq_trio.PubSocket(xpub)
-    sub = ctx.socket(zmq.SUB)
+    other = zmq.Context()                             # the subscriber: another "process"
+    sub = other.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.RCVHWM, 1)
     sub.setsockopt(zmq.RCVBUF, 4096)
@@ -302,5 +303,6 @@ def test_a_stalled_subscriber_costs_at_most_snd_hwm_messages(ctx, impl):
     assert pub.drops >= 1                             # the queue was found full
     # snd_hwm (8) + what sits in the subscriber's pipe and the socket buffers
     assert grown < 48 * (1 << 20), f"RSS grew {grown / (1 << 20):.0f} MiB"
-    sub.close(linger=0)
     xpub.close(linger=0)
+    sub.close(linger=0)
+    other.term()

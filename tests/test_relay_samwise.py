@@ -116,9 +116,12 @@ async def test_real_command_sigkill_loses_no_accepted_publish_and_bounds_rpc(tmp
         replies = []
         with trio.fail_after(30):
             while len(replies) < 100:
-                with trio.move_on_after(0.002):
-                    replies.append(await zmq_trio.recv_multipart(sock))
+                msg = zmq_trio.recv_multipart_nowait(sock)   # (a cancelled recv could lose one)
+                if msg is not None:
+                    replies.append(msg)
+                    continue
                 peak = max(peak, await trio.to_thread.run_sync(_broker_connections, proc.pid))
+                await trio.sleep(0.001)
         ok = sum(r == [b"", b"0", b""] for r in replies)
         refused = sum(r == [b"", b"-1", b"too many rpc requests"] for r in replies)
         assert ok + refused == 100 and ok >= 6 and refused >= 1, replies

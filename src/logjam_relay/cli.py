@@ -201,6 +201,8 @@ def cmd_run(argv: list[str]) -> int:
             await nursery.start(serve, settings)
             ready = True
             buffer.go_live()
+            from .relay.stamping import tune_gc
+            tune_gc()       # start-up done: the garbage collector off the hot path
 
     try:
         trio.run(run_service)

@@ -95,6 +95,7 @@ class EventEncoder:
         """
         if _ljencode is None:
             return self.encode_py(records)
+        self._too_large.clear()          # ids are only meaningful within one call
         return _ljencode.encode(records, KIND_LOGJAM, self._tail, self._stream_cache,
                                 self._stream_pairs, self._decompress, self._encode_one)
 
@@ -108,7 +109,6 @@ class EventEncoder:
         without the rejected records.
         """
         self._rejected.clear()
-        self._too_large.clear()
         data, n = self.encode(records)
         limit = self.max_event_bytes
         if not self._rejected and len(data) <= limit:
@@ -129,6 +129,7 @@ class EventEncoder:
 
     def encode_py(self, records: list[Record]) -> tuple[bytes, int]:
         """:meth:`encode` in Python alone (the reference for the C mapping)."""
+        self._too_large.clear()
         parts: list[bytes] = []
         append = parts.append
         seq = 0

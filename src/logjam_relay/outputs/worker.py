@@ -69,7 +69,10 @@ async def _read_messages(stream: trio.SocketStream):
     """Yield ``(type, payload)`` until EOF."""
     buf = bytearray()
     while True:
-        data = await stream.receive_some(1 << 20)
+        try:
+            data = await stream.receive_some(1 << 20)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return                      # the peer died (reset): like EOF
         if not data:
             return
         buf += data
@@ -200,8 +203,11 @@ class ProcessOutput:
             self._batches.append(((last[0], last[1]), len(recs)))
             self._inflight += len(recs)
             self.records_shipped += len(recs)
-            async with self._send_lock:
-                await stream.send_all(_frame(T_RECORDS, payload))
+            try:
+                async with self._send_lock:
+                    await stream.send_all(_frame(T_RECORDS, payload))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return                  # the worker died: _receive sees the end
 
     async def _receive(self, stream) -> None:
         reader = self.reader

@@ -16,7 +16,7 @@ from ..io import zmq_fast, zmq_trio
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from .sequence import SequenceState, StateDirError
-from .stamping import Pipeline, tune_gc
+from .stamping import Pipeline
 
 log = logging.getLogger("logjam_relay.relay")
 rlog = RateLimitedLog(log)
@@ -185,7 +185,6 @@ class Relay:
                     nursery.start_soon(self.spool.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
-                tune_gc()       # start-up done: the collector off the hot path
                 self.ready.set()
                 log.info("%s", self.ready_line(first))
                 task_status.started(self)

@@ -1,0 +1,181 @@
+"""Outputs in worker processes (output_isolation = "process", outputs/worker.py).
+
+The relay keeps the spool and each output's cursor; a worker process runs the unchanged
+output class on records shipped to it and sends its acknowledgements back.  Checked
+over real sockets with the in-repo Lumberjack reader and Courier receiver: everything
+accepted arrives, the cursor moves, stats/metrics come from the worker, a SIGKILLed
+worker is restarted from the acknowledged cursor without losing anything, and a
+SIGTERMed relay stops its workers and persists the cursor.
+"""
+
+import json
+import os
+import signal
+import urllib.request
+
+import pytest
+import trio
+import zmq
+
+from conftest import free_port
+from logjam_relay.outputs.worker import ProcessOutput, RemoteSource
+from logjam_relay.peers.courier_receiver import CourierReceiver
+from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from logjam_relay.spool.api import Position
+from relay_harness import meta, relay_settings, running_relay, send, start_process, stop_process
+
+BODY = b'{"action":"Worker#test","n":%d,"pad":"........................................"}'
+
+
+def lj_url(port, **params):
+    q = "&".join(f"{k}={v}" for k, v in {"tls": "off", "window": 100, "timeout": 5,
+                                            "backoff_min": 0.05, "backoff_max": 0.3,
+                                            "name": "lj", **params}.items())
+    return f"lumberjack://127.0.0.1:{port}?{q}"
+
+
+def numbers(reader):
+    return [json.loads(ev.fields["line"])["n"] for ev in reader.events]
+
+
+async def push_n(push, start, n):
+    for i in range(start, start + n):
+        await send(push, [b"worker-test", b"logs.worker", BODY % i, meta()])
+
+
+async def until(pred, timeout=30.0):
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.02)
+
+
+# ------------------------------------------------------------------- RemoteSource
+
+
+async def test_remote_source_keeps_until_acked_and_rewinds():
+    sent = []
+    src = RemoteSource("x", sent.append)
+    src.add([(1, 64 + 10 * i, 0, [b"a", b"t", b"%d" % i, b"m"]) for i in range(10)])
+    first = src.read(4)
+    assert [r.frames[2] for r in first] == [b"0", b"1", b"2", b"3"]
+    assert first[0].position == Position(1, 64)
+    src.read(3)
+    src.ack(first[-1].position)                 # 0..3 done
+    assert sent == [Position(1, 94)]
+    src.rewind()                                # reconnect: from the first unacked (4)
+    assert [r.frames[2] for r in src.read(100)] == [b"%d" % i for i in range(4, 10)]
+    assert src.read(5) == []
+    src.ack(Position(1, 64 + 90))
+    assert src.stats()["worker_buffered"] == 0
+    src.ack(Position(1, 64 + 90))               # nothing new: not sent again
+    assert len(sent) == 2
+
+
+# ---------------------------------------------------------------- relay, end to end
+
+
+async def test_both_outputs_in_workers_deliver_everything(tmp_path):
+    reader = LumberjackReader()
+    receiver = CourierReceiver(store=True)
+    async with trio.open_nursery() as nursery:
+        lport = await nursery.start(reader.serve)
+        cport = await nursery.start(receiver.serve)
+        outputs = [lj_url(lport),
+                   f"courier://127.0.0.1:{cport}?tls=off&payload=200&name=co"]
+        async with running_relay(tmp_path, outputs=outputs, output_isolation="process",
+                                 spool_dir=str(tmp_path / "spool")) as (relay, cl):
+            push = cl.push()
+            await push_n(push, 0, 3000)
+            await until(lambda: len(reader.events) >= 3000 and receiver.events_delivered >= 3000)
+            sups = {s.name: s for s in relay.outputs}
+            await until(lambda: all(s.reader.stats()["backlog_records"] == 0
+                                    and s.stats().get("events_acked") == 3000
+                                    for s in sups.values()))
+            pids = {s.output.pid for s in sups.values()}
+            assert len(pids) == 2 and os.getpid() not in pids
+            url = f"http://127.0.0.1:{cl.settings.metrics_port}/metrics"
+            text = await trio.to_thread.run_sync(
+                lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+            push.close()
+        nursery.cancel_scope.cancel()
+    assert sorted(numbers(reader)) == list(range(3000))           # once each, no gap
+    assert receiver.events_delivered == 3000
+    for name in ("lj", "co"):
+        assert f'logjam_relay_output_events_acked_total{{device="0",output="{name}"}} 3000.0' \
+            in text
+        assert f'logjam_relay_output_connected{{device="0",output="{name}"}} 1.0' in text
+    for s in sups.values():                                       # workers stopped
+        with pytest.raises(ProcessLookupError):
+            os.kill(s.output.pid, 0)
+
+
+async def test_sigkilled_worker_is_restarted_without_loss(tmp_path):
+    reader = LumberjackReader(ack_delay=0.02)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(reader.serve)
+        async with running_relay(tmp_path, outputs=[lj_url(port)], output_isolation="process",
+                                 spool_dir=str(tmp_path / "spool")) as (relay, cl):
+            push = cl.push()
+            await push_n(push, 0, 2000)
+            sup = relay.outputs[0]
+            await until(lambda: len(reader.events) >= 300)
+            first_pid = sup.output.pid
+            os.kill(first_pid, signal.SIGKILL)
+            await push_n(push, 2000, 1000)
+            await until(lambda: sup.crashes == 1 and sup.output.pid != first_pid)
+            await until(lambda: set(numbers(reader)) >= set(range(3000)))
+            await until(lambda: sup.reader.stats()["backlog_records"] == 0)
+            push.close()
+        nursery.cancel_scope.cancel()
+    got = numbers(reader)
+    assert set(got) == set(range(3000))         # nothing lost
+    dup = len(got) - 3000                       # only what was in flight at the kill
+    assert 0 <= dup <= 20_000
+    assert sup.starts == 2 and "exited with status -9" in sup.last_error
+
+
+def test_sigterm_stops_workers_and_keeps_the_cursor(tmp_path):
+    """The real command: SIGTERM ends the relay and its workers (exit 0); a restart
+    delivers only what was not acknowledged before (nothing twice, nothing lost)."""
+    port = free_port()
+    spool = str(tmp_path / "spool")
+    s = relay_settings(tmp_path, outputs=[lj_url(port)], spool_dir=spool)
+    extra = ["--output", lj_url(port), "--spool-dir", spool, "--output-isolation", "process"]
+
+    async def main():
+        reader = LumberjackReader(port=port)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.serve)
+            ctx = zmq.Context()
+            try:
+                for rnd in range(2):
+                    proc = await trio.to_thread.run_sync(
+                        lambda: start_process(s, extra, log_path=tmp_path / "relay.log"))
+                    kids = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+                    push = ctx.socket(zmq.PUSH)
+                    push.setsockopt(zmq.LINGER, 1000)
+                    push.connect(f"tcp://127.0.0.1:{s.pull_port}")
+                    await push_n(push, rnd * 1000, 1000)
+                    await until(lambda: len(reader.events) >= (rnd + 1) * 1000)
+                    push.close()
+                    assert await trio.to_thread.run_sync(stop_process, proc) == 0
+                    for k in kids:
+                        assert not os.path.exists(f"/proc/{k}/cmdline") or \
+                            open(f"/proc/{k}/stat").read().split()[2] == "Z"
+            finally:
+                ctx.destroy(linger=0)
+            nursery.cancel_scope.cancel()
+        return reader
+
+    reader = trio.run(main)
+    assert sorted(numbers(reader)) == list(range(2000))
+    assert "Traceback" not in (tmp_path / "relay.log").read_text()
+
+
+async def test_process_output_stats_before_the_worker_reports(tmp_path):
+    from logjam_relay.outputs.supervisor import OutputSpec
+    po = ProcessOutput(OutputSpec("x", "lumberjack", "lumberjack://127.0.0.1:1?tls=off"),
+                       reader=None, relay_host="h")
+    st = po.stats()
+    assert st["isolation"] == "process" and st["worker_inflight"] == 0
+    assert not st.get("connected")
