@@ -3,7 +3,8 @@
 ``logjam_relay.io._zmqfast`` (batch receive/publish on pyzmq sockets),
 ``logjam_relay.outputs._ljencode`` and ``_courierenc`` (the Lumberjack and Courier event
 mappings),
-``logjam_relay.relay._recompress`` (batch recompression without the GIL) and
+``logjam_relay.relay._recompress`` (batch recompression without the GIL),
+``logjam_relay.relay._stamp`` (the PULL validate + stamp loop) and
 ``logjam_relay.spool._segscan`` (record parsing, the Spark data source's walk) are built when a C
 compiler and the Python headers (and zlib.h) are there; if a build fails, the install
 goes on and the pure-Python code is used (``logjam-relay --version`` says which).
@@ -17,6 +18,9 @@ setup(ext_modules=[
     # batch recompression (-x zlib|lz4) with the GIL released
     Extension("logjam_relay.relay._recompress", ["src/logjam_relay/relay/_recompress.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
+    # the relay's PULL validate + stamp loop (relay/stamping.py: Pipeline.stamp_pull)
+    Extension("logjam_relay.relay._stamp", ["src/logjam_relay/relay/_stamp.c"],
+              optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Courier output's event mapping (common case)
     Extension("logjam_relay.outputs._courierenc", ["src/logjam_relay/outputs/_courierenc.c"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),

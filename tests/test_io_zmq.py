@@ -241,6 +241,7 @@ def test_subscription_guard_caps_cuts_the_flooder_and_forgets_it(ctx):
     seen = _poll_until(guard, lambda: guard.entries == 0)
     assert seen == [b"\x00app-"] and guard.topics == {}
     assert guard.disconnected == 1
+    assert len(guard._conns) == 1                     # only `late` is still connected
     guard.close()
 
 
@@ -296,7 +297,7 @@ def test_a_stalled_subscriber_costs_at_most_snd_hwm_messages(ctx, impl):
     assert xpub.poll(2000) and xpub.recv() == b"\x01"
     body = os.urandom(1 << 20)
     before = _rss()
-    for k in range(0, 300, 10):
+    for _ in range(0, 300, 10):
         pub.publish_batch([(b"a-b", b"logs", body, b"m")] * 10)
     grown = _rss() - before
     assert pub.published == 300

@@ -232,9 +232,9 @@ def test_big_messages_queued_behind_a_full_spool_cost_their_bound_and_sigterm_ex
         push.connect(f"tcp://127.0.0.1:{s.pull_port}")
         small = [b"big-test", b"logs.big", b"s" * (MiB - 100), meta()]
         over = [b"big-test", b"logs.big", b"o" * (3 * MiB), meta()]
-        for i in range(30):
+        for _ in range(30):
             push.send_multipart(small)
-        for i in range(10):
+        for _ in range(10):
             push.send_multipart(over)
         deadline = time.monotonic() + 15
         blocked = 0.0

@@ -207,3 +207,54 @@ def test_config_parsers():
         SamwiseConfig.from_args(["tcp://*:1"], [])
     with pytest.raises(ValueError, match="--samwise"):
         SamwiseConfig.from_args([], ["a=amqp://h"])
+
+
+def test_publish_memo_gives_what_the_parser_gives():
+    """PublishMemo: a hit is exactly what parse_request returns for that request."""
+    import random
+
+    from logjam_relay.protocols.samwise import PublishMemo, SamwiseError, parse_request
+    rng = random.Random(7)
+    calls = []
+    memo = PublishMemo(lambda ev: calls.append(ev.exchange) or ("parts", ev.exchange), size=8)
+    templates = [
+        p.build_publish("amq.direct", "k", b"-"),
+        p.build_publish("amq.topic", "k.x", b"-", copies=2, mandatory=True,
+                        properties={"content_type": "text/plain", "delivery_mode": 2},
+                        headers={"h": "v", "b": b"\xff"}),
+        p.build_publish("amq.direct", "k", b"-", version=100),
+        [b"120", b"publish", b"round robin", b"amq.direct", b"k", b"0", b"0", b"12",
+         *([b"text/plain"] * 12), b"1", b"k1", b"v1", b"-"],            # libsamwise pairs
+        [b"120", b"ping", b"a", b"b", b"c", b"d", b"-"],
+        p.build_publish("amq.direct", "k", b"-") + [b"trailing"],       # payload not last
+        p.build_publish("amq.direct", "k", b"-", immediate=True),
+        [b"120", b"publish", b"round robin", b"amq.direct", b"k", b"0", b"0", b"11", b"-"],
+    ]
+    publishes = 0
+    for _ in range(400):
+        frames = list(rng.choice(templates))
+        frames[-1] = rng.choice([b"", b"payload-%d" % rng.randrange(1000), b"\x00x"])
+        try:
+            want = parse_request(frames)
+        except SamwiseError as e:
+            with pytest.raises(SamwiseError) as ei:
+                memo.parse(frames)
+            assert ei.value.message == e.message
+            continue
+        got, derived = memo.parse(frames)
+        assert got == want
+        assert derived == (("parts", want.exchange) if isinstance(want, p.Publish) else None)
+        publishes += isinstance(want, p.Publish)
+    assert memo.hits > 100
+    assert len(calls) == publishes - memo.hits      # a hit does not derive again
+
+
+def test_publish_memo_is_bounded():
+    from logjam_relay.protocols.samwise import PublishMemo
+    memo = PublishMemo(size=4, max_key_bytes=200)
+    for i in range(50):
+        memo.parse(p.build_publish("amq.direct", f"k{i}", b"x"))
+        assert len(memo._memo) <= 4
+    big = PublishMemo(max_key_bytes=200)
+    big.parse(p.build_publish("amq.direct", "k", b"x", headers={"h": "v" * 300}))
+    assert not big._memo

@@ -784,6 +784,12 @@ def test_fsck_reports_and_repairs(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert "header damaged" not in r.stdout and "gap: seq" in r.stdout   # loss stays known
     assert "Traceback" not in r.stderr
+    sp = open_spool(tmp_path, readers=["a"], segment_bytes=4096)     # a running relay's lock
+    try:
+        r = subprocess.run(cmd + ["--repair"], capture_output=True, text=True)
+        assert r.returncode == 2 and "in use by another process" in r.stderr, r.stderr
+    finally:
+        sp.close()
 
 
 def test_cursor_with_a_bad_offset_is_relocated_by_its_seq(tmp_path):

@@ -5,7 +5,6 @@ each crash stay within what was in flight (``window x pipeline`` for Lumberjack,
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
@@ -16,10 +15,10 @@ import trio
 import zmq
 
 from conftest import free_port
-from logjam_relay.io import zmq_trio
 from logjam_relay.peers.courier_receiver import CourierReceiver
 from logjam_relay.peers.lumberjack_reader import LumberjackReader
-from relay_harness import meta, relay_settings, start_process, stop_process
+from relay_harness import relay_settings, start_process, stop_process
+from spool_requests import send_requests as _send_requests
 
 BODY = b'{"action":"Crash#test","n":%d,"pad":"....................................."}'
 LJ_WINDOW, LJ_PIPELINE = 100, 2
@@ -30,25 +29,7 @@ _COURIER_N = re.compile(rb'n\\?"\s*:\s*(\d+)')
 
 
 async def send_requests(ctx, settings, numbers) -> set[int]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{settings.router_port}")
-    accepted: set[int] = set()
-    numbers = list(numbers)
-    try:
-        with trio.fail_after(60):
-            for k in range(0, len(numbers), 250):
-                chunk = numbers[k:k + 250]
-                for n in chunk:
-                    await zmq_trio.send_multipart(
-                        dealer, [b"", b"crash-test", b"logs.crash", BODY % n, meta()])
-                for n in chunk:
-                    r = await zmq_trio.recv_multipart(dealer)
-                    if r[-1] == b"202 Accepted":
-                        accepted.add(n)
-    finally:
-        dealer.close()
-    return accepted
+    return await _send_requests(ctx, settings, numbers, BODY, b'crash')
 
 
 def lj_numbers(reader) -> list[int]:

@@ -21,11 +21,11 @@ import trio
 import zmq
 
 from conftest import free_port
-from logjam_relay.io import zmq_trio
 from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.spool import cursors as curlog
 from logjam_relay.spool import segment as fmt
-from relay_harness import meta, relay_settings, start_process, stop_process
+from relay_harness import relay_settings, start_process, stop_process
+from spool_requests import send_requests as _send_requests
 
 N_OLD = 5000
 N_NEW = 1000
@@ -53,26 +53,7 @@ def metric_sum(text: str, name: str) -> float:
 
 
 async def send_requests(ctx, settings, numbers) -> set[int]:
-    """Send requests carrying ``numbers`` pipelined on one DEALER; the 202-answered set."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{settings.router_port}")
-    numbers = list(numbers)
-    accepted: set[int] = set()
-    try:
-        with trio.fail_after(60):
-            for k in range(0, len(numbers), 250):      # in steps, within the socket HWMs
-                chunk = numbers[k:k + 250]
-                for n in chunk:
-                    await zmq_trio.send_multipart(
-                        dealer, [b"", b"fault-test", b"logs.fault", BODY % n, meta()])
-                for n in chunk:            # DEALER replies come back in request order
-                    r = await zmq_trio.recv_multipart(dealer)
-                    if r[-1] == b"202 Accepted":
-                        accepted.add(n)
-    finally:
-        dealer.close()
-    return accepted
+    return await _send_requests(ctx, settings, numbers, BODY, b'fault')
 
 
 def segment_records(spool_dir) -> list[dict]:
@@ -240,7 +221,12 @@ def test_damage_costs_only_the_damaged_records(tmp_path, case):
     assert missing == damaged, f"lost {len(missing)}, damaged {len(damaged)}"
     assert new <= set(got)
     assert lost_counter == len(missing)
-    assert "Traceback" not in log.read_text()
+    logtext = log.read_text()
+    assert "Traceback" not in logtext
+    if damaged:     # every loss also has a log line naming the segment and the range
+        assert re.search(r"spool: .*(segment \d+|between segment).*records \d+\.\.\d+|"
+                         r"spool: records \d+\.\.\d+ are not on disk .*segment", logtext), \
+            logtext[-3000:]
 
 
 def _n(ev) -> int:

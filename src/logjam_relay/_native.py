@@ -21,6 +21,7 @@ EXTENSIONS = {
     "lumberjack mapping": "logjam_relay.outputs._ljencode",
     "courier mapping": "logjam_relay.outputs._courierenc",
     "recompression": "logjam_relay.relay._recompress",
+    "stamping": "logjam_relay.relay._stamp",
 }
 
 

@@ -16,7 +16,9 @@
   connection (server side, handshake inside the header timeout), and
   ``authorize(method, path, headers) -> bool`` may refuse a request with 401.
 
-Requests are small GETs; every response closes the connection.
+Requests are small GETs; every response closes the connection.  The request head is
+parsed by the sans-IO core ``protocols/http.py`` (malformed requests get 400, a head over
+8 KiB 431, counted in ``bad_requests`` by reason).
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..protocols.http import (
+    CLOSED,
+    MAX_REQUEST,
+    NEED_DATA,
+    HTTPError,
+    RequestReader,
+    encode_response,
+)
 from ..ratelimit import RateLimitedLog
 
 log = logging.getLogger("logjam_relay.http")
@@ -37,10 +47,6 @@ rlog = RateLimitedLog(log)
 Handler = Callable[[], tuple[int, str, bytes]]   # -> (status, content type, body)
 Authorize = Callable[[str, str, dict[str, str]], bool]
 
-_REASONS = {200: "OK", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable",
-            500: "Internal Server Error"}
-MAX_REQUEST = 8192
 STALE_OK = frozenset({"/metrics"})      # may be answered from the last rendering
 
 
@@ -78,6 +84,7 @@ class HTTPServer:
         self.rejected = 0           # closed at once: the cap was full of busy connections
         self.timeouts = 0           # request not complete within header_timeout
         self.bad_requests = 0
+        self.bad_requests_by_reason: dict[str, int] = {}
         self.unauthorized = 0
         self.loop_timeouts = 0      # the relay's loop did not run a handler in time
 
@@ -89,7 +96,9 @@ class HTTPServer:
         return {"requests": self.requests, "connections": self.connections,
                 "open_connections": self.open_connections, "evicted": self.evicted,
                 "rejected": self.rejected, "timeouts": self.timeouts,
-                "bad_requests": self.bad_requests, "unauthorized": self.unauthorized,
+                "bad_requests": self.bad_requests,
+                "bad_requests_by_reason": dict(self.bad_requests_by_reason),
+                "unauthorized": self.unauthorized,
                 "loop_timeouts": self.loop_timeouts}
 
     # ------------------------------------------------------------------ running
@@ -195,42 +204,32 @@ class HTTPServer:
             await trio.aclose_forcefully(stream)
 
     async def _request(self, stream, conn: _Conn) -> None:
+        reader = RequestReader(MAX_REQUEST)
+        req = None
         with trio.move_on_after(self.header_timeout) as read_scope:
             if self.ssl_context is not None:
                 stream = trio.SSLStream(stream, self.ssl_context, server_side=True)
                 await stream.do_handshake()
-            data = b""
-            while b"\r\n\r\n" not in data and b"\n\n" not in data:
-                chunk = await stream.receive_some(4096)
-                if not chunk:
-                    return
-                data += chunk
-                if len(data) > MAX_REQUEST:
-                    self.bad_requests += 1
-                    await self._respond(stream, 400, "text/plain", b"request too large\n")
-                    return
+            try:
+                while (req := reader.next_event()) is NEED_DATA:
+                    reader.receive_data(await stream.receive_some(4096))
+            except HTTPError as e:
+                self.bad_requests += 1
+                self.bad_requests_by_reason[e.reason] = \
+                    self.bad_requests_by_reason.get(e.reason, 0) + 1
+                await self._respond(stream, e.status, "text/plain", f"{e}\n".encode())
+                return
         if read_scope.cancelled_caught:
             self.timeouts += 1
             return
-        conn.reading = False
-        head = data.split(b"\r\n\r\n", 1)[0].split(b"\n\n", 1)[0]
-        lines = head.decode("latin-1").splitlines()
-        parts = lines[0].split() if lines else []
-        if len(parts) < 2:
-            self.bad_requests += 1
-            await self._respond(stream, 400, "text/plain", b"bad request\n")
+        if req is CLOSED:
             return
-        method, target = parts[0], parts[1]
-        path = target.split("?", 1)[0]
+        conn.reading = False
+        method, path = req.method, req.path
         self.requests += 1
         if self.authorize is not None:
-            headers = {}
-            for line in lines[1:]:
-                k, sep, v = line.partition(":")
-                if sep:
-                    headers[k.strip().lower()] = v.strip()
             try:
-                ok = self.authorize(method, path, headers)
+                ok = self.authorize(method, path, req.headers)
             except Exception:
                 log.exception("metrics endpoint: authorization check failed")
                 ok = False
@@ -297,8 +296,4 @@ class HTTPServer:
     @staticmethod
     async def _respond(stream, status: int, ctype: str, body: bytes,
                        length: int | None = None, extra: str = "") -> None:
-        head = (f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"
-                f"Content-Type: {ctype}\r\nContent-Length: {len(body) if length is None else length}"
-                f"\r\n{extra}Connection: close\r\n\r\n").encode()
-        await stream.send_all(head + body)
-
+        await stream.send_all(encode_response(status, ctype, body, length=length, extra=extra))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections import Counter
+from collections.abc import Callable
 
 import trio
 
@@ -121,6 +122,31 @@ class BaseInput:
                           f"batch not complete within {self.spec.timeout:g}s")
         self.bytes += len(data)
         return data
+
+    async def read_more(self, stream, busy: bool, started: float | None
+                        ) -> tuple[bytes, float | None]:
+        """The next bytes of a connection, and the new ``started``: while a batch is
+        partly received (``busy``) it must be complete ``timeout`` seconds after its
+        first byte (slowloris); between batches the connection may idle for
+        ``idle_timeout``."""
+        now = trio.current_time()
+        if busy:
+            if started is None:
+                started = now
+            return await self.receive(stream, started + self.spec.timeout, "timeout"), started
+        return await self.receive(stream, now + self.spec.idle_timeout, "idle"), None
+
+    async def spool_and_ack(self, acc: list[tuple], stream, keepalive: bytes | None,
+                            ack: Callable[[], bytes], count: int, what: str) -> None:
+        """Spool a whole window/payload, then send its ACK (``ack()``) and count it; a
+        relay shutting down first leaves it unacknowledged (the sender resends)."""
+        if not await self.spool(acc, stream, keepalive):
+            self.unacked_at_close += 1
+            raise _Closed("shutdown", f"relay shutting down; {what} not acknowledged")
+        await stream.send_all(ack())
+        self.acks += 1
+        self.batches += 1
+        self.events += count
 
     async def spool(self, acc: list[tuple], stream, keepalive: bytes | None) -> bool:
         """Stamp, publish and spool ``acc``; True once it is in the spool (then ACK).

@@ -29,13 +29,7 @@ class CourierInput(BaseInput):
                 if out:
                     await stream.send_all(out)
             if ev is None:
-                if conn.busy:
-                    if started is None:
-                        started = clock()
-                    data = await self.receive(stream, started + spec.timeout, "timeout")
-                else:
-                    started = None
-                    data = await self.receive(stream, clock() + spec.idle_timeout, "idle")
+                data, started = await self.read_more(stream, conn.busy, started)
                 if not data:
                     if conn.busy:
                         raise CourierError("truncated", "connection closed inside a message")
@@ -45,13 +39,9 @@ class CourierInput(BaseInput):
             if type(ev) is Payload:
                 started = None
                 acc = [json_event(raw, name, peer, opts) for raw in ev.events]
-                if not await self.spool(acc, stream, conn.keepalive(ev.nonce)):
-                    self.unacked_at_close += 1
-                    raise _Closed("shutdown", "relay shutting down; payload not acknowledged")
-                await stream.send_all(conn.ack(ev.nonce, len(ev.events), clock()))
-                self.acks += 1
-                self.batches += 1
-                self.events += len(ev.events)
+                await self.spool_and_ack(acc, stream, conn.keepalive(ev.nonce),
+                                         lambda ev=ev: conn.ack(ev.nonce, len(ev.events), clock()),
+                                         len(ev.events), "payload")
             elif isinstance(ev, Ping):
                 await stream.send_all(conn.pong())
             else:       # Overloaded: cannot happen (one payload at a time); be safe

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import trio
-
 from ..protocols import lumberjack_server as ljs
-from .base import BaseInput, _Closed
+from .base import BaseInput
 from .mapping import json_event, lumberjack_v1
 
 
@@ -18,18 +16,12 @@ class LumberjackInput(BaseInput):
                                     max_event_bytes=spec.max_event_bytes,
                                     max_window_bytes=spec.max_batch_bytes)
         name, opts = self.name, spec.mapping
-        clock = trio.current_time
         started = None              # when the first byte of the current window arrived
         while True:
             ev = conn.next_event()
             if ev is ljs.NEED_DATA:
-                if conn.buffered or conn.in_window:
-                    if started is None:
-                        started = clock()
-                    data = await self.receive(stream, started + spec.timeout, "timeout")
-                else:
-                    started = None
-                    data = await self.receive(stream, clock() + spec.idle_timeout, "idle")
+                data, started = await self.read_more(stream, conn.buffered or conn.in_window,
+                                                     started)
                 conn.receive_data(data)
                 continue
             if type(ev) is ljs.WindowReceived:
@@ -40,12 +32,7 @@ class LumberjackInput(BaseInput):
                     acc = [json_event(raw, name, peer, opts) for raw in ev.events]
                 if ev.dropped:
                     self.errors["events_beyond_window"] += ev.dropped
-                if not await self.spool(acc, stream, conn.keepalive()):
-                    self.unacked_at_close += 1
-                    raise _Closed("shutdown", "relay shutting down; window not acknowledged")
-                await stream.send_all(conn.ack(ev.count))
-                self.acks += 1
-                self.batches += 1
-                self.events += ev.count
+                await self.spool_and_ack(acc, stream, conn.keepalive(),
+                                         lambda ev=ev: conn.ack(ev.count), ev.count, "window")
                 continue
             return      # ConnectionClosed

@@ -100,6 +100,7 @@ class CourierOutput:
         self.reader = reader
         self.dead_letters = DeadLetterSink(config.name, dead_letters)
         self._held: _Batch | None = None      # an isolated refused event (see _refused)
+        self._event_at_head = False           # skip_non_events found an event: until an ack
         self._evidence = False                # something after the held event was acked
         self._acked_upto: Position | None = None
         self._limiter = trio.CapacityLimiter(1)
@@ -212,9 +213,9 @@ class CourierOutput:
             if self._finished:
                 return
             self.reconnects += 1
-            if not self._batches and self._held is None:
+            if not self._batches and self._held is None and not self._event_at_head:
                 # heartbeats are not this output's backlog (see poison.skip_non_events)
-                skip_non_events(self.reader)
+                self._event_at_head = skip_non_events(self.reader)
             if self._progress or bisecting:
                 backoff = cfg.backoff_initial
             else:
@@ -408,6 +409,7 @@ class CourierOutput:
         if self._acked_upto is not None and pos <= self._acked_upto:
             return False
         self._acked_upto = pos
+        self._event_at_head = False
         self.reader.ack(pos)
         return True
 

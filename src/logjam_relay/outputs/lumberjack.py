@@ -111,6 +111,7 @@ class LumberjackOutput:
         self.dead_letters = DeadLetterSink(config.name, dead_letters)
         self._session_start = 0.0
         self._held: _Window | None = None       # an isolated refused event (see _refused)
+        self._event_at_head = False             # _skip_idle found an event: until an ack
         self._release_upto: Position | None = None
         self.refusals = 0
         self.bisections = 0
@@ -227,8 +228,8 @@ class LumberjackOutput:
 
     def _skip_idle(self) -> None:
         """Disconnected with nothing in flight: heartbeats are not this output's backlog."""
-        if not self._pending and self._held is None:
-            skip_non_events(self.source)
+        if not self._pending and self._held is None and not self._event_at_head:
+            self._event_at_head = skip_non_events(self.source)
 
     async def _refused(self) -> bool:
         """The reader closed the connection before the head window's ACK: count it, and
@@ -412,7 +413,7 @@ class LumberjackOutput:
         return _Window(data, n, records[-1].position, kept)
 
     def _encode_sync(self, records: list[Record]):
-        frames, n, kept, rejected = self._encoder.encode_checked(records)
+        frames, n, kept, rejected = self._encoder.encode_checked(records, prescan=True)
         data = lj.encode_window(frames, n, self.config.compression) if n else b""
         return data, n, kept, rejected
 
@@ -508,6 +509,7 @@ class LumberjackOutput:
         self.windows_acked += 1
         self.events_acked += win.count
         self._head_since = now
+        self._event_at_head = False
         if self._held is not None:
             self._release_upto = win.last_pos      # after the held event is diverted
         else:

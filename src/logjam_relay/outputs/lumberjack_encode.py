@@ -99,18 +99,28 @@ class EventEncoder:
         return _ljencode.encode(records, KIND_LOGJAM, self._tail, self._stream_cache,
                                 self._stream_pairs, self._decompress, self._encode_one)
 
-    def encode_checked(self, records: list[Record]
+    def encode_checked(self, records: list[Record], prescan: bool = False
                        ) -> tuple[bytes, int, list[Record], list[tuple[Record, str]]]:
         """(frames, n, kept records, [(rejected record, why)]): events over the limit left out.
 
         The common case costs one length comparison: a window whose frames total at most
         ``max_event_bytes`` cannot hold an event over it (and nothing was refused while
         inflating).  Otherwise the plain bodies are measured and the window re-encoded
-        without the rejected records.
+        without the rejected records.  ``prescan``: take plain bodies over the limit out
+        first (for windows known to hold large bodies: they are then never copied).
         """
         self._rejected.clear()
-        data, n = self.encode(records)
         limit = self.max_event_bytes
+        if prescan:
+            big = {id(r.frames) for r in records
+                   if r.kind == KIND_LOGJAM and len(r.frames) > 2 and len(r.frames[2]) > limit}
+            if big:
+                out = [(r, f"body of {len(r.frames[2])} bytes is over {limit} bytes")
+                       for r in records if id(r.frames) in big]
+                data, n, kept, more = self.encode_checked(
+                    [r for r in records if id(r.frames) not in big])
+                return data, n, kept, sorted(out + more, key=lambda x: x[0].position)
+        data, n = self.encode(records)
         if not self._rejected and len(data) <= limit:
             return data, n, records, []
         rejected = self._rejected

@@ -54,24 +54,23 @@ def needs_worker(records: list[Record]) -> bool:
     return False
 
 
-def skip_non_events(source) -> None:
+def skip_non_events(source) -> bool:
     """For an output that is not connected and has nothing in flight (everything it read
     is acknowledged): acknowledge at once the records at the read position it would never
     forward (heartbeats: spooled for the archive's gapless sequence only), so that they do
-    not count as its backlog.  Stops at the first event and rewinds the reader to it (no
-    records are held in memory meanwhile, so ``drop_oldest`` accounting stays exact)."""
+    not count as its backlog.  Reads one record at a time and stops at the first event,
+    rewinding the reader to it (nothing is held in memory meanwhile, so ``drop_oldest``
+    accounting stays exact).  Returns True when it stopped at an event: the caller need
+    not call it again before it acknowledged something (the cursor cannot pass the event,
+    and re-reading a large event on every reconnect would only cost time)."""
     while True:
-        recs = source.read(256)
+        recs = source.read(1)
         if not recs:
-            return
-        i = 0
-        while i < len(recs) and not is_event(recs[i]):
-            i += 1
-        if i:
-            source.ack(recs[i - 1].position)
-        if i < len(recs):
+            return False
+        if is_event(recs[0]):
             source.rewind()
-            return
+            return True
+        source.ack(recs[0].position)
 
 
 def _chain(e: BaseException | None):

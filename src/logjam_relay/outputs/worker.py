@@ -24,8 +24,13 @@ supervisor restarts it from the acknowledged cursor (``reader.rewind()``), exact
 for a crashed inline output.  ``request_shutdown()`` is passed on: the worker lets its
 output finish what is in flight, sends the last acks and exits.
 
-Wire format (both directions): ``<u32 length><u8 type><payload>``; payloads are pickles
-of plain tuples (positions as ``(segment, offset)``), built once per batch.
+Wire format (both directions): ``<u32 length><u8 type><payload>``.  A batch of records
+goes as ``pickle((batch_no, kinds, frames))``: the spool positions stay in the relay
+(with the batch, until it is acknowledged) and the worker's records carry the position
+``(batch_no, index)``, which orders like the real one; an ack ``(batch_no, index)`` is
+mapped back to the record's spool position.  So no per-record tuple is built for the
+wire: two list comprehensions and one pickle per batch (the relay's cost of feeding a
+worker, measured with bench_durable.py).
 """
 
 from __future__ import annotations
@@ -106,7 +111,9 @@ class ProcessOutput:
             logging.getLogger("logjam_relay").getEffectiveLevel()
         self._stats: dict = {}
         self._inflight = 0
-        self._batches: deque[tuple[tuple[int, int], int]] = deque()   # (last pos, count)
+        # batches in the worker, unacknowledged: (batch_no, records) in order
+        self._batches: deque[tuple[int, list]] = deque()
+        self._batch_no = 0
         self._credit = trio.Event()
         self._stop_requested = False
         self._stream: trio.SocketStream | None = None
@@ -198,9 +205,9 @@ class ProcessOutput:
             if not recs:
                 await reader.wait()
                 continue
-            payload = dumps([(p[0], p[1], k, f) for p, k, f in recs], 5)
-            last = recs[-1][0]
-            self._batches.append(((last[0], last[1]), len(recs)))
+            self._batch_no += 1
+            payload = dumps((self._batch_no, [r[1] for r in recs], [r[2] for r in recs]), 5)
+            self._batches.append((self._batch_no, recs))
             self._inflight += len(recs)
             self.records_shipped += len(recs)
             try:
@@ -214,14 +221,17 @@ class ProcessOutput:
         unpack = _ACK.unpack
         async for kind, payload in _read_messages(stream):
             if kind == T_ACK:
-                seg, off = unpack(payload)
-                reader.ack(Position(seg, off))
+                bno, idx = unpack(payload)
+                real = self._position(bno, idx)
+                if real is None:
+                    continue                # not ours (an earlier worker's): ignore
+                reader.ack(real)
                 self.acks_applied += 1
-                pos = (seg, off)
                 freed = 0
                 batches = self._batches
-                while batches and batches[0][0] <= pos:
-                    freed += batches.popleft()[1]
+                while batches and (batches[0][0] < bno or
+                                   (batches[0][0] == bno and idx == len(batches[0][1]) - 1)):
+                    freed += len(batches.popleft()[1])
                 if freed:
                     self._inflight -= freed
                     self._credit.set()
@@ -229,12 +239,25 @@ class ProcessOutput:
                 self._stats = pickle.loads(payload)
             elif kind == T_DEAD:
                 output, reason, frames, rkind, detail, position = pickle.loads(payload)
+                if position is not None:
+                    real = self._position(*position)
+                    position = tuple(real) if real is not None else None
                 store = self.dead_letters
                 if store is not None:
                     with trio.CancelScope(shield=True):
                         await trio.to_thread.run_sync(
                             lambda: store.put(output, reason, frames, kind=rkind,
                                               detail=detail, position=position))
+
+
+    def _position(self, bno: int, idx: int):
+        """The spool position of record ``idx`` of batch ``bno`` (None if unknown)."""
+        for b, recs in self._batches:
+            if b == bno:
+                return recs[idx][0] if 0 <= idx < len(recs) else None
+            if b > bno:
+                break
+        return None
 
 
 def isolated_factory(spec, reader, relay_host: str, *, dead_letters=None,
@@ -252,31 +275,26 @@ class RemoteSource:
 
     def __init__(self, name: str, send_ack):
         self.name = name
-        self._records: deque[Record] = deque()    # unacknowledged, in order
-        self._read = 0                            # index into _records of the next read
+        self._records: list[Record] = []    # [_head:] unacknowledged, in order
+        self._head = 0
+        self._read = 0                      # index into _records of the next read
         self._event = trio.Event()
         self._send_ack = send_ack
         self.records_received = 0
         self.acks = 0
 
-    def add(self, rows: list[tuple]) -> None:
+    def add(self, batch_no: int, kinds: list[int], frames: list) -> None:
+        """Records of one batch; positions ``(batch_no, index)`` (see the module doc)."""
         tnew = tuple.__new__
-        self._records.extend([tnew(Record, (tnew(Position, (s, o)), k, f))
-                              for s, o, k, f in rows])
-        self.records_received += len(rows)
+        self._records.extend([tnew(Record, (tnew(Position, (batch_no, i)), k, f))
+                              for i, (k, f) in enumerate(zip(kinds, frames))])
+        self.records_received += len(frames)
         self._event.set()
 
     def read(self, max_records: int) -> list[Record]:
-        recs = self._records
         start = self._read
-        stop = min(len(recs), start + max_records)
-        if start >= stop:
-            return []
-        if start == 0 and stop == len(recs):
-            out = list(recs)
-        else:
-            out = [recs[i] for i in range(start, stop)]
-        self._read = stop
+        out = self._records[start:start + max_records]
+        self._read = start + len(out)
         return out
 
     async def wait(self) -> None:
@@ -286,20 +304,27 @@ class RemoteSource:
 
     def ack(self, upto: Position) -> None:
         recs = self._records
-        n = 0
-        while recs and recs[0].position <= upto:
-            recs.popleft()
-            n += 1
-        if n:
-            self._read = max(0, self._read - n)
-            self.acks += 1
-            self._send_ack(upto)
+        head = old = self._head
+        n = len(recs)
+        while head < n and recs[head][0] <= upto:
+            head += 1
+        if head == old:
+            return
+        if self._read < head:
+            self._read = head
+        if head >= 4096 and head * 2 >= n:       # drop the acknowledged front now and then
+            del recs[:head]
+            self._read -= head
+            head = 0
+        self._head = head
+        self.acks += 1
+        self._send_ack(upto)
 
     def rewind(self) -> None:
-        self._read = 0
+        self._read = self._head
 
     def stats(self) -> dict:
-        return {"worker_buffered": len(self._records), "worker_acks": self.acks}
+        return {"worker_buffered": len(self._records) - self._head, "worker_acks": self.acks}
 
 
 class DeadLetterProxy:
@@ -360,7 +385,7 @@ async def worker_main(fd: int) -> int:
     async def receive(cancel_scope):
         async for kind, payload in messages:
             if kind == T_RECORDS:
-                source.add(pickle.loads(payload))
+                source.add(*pickle.loads(payload))
             elif kind == T_STOP:
                 if hasattr(output, "request_shutdown"):
                     output.request_shutdown()

@@ -367,6 +367,51 @@ def _i(v: int | bool) -> bytes:
     return str(int(v)).encode()
 
 
+class PublishMemo:
+    """Parse results of publish requests that differ only in their payload.
+
+    A samcli-like client sends the same exchange, routing key, flags, properties and
+    headers with every message, so everything but the payload parses to the same result.
+    A request whose frames before the last equal those of a remembered publish, and whose
+    last frame was that publish's payload, is the same publish with this payload: the
+    parser reads the payload only to refuse an empty one, and the frame count (part of the
+    key) decides the layout.  ``derive(event)`` (optional) is computed once per entry and
+    returned with every hit (the broker outputs keep their encoded AMQP parts there).
+    Bounded: ``size`` entries, keys of at most ``max_key_bytes``; full = start over.
+    """
+
+    __slots__ = ("_memo", "size", "max_key_bytes", "_derive", "hits")
+
+    def __init__(self, derive=None, size: int = 64, max_key_bytes: int = 4096):
+        self._memo: dict[tuple, tuple[Publish, object]] = {}
+        self.size = size
+        self.max_key_bytes = max_key_bytes
+        self._derive = derive
+        self.hits = 0
+
+    def parse(self, frames: list[bytes]) -> tuple[Request, object]:
+        """``(event, derived)``; derived is None for anything but a publish.  Raises
+        :class:`SamwiseError` like :func:`parse_request`."""
+        payload = frames[-1] if len(frames) > 5 else b""
+        key = tuple(frames[:-1]) if payload else None
+        hit = self._memo.get(key) if payload else None
+        if hit is not None:
+            self.hits += 1
+            ev = hit[0]
+            return Publish(ev.version, ev.distribution, ev.copies, ev.exchange, ev.routing_key,
+                           payload, ev.mandatory, ev.immediate, ev.properties, ev.headers,
+                           ev.headers_as_pairs), hit[1]
+        ev = parse_request(frames)
+        if not isinstance(ev, Publish):
+            return ev, None
+        derived = self._derive(ev) if self._derive is not None else None
+        if key is not None and ev.payload is payload and sum(map(len, key)) <= self.max_key_bytes:
+            if len(self._memo) >= self.size:
+                self._memo.clear()
+            self._memo[key] = (ev, derived)
+        return ev, derived
+
+
 def build_publish(exchange: str, routing_key: str, payload: bytes, *, version: int = VERSION_1_1,
                   copies: int | None = None, mandatory: bool = False, immediate: bool = False,
                   properties: Properties | dict | None = None,

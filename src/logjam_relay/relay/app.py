@@ -297,6 +297,9 @@ class Relay:
         if p is not None:
             self.sequence_state.save_clean(p.seq)
         self.sequence_state.release()
+        for guard in (self.pub.guard if self.pub is not None else None, self.stats_guard):
+            if guard is not None:
+                guard.close()        # its monitor and its dups of the subscribers' fds
         linger = int(self.settings.shutdown_timeout * 1000)
         pub = self.pub.sock if self.pub is not None else None
         for sock in self._sockets:
@@ -342,13 +345,19 @@ class Relay:
         replies: list[list[bytes]] = []
         if oversize:
             batch = self._drop_oversize(batch, is_router, replies)
-        acc = p.prepare_router(batch, replies) if is_router else p.prepare_pull(batch)
+        records = None
+        if not is_router and not self.compress_method:
+            # validate + stamp + publish in one pass (C loop, stamping.py)
+            records = acc = p.stamp_pull(batch, now_ms())
+        else:
+            acc = p.prepare_router(batch, replies) if is_router else p.prepare_pull(batch)
         if acc:
             if self.compress_method:
                 idx = p.needs_compression(acc)
                 if idx:
                     await self._compress(acc, idx)
-            records = p.commit(acc, now_ms())
+            if records is None:
+                records = p.commit(acc, now_ms())
             if p.seq >= self.sequence_state.reserved:
                 self.sequence_state.reserve(p.seq, len(records))
             if self.spool is not None:

@@ -16,18 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Settings
-from ..io.zmq_trio import MAX_TOPIC_BYTES
+from ..io.subscriptions import MAX_TOPIC_BYTES
 
 MiB = 1024 * 1024
 
 #: frames besides the body: app-env, topic, meta (24), routing id, empty -- generous
 ENVELOPE_BYTES = 1024
-#: libzmq's subscription trie costs about this much per topic byte (a node per byte;
-#: measured with random topics: 12.4 KB for 255 bytes, 1.8 KB for 32 bytes)
+#: libzmq's subscription trie costs about this much per topic byte received (a node per
+#: byte; measured with random topics: 12.4 KB for 255 bytes, 1.8 KB for 32 bytes)
 TRIE_BYTES_PER_TOPIC_BYTE = 50
-#: subscriptions one cut peer may still get in before libzmq drops it (the XPUB's
-#: RCVHWM: what is already in its pipe when the guard disconnects it)
-SUBSCRIPTION_OVERSHOOT = 1000
+#: subscription bytes that may still get in between two checks of the guard (it looks
+#: at the connections' TCP byte counts every 100 subscriptions it reads)
+SUBSCRIPTION_OVERSHOOT_BYTES = 1000 * (MAX_TOPIC_BYTES + 12)
 #: copies of a drained batch alive at once: the frames, the spool's encoded write, and
 #: the compressed bodies with -x
 BATCH_COPIES = 3
@@ -92,9 +92,11 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int,
     # what PUB holds for the slowest subscriber (libzmq shares a message among subscribers)
     pub = s.snd_hwm * (s.max_event_bytes + ENVELOPE_BYTES)
     outputs = output_window_bytes(s) if output_bytes is None else output_bytes
+    # per socket: what the guard lets one connection send before it is cut (the cap's
+    # worth of the longest topics), plus what arrives before the next check
     sockets = 2 + (1 if s.cmdp_port else 0)           # PUB, stats, CMDP
-    subs = sockets * (s.max_subscriptions + SUBSCRIPTION_OVERSHOOT) * MAX_TOPIC_BYTES \
-        * TRIE_BYTES_PER_TOPIC_BYTE
+    subs = sockets * (s.max_subscriptions * (MAX_TOPIC_BYTES + 12) + 4096
+                      + SUBSCRIPTION_OVERSHOOT_BYTES) * TRIE_BYTES_PER_TOPIC_BYTE
     subtotal = baseline + ingress + batches + pub + outputs + subs
     slack = int(subtotal * SLACK_FRACTION) + SLACK_BYTES
     return Ceiling(baseline, ingress, batches, pub, outputs, subs, slack)

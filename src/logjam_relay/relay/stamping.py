@@ -56,6 +56,14 @@ def _load_recompress():
 
 
 _recompress = _load_recompress()
+
+
+def _load_stamp():
+    from .. import _native
+    return _native.load("logjam_relay.relay._stamp")
+
+
+_stamp = _load_stamp()
 from ..ratelimit import RateLimitedLog
 
 log = RateLimitedLog(logging.getLogger("logjam_relay.ingest"))
@@ -294,6 +302,48 @@ class Pipeline:
         n = len(acc)
         self.counters.received += n
         self.counters.published += n
+        return out
+
+    def stamp_pull(self, batch: list[list[bytes]], now_ms: int) -> list[tuple]:
+        """:meth:`prepare_pull` and :meth:`commit` in one pass, for PULL batches when the
+        relay does not compress (no ``-x``): the C loop of ``_stamp.c`` takes every
+        fast-path message and stops at the others, which go through :meth:`_slow` one by
+        one, in order.  Same records, sequence numbers, counters and publish as the two
+        steps (tests/test_stamp.py); without the extension it is those two steps."""
+        if _stamp is None:
+            acc = self.prepare_pull(batch)
+            return self.commit(acc, now_ms) if acc else []
+        now8 = now_ms.to_bytes(8, "big")
+        gs = self.validator.good_streams
+        gt = self.validator.good_topics
+        c = self.counters
+        seq = self.seq
+        n = len(batch)
+        out, seq, i, nbytes, maxb = _stamp.stamp_pull(batch, 0, gs, gt, self.device, seq, now8)
+        while i < n:
+            acc: list[tuple] = []
+            self._slow(batch[i], None, acc)
+            prefix = self._prefix
+            for a, t, b, comp, cr in acc:
+                seq += 1
+                out.append((a, t, b, prefix[comp] + (now8 if cr == _ZERO8 else cr)
+                            + seq.to_bytes(8, "big")))
+            recs, seq, i, nb, mb = _stamp.stamp_pull(batch, i + 1, gs, gt, self.device, seq,
+                                                     now8)
+            out += recs
+            nbytes += nb
+            if mb > maxb:
+                maxb = mb
+        c.pull += n
+        c.received_bytes += nbytes
+        if maxb > c.received_max_bytes:
+            c.received_max_bytes = maxb
+        if out:
+            self.publish_batch(out)
+            self.seq = seq
+            k = len(out)
+            c.received += k
+            c.published += k
         return out
 
     def next_sequence(self) -> int:

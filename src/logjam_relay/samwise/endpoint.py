@@ -133,6 +133,7 @@ class SamwiseService:
                              timeout=config.rpc_timeout)
         self.bound: list[str] = []     # actual endpoints (ephemeral ports resolved)
         self._sock: zmq.Socket | None = None
+        self._memo = proto.PublishMemo()           # samcli-like traffic: parse headers once
         self._wait_scope: trio.CancelScope | None = None
         # metrics
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -208,7 +209,7 @@ class SamwiseService:
             else:  # a DEALER without the empty delimiter
                 env, body = msg[:1], msg[1:]
             try:
-                ev = proto.parse_request(body)
+                ev = self._memo.parse(body)[0]
             except proto.SamwiseError as e:
                 self._count(body, e.reason)
                 _rl.warning(e.reason, "samwise: rejected request: %s", e)

@@ -27,6 +27,12 @@ log = logging.getLogger("logjam_relay.samwise.amqp")
 _rl = RateLimitedLog(log)
 
 
+def _amqp_parts(ev: proto.Publish) -> tuple:
+    """What an ``Out`` needs besides the payload (the same for every payload)."""
+    return (ev.exchange, A.shortstr(ev.exchange), A.shortstr(ev.routing_key),
+            encode_properties(ev), ev.mandatory, ev.routing_key)
+
+
 def encode_properties(ev: proto.Publish) -> bytes:
     """The AMQP properties and headers that samd parses but never sends."""
     p = ev.properties
@@ -85,6 +91,7 @@ class BrokerOutput:
         self._window: collections.deque[list] = collections.deque()  # [position, done]
         self._wake = trio.Event()
         self._data_read = trio.Event()
+        self._memo = proto.PublishMemo(_amqp_parts)   # parse + encode once per header set
         # metrics
         self.results: collections.Counter[str] = collections.Counter()
         self.sent = 0
@@ -209,12 +216,11 @@ class BrokerOutput:
             if self._bname not in targets:
                 continue
             try:
-                ev = proto.parse_request(req)
+                ev, parts = self._memo.parse(req)
                 if not isinstance(ev, proto.Publish):
                     raise proto.SamwiseError(proto.MALFORMED_PUBLISH, "not a publish")
-                out = Out(self._seq + 1, ev.exchange, A.shortstr(ev.exchange),
-                          A.shortstr(ev.routing_key), ev.payload, encode_properties(ev),
-                          ev.mandatory, ev.routing_key)
+                out = Out(self._seq + 1, parts[0], parts[1], parts[2], ev.payload, parts[3],
+                          parts[4], parts[5])
             except (proto.SamwiseError, ValueError) as e:
                 # ValueError: not encodable in AMQP (the endpoint refuses those; a spool
                 # written by an older version might still hold one)

@@ -5,8 +5,9 @@ recovery.  Everything here is synchronous file I/O except :meth:`SpoolReader.wai
 and :meth:`Spool.run`, which use trio.  A :class:`Spool` must be used from one
 thread (the trio thread).
 
-The concerns live in separate modules: this one is the writer (appending, sealing,
-periodic work, stats, closing); ``space.py`` the disk bound and the full disk;
+The concerns live in separate modules: this one is the writer (appending, periodic
+work, stats, closing); ``sealing.py`` sealing segments (and the deferred seal of a full
+disk); ``space.py`` the disk bound and the full disk;
 ``damage.py`` damaged records and the gaps counted as lost; ``reader.py`` the outputs'
 view and loss accounting; ``cursors.py`` the durable cursor logs; ``recovery.py``
 opening a directory; ``fsck.py`` the offline check/repair; ``errors.py`` exceptions.
@@ -29,12 +30,13 @@ import trio
 from ..ratelimit import RateLimitedLog
 from . import segment as fmt
 from .api import KIND_LOGJAM, Position, Record  # noqa: F401  (re-exported)
+from .damage import DamageMixin
 from .errors import (HINTS as _HINTS, SpoolError, SpoolLockedError,  # noqa: F401
                      SpoolWriteError, is_disk_full, reason_of as _reason,
                      write_error as _write_error)
 from .reader import SpoolReader
-from .damage import DamageMixin
 from .recovery import CURSOR_DIR, LOCK_FILE, STATE_FILE, RecoveryMixin, _unlink_quiet  # noqa: F401
+from .sealing import SealMixin
 from .space import RESERVE_BYTES, RESERVE_FILE, SpaceMixin  # noqa: F401
 
 log = logging.getLogger("logjam_relay.spool")
@@ -42,8 +44,6 @@ log = logging.getLogger("logjam_relay.spool")
 MiB = 1 << 20
 _META = struct.Struct(">HBBIQQ")
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
-RESERVE_FILE = "RESERVE"
-RESERVE_BYTES = 256 * 1024      # ballast freed when sealing or a cursor write hits a full disk
 
 # indirection so tests can inject write failures without patching the os module
 _write = os.write
@@ -76,7 +76,7 @@ class _Seg:
 
 # ============================================================================ spool
 
-class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
+class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
     """Append-only segment log in ``directory`` read by the named ``readers``.
 
     * ``policy="block"``: :meth:`would_block` is true while the records no reader
@@ -230,6 +230,10 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
                 os.close(fd)
         except OSError as e:
             raise self._count_error(_write_error("syncing directory", self.directory, e)) from None
+
+    @staticmethod
+    def _write_all(fd: int, data: bytes, what: str) -> None:
+        _write_all(fd, data, what)
 
     def _count_error(self, err: SpoolWriteError) -> SpoolWriteError:
         self.write_errors += 1
@@ -401,136 +405,6 @@ class Spool(SpaceMixin, DamageMixin, RecoveryMixin):
         self._bytes += fmt.HEADER_LEN
         self._next_segno = segno + 1
         self._active, self._fd = seg, fd
-
-    def seal(self) -> None:
-        """Seal the active segment now (no-op if there is none)."""
-        if self._active is not None:
-            self._seal_active()
-            self._maybe_delete()
-
-    def _seal_active(self, notify: bool = True) -> None:
-        seg, fd = self._active, self._fd
-        if seg.count == 0:
-            os.close(fd)
-            self._active, self._fd = None, None
-            del self._segs[seg.segno]
-            self._bytes -= seg.size
-            _unlink_quiet(seg.path)
-            return
-        if self._dirty_tail:
-            self._cut_tail()
-        rec = fmt.encode_seal(seg.end_seq, seg.count, seg.data_end, self._now_ms())
-        try:
-            try:
-                _write_all(fd, rec, "seal record")
-            except OSError as e:
-                if not is_disk_full(e):
-                    raise
-                # a segment can always be sealed: the reserve file gives the space back
-                os.ftruncate(fd, seg.data_end)
-                if not self._release_reserve():
-                    raise
-                _write_all(fd, rec, "seal record")
-            os.fsync(fd)                       # always: sealed segments are published
-        except OSError as e:
-            if is_disk_full(e) and self._seal_later(seg, fd, e):
-                return
-            self._dirty_tail = True
-            raise self._count_error(_write_error("sealing", seg.path, e)) from None
-        self.fsyncs += 1
-        os.close(fd)
-        self._active, self._fd = None, None
-        self._unsynced = False
-        seg.size = seg.data_end + len(rec)
-        self._bytes += len(rec)
-        seg.sealed = True
-        self.sealed_segments += 1
-        new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
-        try:
-            os.replace(seg.path, new)
-            seg.path = new
-            self._fsync_dir()
-            self._save_state()
-        except OSError as e:
-            # the seal record is on disk; recovery renames it.  Readers keep using the
-            # old name.
-            self._count_error(_write_error("renaming sealed segment", seg.path, e))
-            return
-        except SpoolWriteError:
-            pass
-        if notify:
-            for cb in self._seal_listeners:
-                try:
-                    cb(seg.segno, seg.path)
-                except Exception:
-                    log.exception("spool: seal listener %r failed", cb)
-
-    def _seal_later(self, seg: _Seg, fd: int, err: OSError) -> bool:
-        """The disk is full and the reserve is gone: close the segment in memory (readers
-        treat it as sealed, it can be deleted once acknowledged) and write its seal record
-        from :meth:`tick` when there is space again.  A crash meanwhile is harmless: an
-        ``.open`` segment that is not the newest is sealed by the recovery."""
-        try:
-            os.ftruncate(fd, seg.data_end)
-        except OSError:
-            return False
-        self._count_error(_write_error("sealing", seg.path, err))
-        os.close(fd)
-        self._active, self._fd = None, None
-        self._unsynced = False
-        self._dirty_tail = False
-        seg.sealed = True
-        self.deferred_seals += 1
-        self._pending_seals.append(seg)
-        log.warning("spool: disk full; segment %d closed without its seal record (written "
-                    "once there is space)", seg.segno)
-        return True
-
-    def _retry_pending_seals(self) -> None:
-        for seg in list(self._pending_seals):
-            if self._segs.get(seg.segno) is not seg:
-                self._pending_seals.remove(seg)       # acknowledged and deleted meanwhile
-                if self._seal_listeners:
-                    log.warning("spool: segment %d was deleted before its seal record could "
-                                "be written: it was not archived", seg.segno)
-                continue
-            rec = fmt.encode_seal(seg.end_seq, seg.count, seg.data_end, self._now_ms())
-            try:
-                fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                _write_all(fd, rec, "seal record")
-                os.fsync(fd)
-            except OSError:
-                try:
-                    os.ftruncate(fd, seg.data_end)
-                except OSError:
-                    pass
-                continue
-            finally:
-                os.close(fd)
-            self._pending_seals.remove(seg)
-            seg.size = seg.data_end + len(rec)
-            self._bytes += len(rec)
-            self.sealed_segments += 1
-            new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
-            try:
-                os.replace(seg.path, new)
-                seg.path = new
-                self._fsync_dir()
-            except (OSError, SpoolWriteError):
-                continue
-            for cb in self._seal_listeners:
-                try:
-                    cb(seg.segno, seg.path)
-                except Exception:
-                    log.exception("spool: seal listener %r failed", cb)
-
-    def add_seal_listener(self, cb: Callable[[int, str], None]) -> None:
-        """``cb(segno, path)`` is called right after a segment was sealed (before it can
-        be deleted): e.g. the archive output hard-links ``path``."""
-        self._seal_listeners.append(cb)
 
     # -- periodic ---------------------------------------------------------------
     def tick(self) -> None:

@@ -1,0 +1,309 @@
+"""A cap on the subscriptions an XPUB keeps (PUB, stats and CMDP sockets).
+
+See :class:`SubscriptionGuard` and docs/operations.md, "Memory".  Split out of
+:mod:`logjam_relay.io.zmq_trio`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import zmq
+
+NOBLOCK = zmq.NOBLOCK
+
+#: Longest subscription topic an XPUB accepts: its MAXMSGSIZE is ``MAX_TOPIC_BYTES + 10``
+#: (a subscription is one frame: ``\x01`` + topic, or with ZMTP 3.1 the command
+#: ``\x09SUBSCRIBE`` + topic), so libzmq disconnects a peer that sends a longer one before
+#: it is stored.  libzmq keeps a subscription in a trie with a
+#: node per byte, so the length bounds what one subscription can cost.
+MAX_TOPIC_BYTES = 128
+
+
+def xpub_options() -> dict[int, int]:
+    """Socket options every capped XPUB needs before bind (see :class:`SubscriptionGuard`)."""
+    # RCVHWM: libzmq moves at most this many of a peer's subscriptions into its trie per
+    # look at the socket, so a flood is taken in no faster than the guard reads it
+    return {zmq.MAXMSGSIZE: MAX_TOPIC_BYTES + 10, zmq.RCVHWM: 32}
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):     # not glibc
+        return None
+
+
+_trim = _malloc_trim()
+
+
+def _tcp_abort():
+    """``abort(fd)``: connect(fd, AF_UNSPEC) -- a TCP disconnect without closing the fd
+    (Linux); None where libc cannot be loaded."""
+    try:
+        import ctypes
+        connect = ctypes.CDLL(None, use_errno=True).connect
+    except (OSError, AttributeError):
+        return None
+    unspec = (ctypes.c_ubyte * 16)()          # struct sockaddr, sa_family = AF_UNSPEC
+
+    def abort(fd: int) -> None:
+        connect(fd, unspec, 16)
+    return abort
+
+
+_abort = _tcp_abort()
+
+
+class SubscriptionGuard:
+    """Caps the subscriptions an XPUB keeps and gives their memory back when peers leave.
+
+    libzmq stores every subscription a peer sends in a trie (a node per topic byte), with
+    no bound: 300k random subscriptions cost GBs, and glibc keeps the freed nodes after the
+    peer leaves.  The guard puts the socket in ``XPUB_MANUAL`` mode, where libzmq hands
+    every (un)subscription to us, tagged with the sending connection's fd (``SRCFD``), and
+    only the ones we forward (``setsockopt(SUBSCRIBE)``) take part in matching.
+
+    * ``entries`` mirrors what libzmq holds: +1 for each new (connection, topic), -1 for
+      each unsubscription -- explicit ones, and the ones libzmq reports (without an fd)
+      for every subscription of a connection that ended;
+    * a subscription is forwarded while ``entries`` is within ``max_subscriptions``; the
+      one over the cap is refused (``refused``) and its peer disconnected (TCP abort,
+      after checking that the fd is a connection of this socket's port): libzmq then
+      drops all that peer subscribed;
+    * the socket's RCVHWM (:func:`xpub_options`) is small, so libzmq takes a peer's
+      subscriptions in only as fast as the guard looks at them: a flood is cut within
+      about ``max_subscriptions`` + a few hundred entries;
+    * after many entries were freed ``malloc_trim`` gives the memory back to the OS.
+
+    :meth:`poll` drains without blocking (at most ``max_messages`` per call) and returns
+    the notifications a plain XPUB with ``XPUB_VERBOSE`` would give: ``b"\\x01" + topic``
+    for every forwarded subscription, ``b"\\x00" + topic`` when the last subscriber of a
+    topic left.  ``topics`` maps each forwarded topic to its number of subscribers (a
+    connection's topics are released when the socket monitor reports it disconnected).
+    Create it right after ``bind``, with the options of :func:`xpub_options` set before.
+    libzmq ignores a forward for a connection that has already ended (it checks the pipe).
+    """
+
+    TRIM_AFTER = 1000      # entries freed since the last malloc_trim
+
+    def __init__(self, sock: zmq.Socket, max_subscriptions: int = 10_000):
+        if sock.type != zmq.XPUB:
+            raise ValueError("SubscriptionGuard needs an XPUB socket")
+        sock.setsockopt(zmq.XPUB_MANUAL, 1)
+        self.sock = sock
+        self.max_subscriptions = max_subscriptions
+        self.entries = 0                         # (connection, topic) pairs libzmq holds
+        self.topics: dict[bytes, int] = {}
+        self.refused = 0
+        self.disconnected = 0                    # peers cut for going over the cap
+        self.trims = 0
+        self.busy = False                        # the last poll stopped at max_messages
+        # fd -> {topic: forwarded?} of the connections we know
+        self._by_fd: dict[int, dict[bytes, bool]] = {}
+        self._cut: set[int] = set()              # disconnected by us, not yet gone
+        self._dead: set[int] = set()             # gone, not accepted again yet
+        self._freed = 0
+        self._ports: set[int] = set()
+        ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if ep.startswith("tcp://"):
+            self._ports.add(int(ep.rsplit(":", 1)[1]))
+        # a connection may send at most this many bytes (every subscription it could
+        # hold at the longest topic): libzmq takes subscriptions into its trie faster
+        # than anyone can read them, so the byte count (TCP_INFO) cuts a flood early
+        self.max_peer_bytes = max_subscriptions * (MAX_TOPIC_BYTES + 12) + 4096
+        self._conns: dict[int, socket.socket] = {}   # fd -> our dup (TCP_INFO, abort)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        for c in self._conns.values():
+            c.close()
+        self._conns.clear()
+
+    def _check_bytes(self) -> None:
+        """Cut every connection that sent more than ``max_peer_bytes``; let go of our dup
+        of a connection libzmq closed (its fd is gone or another file now), in case the
+        monitor's DISCONNECTED event was lost (the monitor queue drops when full)."""
+        for fd, c in list(self._conns.items()):
+            try:
+                same = os.fstat(fd).st_ino == os.fstat(c.fileno()).st_ino
+            except OSError:
+                same = False
+            if not same:
+                del self._conns[fd]
+                c.close()
+                continue
+            if fd in self._cut:
+                continue
+            try:
+                info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            except OSError:
+                continue
+            if len(info) >= 136 and int.from_bytes(info[128:136], "little") > \
+                    self.max_peer_bytes and self._disconnect(fd):
+                self._cut.add(fd)
+
+    def stats(self) -> dict:
+        return {"subscriptions": self.entries, "topics": len(self.topics),
+                "refused": self.refused, "peers_disconnected": self.disconnected}
+
+    def poll(self, max_messages: int = 5000) -> list[bytes]:
+        """Handle up to ``max_messages`` pending (un)subscriptions (the caller polls
+        again soon: a flood never holds the event loop)."""
+        out: list[bytes] = []
+        recv = self.sock.recv
+        setsockopt = self.sock.setsockopt
+        by_fd = self._by_fd
+        topics = self.topics
+        cut = self._cut
+        self._poll_monitor(out)
+        self._check_bytes()
+        for i in range(max_messages):
+            if i % 100 == 99:
+                self._check_bytes()
+            try:
+                msg = recv(NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            m = msg.bytes
+            if not m or m[0] > 1:
+                continue
+            topic = m[1:]
+            try:
+                fd = msg.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = -1
+            if fd < 0:
+                # libzmq's unsubscription for a subscription of a connection that ended:
+                # it dropped the entry (the monitor tells us which connection it was)
+                if m[0] == 0 and self.entries > 0:
+                    self.entries -= 1
+                    self._freed += 1
+                continue
+            if fd in self._dead:
+                # still queued from a connection that is gone: libzmq holds it until it
+                # reports the connection's unsubscriptions; nothing to forward
+                if m[0] == 1:
+                    self.entries += 1
+                continue
+            mine = by_fd.get(fd)
+            if m[0] == 1:
+                if mine is not None and topic in mine:
+                    if mine[topic]:
+                        setsockopt(zmq.SUBSCRIBE, topic)    # a repeat: nothing new held
+                        out.append(m)
+                    continue
+                if mine is None:
+                    mine = by_fd[fd] = {}
+                self.entries += 1
+                if self.entries > self.max_subscriptions or fd in cut:
+                    mine[topic] = False                      # libzmq holds it till the cut
+                    self.refused += 1
+                    if fd not in cut and self._disconnect(fd):
+                        cut.add(fd)
+                    continue
+                mine[topic] = True
+                setsockopt(zmq.SUBSCRIBE, topic)
+                topics[topic] = topics.get(topic, 0) + 1
+                out.append(m)
+            elif mine is not None and topic in mine:
+                forwarded = mine.pop(topic)
+                self.entries -= 1
+                self._freed += 1
+                if forwarded:
+                    setsockopt(zmq.UNSUBSCRIBE, topic)
+                    if self._release(topic):
+                        out.append(m)
+        else:
+            self.busy = True          # more may be pending: poll again soon
+            self._poll_monitor(out)
+            return out
+        self.busy = False
+        self._poll_monitor(out)
+        if self._freed >= self.TRIM_AFTER and _trim is not None:
+            # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise)
+            _trim(0)
+            self.trims += 1
+            self._freed = 0
+        return out
+
+    def _release(self, topic: bytes) -> bool:
+        n = self.topics.get(topic, 0) - 1
+        if n > 0:
+            self.topics[topic] = n
+            return False
+        self.topics.pop(topic, None)
+        return True
+
+    def _poll_monitor(self, out: list[bytes]) -> None:
+        mon = self._monitor
+        while True:
+            try:
+                frames = mon.recv_multipart(NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames[0]) < 6:
+                continue
+            event = int.from_bytes(frames[0][:2], "little")
+            fd = int.from_bytes(frames[0][2:6], "little", signed=True)
+            if event == zmq.EVENT_ACCEPTED:
+                self._dead.discard(fd)
+                self._track(fd)
+            elif event == zmq.EVENT_DISCONNECTED:
+                c = self._conns.pop(fd, None)
+                if c is not None:
+                    c.close()
+                self._cut.discard(fd)
+                self._dead.add(fd)
+                gone = self._by_fd.pop(fd, None)
+                if gone:
+                    for topic, forwarded in gone.items():
+                        if forwarded and self._release(topic):
+                            out.append(b"\x00" + topic)
+
+    def _track(self, fd: int) -> None:
+        if not hasattr(socket, "TCP_INFO") or fd in self._conns:
+            return
+        try:
+            c = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        try:
+            if c.type == socket.SOCK_STREAM and c.getsockname()[1] in self._ports:
+                self._conns[fd] = c
+                return
+        except (OSError, IndexError, TypeError):
+            pass
+        c.close()
+
+    def _disconnect(self, fd: int) -> bool:
+        """Abort the TCP connection behind ``fd`` if it is one of this socket's.
+
+        ``shutdown`` alone is not enough: Linux keeps accepting (and libzmq keeps
+        reading) what a hostile peer goes on sending.  ``connect(AF_UNSPEC)`` on a TCP
+        socket is a disconnect: the kernel drops what is queued, sends a RST and
+        reports the socket hung up, so libzmq ends the connection at once.
+        """
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return False
+        try:
+            if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in self._ports:
+                return False
+            s.shutdown(socket.SHUT_RDWR)
+            if _abort is not None:
+                _abort(s.fileno())
+            self.disconnected += 1
+            return True
+        except (OSError, IndexError, TypeError):
+            return False
+        finally:
+            s.close()

@@ -1,0 +1,196 @@
+"""Bad input never crashes the inputs' sans-IO cores (issue 15, architecture rule): random
+bytes, truncations and bit flips of valid streams fed to
+``protocols/lumberjack_server.py`` and ``protocols/courier_server.py``, in random chunks.
+
+Only the module's own error class may come out (``LumberjackError`` / ``CourierError``
+with a non-empty ``reason``); any other exception fails the test.  A valid stream must
+still parse completely, so the drivers are checked against the unmutated input as well.
+"""
+
+import json
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from logjam_relay.protocols import courier as co
+from logjam_relay.protocols import lumberjack as lj
+from logjam_relay.protocols import lumberjack_server as ljs
+from logjam_relay.protocols.courier_server import InputConnection, Payload
+
+FUZZ = settings(max_examples=300, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# small bounds, so that a mutated length field reaches them quickly
+MAX_EVENT = 4096
+MAX_WINDOW_BYTES = 64 * 1024
+
+
+def _docs(n):
+    return [json.dumps({"message": f"m{i}", "fields": {"app": "shop"}}).encode()
+            for i in range(n)]
+
+
+def lumberjack_stream() -> bytes:
+    v1 = lj.encode_data_frames([{"a": "1"}, {"line": "x" * 50}, {"c": "3"}])
+    return (lj.encode_window(v1, 3) + lj.encode_window(v1, 3, level=3)
+            + ljs.encode_window_v2(_docs(4)) + ljs.encode_window_v2(_docs(2), level=0))
+
+
+def courier_stream() -> bytes:
+    hello = co.encode_hello(co.Helo(flags=co.FLAG_EVNT))
+    ev = [b'{"message":"a"}', b'{"message":"b","n":1}']
+    return (hello + co.encode_payload(b"n" * 16, ev)
+            + co.encode_payload(b"m" * 16, ev, streamed=True) + co.frame(b"PING"))
+
+
+LJ_VALID = lumberjack_stream()
+
+
+def drive_lumberjack(data: bytes, cuts: list[int]) -> int:
+    """Feed ``data`` in chunks split at ``cuts``, then EOF; the windows parsed."""
+    c = ljs.ServerConnection(max_window=100, max_event_bytes=MAX_EVENT,
+                             max_window_bytes=MAX_WINDOW_BYTES)
+    windows = 0
+    try:
+        prev = 0
+        for cut in sorted(set(cuts)) + [len(data)]:
+            chunk = data[prev:cut]
+            prev = max(prev, cut)
+            if not chunk:
+                continue
+            c.receive_data(chunk)
+            while True:
+                ev = c.next_event()
+                if ev is ljs.NEED_DATA:
+                    break
+                assert type(ev) is ljs.WindowReceived
+                assert 0 < ev.count <= 100 and len(ev.events) <= ev.count
+                c.ack(ev.count)
+                windows += 1
+        c.receive_data(b"")
+        while True:
+            ev = c.next_event()
+            if isinstance(ev, ljs.ConnectionClosed):
+                return windows
+            assert type(ev) is ljs.WindowReceived
+            windows += 1
+    except lj.LumberjackError as e:
+        assert e.reason and isinstance(e.reason, str)
+        # the connection is dead: the same error again, never anything else
+        try:
+            c.next_event()
+        except lj.LumberjackError as again:
+            assert again.reason == e.reason
+        else:
+            raise AssertionError("a dead connection produced an event")
+        return -1
+
+
+def drive_courier(data: bytes, cuts: list[int]) -> int:
+    c = InputConnection(ack_timeout=5.0, max_payload_bytes=MAX_WINDOW_BYTES,
+                        max_event_bytes=MAX_EVENT)
+    payloads = 0
+    now = 0.0
+    try:
+        prev = 0
+        for cut in sorted(set(cuts)) + [len(data)]:
+            chunk = data[prev:cut]
+            prev = max(prev, cut)
+            if not chunk:
+                continue
+            assert c.busy in (True, False)           # must not raise either
+            c.receive_data(chunk)
+            while True:
+                now += 0.001
+                ev = c.next_event(now)
+                c.data_to_send()
+                if ev is None:
+                    break
+                if type(ev) is Payload:
+                    c.keepalive(ev.nonce)
+                    c.ack(ev.nonce, len(ev.events), now)
+                    payloads += 1
+                elif isinstance(ev, co.Ping):
+                    c.pong()
+        return payloads
+    except co.CourierError as e:
+        assert e.reason and isinstance(e.reason, str)
+        return -1
+
+
+CO_VALID = courier_stream()
+
+
+def test_valid_streams_parse_completely():
+    assert drive_lumberjack(LJ_VALID, []) == 4
+    assert drive_lumberjack(LJ_VALID, list(range(0, len(LJ_VALID), 3))) == 4
+    assert drive_courier(CO_VALID, []) == 2
+    assert drive_courier(CO_VALID, list(range(0, len(CO_VALID), 5))) == 2
+
+
+chunks = st.lists(st.integers(min_value=0, max_value=4096), max_size=8)
+
+
+@FUZZ
+@given(st.binary(max_size=2048), chunks)
+@example(b"1W\x00\x00\x00\x01", [])
+@example(b"2W\x00\x00\x00\x012C\xff\xff\xff\xff", [])
+def test_lumberjack_random_bytes(data, cuts):
+    drive_lumberjack(data, cuts)
+
+
+@FUZZ
+@given(st.binary(max_size=2048), chunks)
+@example(b"\x00\x00\x00\x00", [])
+@example(b"HELO\xff\xff\xff\xff", [])
+def test_courier_random_bytes(data, cuts):
+    drive_courier(data, cuts)
+
+
+@FUZZ
+@given(st.integers(min_value=0, max_value=len(LJ_VALID)), chunks)
+def test_lumberjack_truncations(n, cuts):
+    drive_lumberjack(LJ_VALID[:n], cuts)
+
+
+@FUZZ
+@given(st.integers(min_value=0, max_value=len(CO_VALID)), chunks)
+def test_courier_truncations(n, cuts):
+    drive_courier(CO_VALID[:n], cuts)
+
+
+def _flip(data: bytes, flips) -> bytes:
+    b = bytearray(data)
+    for pos, bit in flips:
+        b[pos % len(b)] ^= 1 << bit
+    return bytes(b)
+
+
+flips = st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=7)),
+                 min_size=1, max_size=4)
+
+
+@FUZZ
+@given(flips, chunks)
+def test_lumberjack_bit_flips(fl, cuts):
+    drive_lumberjack(_flip(LJ_VALID, fl), cuts)
+
+
+@FUZZ
+@given(flips, chunks)
+def test_courier_bit_flips(fl, cuts):
+    drive_courier(_flip(CO_VALID, fl), cuts)
+
+
+@FUZZ
+@given(st.integers(min_value=0, max_value=len(LJ_VALID)), st.binary(min_size=1, max_size=64),
+       chunks)
+def test_lumberjack_spliced_garbage(at, junk, cuts):
+    drive_lumberjack(LJ_VALID[:at] + junk + LJ_VALID[at:], cuts)
+
+
+@FUZZ
+@given(st.integers(min_value=0, max_value=len(CO_VALID)), st.binary(min_size=1, max_size=64),
+       chunks)
+def test_courier_spliced_garbage(at, junk, cuts):
+    drive_courier(CO_VALID[:at] + junk + CO_VALID[at:], cuts)

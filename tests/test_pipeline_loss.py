@@ -1,0 +1,93 @@
+"""The incremental loss state (pipeline/loss.py) and the stream reader's refusal of
+segments that appear below its position.  No Spark session needed."""
+
+import os
+import shutil
+
+import pytest
+
+np = pytest.importorskip("numpy")
+pytest.importorskip("pyarrow")
+pytest.importorskip("pyspark")
+
+from logjam_relay.pipeline import sample, stats  # noqa: E402
+from logjam_relay.pipeline.datasource import LateSegment, LogjamStreamReader  # noqa: E402
+from logjam_relay.pipeline.loss import LossState  # noqa: E402
+
+
+def ref_loss(msgs):
+    recs = [{"app_env": m.app_env.decode(), "topic": m.topic.decode(), "body": None,
+             "device": m.device, "sequence": m.sequence, "created_ms": m.created_ms}
+            for m in msgs]
+    return {(r["device"], r["minute_ms"]): r for r in stats.reference_tables(recs)["loss"]}
+
+
+def state_rows(state):
+    t = state.table().to_pylist()
+    return {(r["device"], r["minute_ms"]): r for r in t}
+
+
+@pytest.mark.parametrize("chunks", [1, 7, 97])
+def test_incremental_equals_whole(tmp_path, chunks):
+    msgs = sample.make_messages(3000, seed=9, devices=(1, 2, 3))
+    # more disorder: a late block of old numbers and repeated duplicates
+    msgs += [msgs[i] for i in range(100, 160, 3)]
+    n = len(msgs)
+    dev = np.array([m.device for m in msgs])
+    seq = np.array([m.sequence for m in msgs])
+    created = np.array([m.created_ms for m in msgs])
+    minute = created - created % 60000
+    bounds = sorted({0, n, *np.linspace(0, n, chunks + 1).astype(int).tolist()})
+    path = str(tmp_path / "state.npz")
+    state = LossState()
+    changed_all = {}
+    for b, (a, z) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        # arrival order = (segment, record): one "segment" per chunk, shuffled inside it
+        rec = np.arange(a, z)
+        perm = np.random.default_rng(b).permutation(z - a)
+        changed = state.update(dev[a:z][perm], seq[a:z][perm], np.full(z - a, b),
+                               rec[perm], minute[a:z][perm])
+        for d, ms in changed.items():
+            changed_all.setdefault(d, set()).update(ms)
+        state.save(path, b)                  # and back, as after a restart
+        state, last = LossState.load(path)
+        assert last == b
+    want = ref_loss(msgs)
+    got = state_rows(state)
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        for col in ("received", "missing", "duplicates", "out_of_order", "first_sequence",
+                    "last_sequence"):
+            assert got[k][col] == w[col], (k, col, got[k][col], w[col])
+    assert sum(r["missing"] for r in got.values()) > 0
+    assert {(d, m) for d, ms in changed_all.items() for m in ms} == set(want)
+
+
+def test_filled_gap_changes_an_old_minute():
+    """A late number filling a gap changes the `missing` of the minute where the gap
+    started: the changed minutes say so (the streaming pipeline rewrites that date)."""
+    s = LossState()
+    s.update([1, 1], [1, 5], [0, 0], [0, 1], [0, 60000])
+    assert state_rows(s)[(1, 0)]["missing"] == 3
+    changed = s.update([1], [3], [1], [0], [120000])
+    assert changed == {1: {0, 120000}}
+    rows = state_rows(s)
+    assert rows[(1, 0)]["missing"] == 1 and rows[(1, 120000)]["missing"] == 1
+    assert rows[(1, 120000)]["out_of_order"] == 1
+
+
+def test_stream_reader_refuses_a_late_segment(tmp_path):
+    msgs = sample.make_messages(2000, seed=4)
+    sample.write_archive(tmp_path / "spool", tmp_path / "a", msgs, segment_bytes=64 << 10)
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert len(names) >= 3
+    held = tmp_path / names[1]
+    shutil.move(tmp_path / "a" / names[1], held)      # segment 2 arrives late
+    r = LogjamStreamReader({"path": str(tmp_path / "a")})
+    end = r.latestOffset(r.initialOffset(), r.getDefaultReadLimit())
+    assert int(end["segment"]) > int(names[1].split(".")[0])
+    assert r.latestOffset(end, r.getDefaultReadLimit()) == end     # nothing new: fine
+    shutil.move(held, tmp_path / "a" / names[1])
+    r2 = LogjamStreamReader({"path": str(tmp_path / "a")})         # e.g. after a restart
+    with pytest.raises(LateSegment, match="late segment: 1 segment"):
+        r2.latestOffset(end, r2.getDefaultReadLimit())
