@@ -128,7 +128,9 @@ def child_names(pid: int) -> dict[int, str]:
     for k in children_cpu(pid):
         try:
             cmd = open(f"/proc/{k}/cmdline", "rb").read().split(b"\0")
-            names[k] = " ".join(x.decode() for x in cmd if x)[-60:]
+            args = [x.decode() for x in cmd if x]
+            names[k] = f"{args[-1]} (pid {k})" if "logjam_relay.outputs.worker" in args \
+                else " ".join(args)[-60:]
         except OSError:
             pass
     return names

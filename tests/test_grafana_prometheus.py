@@ -422,7 +422,7 @@ class Faults:
         messages (through CURVE, as an allowed client) fill it and ingress pauses."""
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDTIMEO, 1000)
+        push.setsockopt(zmq.SNDTIMEO, 10000)    # the first send waits for the handshake
         push.curve_publickey, push.curve_secretkey = client_keys
         push.curve_serverkey = server_key
         push.connect(f"tcp://127.0.0.1:{settings_b.pull_port}")

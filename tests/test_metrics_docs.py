@@ -8,9 +8,11 @@ labelled families have samples; one with CURVE on (its families only exist then)
 * every family either relay exposes is a row of the tables, with its type, and with its
   label names where the scrape has samples (``device`` on every one, the others in the
   Labels column);
-* every row names a family a relay exposes;
-* every metric name mentioned anywhere in docs/*.md and README.md (``logjam:...`` or
-  ``logjam_relay_...``, sample names such as ``_sum`` included) is one a relay exposes.
+* every row names a family a relay exposes, and for the families with a fixed set of
+  label values (``ENUMERATED``) its Meaning names each value exposed;
+* every metric name mentioned anywhere in docs/*.md, README.md and deploy/relay.toml
+  (``logjam:...`` or ``logjam_relay_...``, sample names such as ``_sum`` included) is
+  one a relay exposes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from relay_harness import meta, relay_settings, start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATIONS = ROOT / "docs" / "operations.md"
-MENTION_FILES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+MENTION_FILES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md",
+                                                        ROOT / "deploy" / "relay.toml"]
 
 #: Families the test relays expose without samples (so their label names cannot be read
 #: from the scrape), with the reason.  The test fails if one of them does get samples.
@@ -39,11 +42,25 @@ UNSAMPLED = {
     "logjam_relay_samwise_amqp_errors_total": "needs a broker sending malformed AMQP",
 }
 
-#: Metric-like words in docs that are not metric names, with where and why.
+#: Wrong metric names in docs this test's author does not own, reported to their owner:
+#: (file, word) -> the fix.  Explicit so the rest is checked meanwhile; an entry whose
+#: word is gone from the file fails the test (remove it then).
 NOT_METRICS = {
-    # (file, word): reason
     ("docs/inputs.md", "logjam:device:msgs_received"):
-        "inputs engineer's prose: the exposed name is logjam:device:msgs_received_total",
+        "the exposed name is logjam:device:msgs_received_total",
+}
+
+#: Families whose label takes a fixed set of values, all exposed from the start (zeros
+#: included): the row's Meaning must name each value the relay exposes, in backticks.
+ENUMERATED = {
+    "logjam_relay_messages_total": "outcome",
+    "logjam_relay_input_messages_total": "socket",
+    "logjam_relay_replies_total": "status",
+    "logjam_relay_http_connections_total": "outcome",
+    "logjam_relay_subscriptions": "socket",
+    "logjam_relay_spool_lost_records_total": "reason",
+    "logjam_relay_dead_letters_total": "reason",
+    "logjam_relay_curve_refused_total": "reason",
 }
 
 NAME = r"logjam(?::[a-z_]+)+|logjam_relay_[a-z0-9_]+"
@@ -52,7 +69,8 @@ NAME = r"logjam(?::[a-z_]+)+|logjam_relay_[a-z0-9_]+"
 # ------------------------------------------------------------------ parsing
 
 def parse_exposition(text: str) -> dict[str, dict]:
-    """family -> {"type", "labels" (set, None without samples), "samples" (names)}."""
+    """family -> {"type", "labels" (set, None without samples), "samples" (names),
+    "values" (label -> values seen)}."""
     fams: dict[str, dict] = {}
     for line in text.splitlines():
         if line.startswith("# TYPE "):
@@ -64,11 +82,13 @@ def parse_exposition(text: str) -> dict[str, dict]:
             fam = next((f for f in (name, re.sub(r"_(sum|count|bucket)$", "", name))
                         if f in fams), None)
             assert fam is not None, f"sample without a TYPE line: {line!r}"
-            labels = set(re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="', m.group(2) or ""))
-            labels.discard("quantile")
-            labels.discard("le")
+            pairs = re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"',
+                               m.group(2) or "")
+            labels = {k for k, _ in pairs} - {"quantile", "le"}
             fams[fam]["labels"] = (fams[fam]["labels"] or set()) | labels
             fams[fam]["samples"].add(name)
+            for k, v in pairs:
+                fams[fam].setdefault("values", {}).setdefault(k, set()).add(v)
     return fams
 
 
@@ -86,8 +106,10 @@ def documented(section: str) -> dict[str, dict]:
         if m:
             name, kind, labels = m.group(1), m.group(2), m.group(3)
             assert name not in rows, f"{name} documented twice"
+            meaning = line[m.end():]
             rows[name] = {"type": kind,
-                          "labels": {x.strip() for x in labels.split(",") if x.strip()}}
+                          "labels": {x.strip() for x in labels.split(",") if x.strip()},
+                          "words": set(re.findall(r"`([^`]+)`", meaning))}
     return rows
 
 
@@ -121,6 +143,14 @@ def compare(exposed: dict[str, dict], docs: dict[str, dict]) -> list[str]:
             if row["labels"] != fam["labels"] - {"device"}:
                 problems.append(f"{name}: documented labels {sorted(row['labels'])}, "
                                 f"exposed {sorted(fam['labels'] - {'device'})}")
+        label = ENUMERATED.get(name)
+        if label is not None:
+            values = fam.get("values", {}).get(label, set())
+            if not values:
+                problems.append(f"{name}: no {label} values exposed")
+            elif values - row["words"]:
+                problems.append(f"{name}: {label} values {sorted(values - row['words'])} "
+                                f"not named in the docs")
     for name in sorted(set(docs) - set(exposed)):
         problems.append(f"{name} is documented but not exposed")
     return problems
@@ -139,6 +169,16 @@ def test_checker_finds_each_kind_of_difference():
                       "| `logjam_relay_b` | counter | | b |\n"
                       "| `logjam_relay_s` | summary | | s |\n"
                       "| `logjam_relay_gone` | gauge | | gone |\n")
+    lost = parse_exposition(
+        "# TYPE logjam_relay_spool_lost_records_total counter\n"
+        + "".join(f'logjam_relay_spool_lost_records_total{{device="0",output="o",'
+                  f'reason="{r}"}} 0.0\n' for r in ("dropped", "corrupt")))
+    assert lost["logjam_relay_spool_lost_records_total"]["values"]["reason"] == {
+        "dropped", "corrupt"}
+    lost_doc = documented("| `logjam_relay_spool_lost_records_total` | counter | output, "
+                          "reason | lost: `dropped` |")
+    assert compare(lost, lost_doc) == [
+        "logjam_relay_spool_lost_records_total: reason values ['corrupt'] not named in the docs"]
     assert compare(exposed, docs) == [
         "logjam_relay_a_total: documented labels ['y'], exposed ['x']",
         "logjam_relay_b: documented as counter, exposed as gauge",

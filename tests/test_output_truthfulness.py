@@ -18,6 +18,26 @@ from logjam_relay.outputs.supervisor import output_name, parse_outputs
 from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from relay_harness import relay_settings, start_process, stop_process
 
+
+_PROCS: list = []
+
+
+def start(*args, **kwargs):
+    """start_process, and the relay is killed after the test even when the test fails."""
+    proc = start_process(*args, **kwargs)
+    _PROCS.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _reap_relays():
+    yield
+    while _PROCS:
+        proc = _PROCS.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -98,7 +118,7 @@ def test_lumberjack_tls_verification_failure_is_named_in_the_log(tmp_path, tls_f
         reader = LumberjackReader(port=port, ssl_context=ctx)
         async with trio.open_nursery() as nursery:
             await nursery.start(reader.serve)
-            proc = await trio.to_thread.run_sync(lambda: start_process(
+            proc = await trio.to_thread.run_sync(lambda: start(
                 s, ["--output", url, "--spool-dir", str(tmp_path / "spool")], log_path=log))
             try:
                 line = await trio.to_thread.run_sync(
@@ -126,7 +146,7 @@ def test_courier_dns_failures_are_counted(tmp_path):
     s = relay_settings(tmp_path)
     url = "courier://no-such-host.invalid:5043?tls=off&backoff=0.05&backoff_max=0.1&name=co"
     log = tmp_path / "relay.log"
-    proc = start_process(s, ["--output", url, "--spool-dir", str(tmp_path / "spool")],
+    proc = start(s, ["--output", url, "--spool-dir", str(tmp_path / "spool")],
                          log_path=log)
     try:
         deadline = time.monotonic() + 20
@@ -151,7 +171,7 @@ def test_heartbeats_are_not_backlog_of_a_down_output(tmp_path, scheme):
     url = (f"lumberjack://127.0.0.1:{port}?tls=off&backoff_min=0.05&backoff_max=0.2&name=o"
            if scheme == "lumberjack" else
            f"courier://127.0.0.1:{port}?tls=off&backoff=0.05&backoff_max=0.2&name=o")
-    proc = start_process(s, ["--output", url, "--spool-dir", str(tmp_path / "spool")],
+    proc = start(s, ["--output", url, "--spool-dir", str(tmp_path / "spool")],
                          log_path=tmp_path / "relay.log")
     try:
         deadline = time.monotonic() + 20

@@ -157,7 +157,7 @@ def test_sigterm_stops_workers_and_keeps_the_cursor(tmp_path):
                     push.setsockopt(zmq.LINGER, 1000)
                     push.connect(f"tcp://127.0.0.1:{s.pull_port}")
                     await push_n(push, rnd * 1000, 1000)
-                    await until(lambda: len(reader.events) >= (rnd + 1) * 1000)
+                    await until(lambda rnd=rnd: len(reader.events) >= (rnd + 1) * 1000)
                     push.close()
                     assert await trio.to_thread.run_sync(stop_process, proc) == 0
                     for k in kids:
@@ -180,3 +180,33 @@ async def test_process_output_stats_before_the_worker_reports(tmp_path):
     st = po.stats()
     assert st["isolation"] == "process" and st["worker_inflight"] == 0
     assert not st.get("connected")
+
+
+async def test_refused_event_in_a_worker_is_dead_lettered_by_the_relay(tmp_path):
+    """The worker's dead letter reaches the relay's store with the record's real spool
+    position (not the worker's batch position), and the stream flows on."""
+    from logjam_relay.deadletter.store import read_dead_letters
+    from logjam_relay.spool import segment
+    reader = LumberjackReader(refuse=lambda ev: "venom" in ev.fields["line"])
+    dl = tmp_path / "dl"
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(reader.serve)
+        async with running_relay(tmp_path, outputs=[lj_url(port, window=20)],
+                                 output_isolation="process", dead_letter_dir=str(dl),
+                                 spool_dir=str(tmp_path / "spool")) as (relay, cl):
+            push = cl.push()
+            await push_n(push, 0, 50)
+            await send(push, [b"worker-test", b"logs.worker", b'{"n":-1,"venom":1}', meta()])
+            await push_n(push, 50, 50)
+            await until(lambda: set(numbers(reader)) >= set(range(100)))
+            await until(lambda: relay.dead_letters.count_for("lj") == {"refused": 1})
+            push.close()
+        nursery.cancel_scope.cancel()
+    assert -1 not in numbers(reader)
+    letters = list(read_dead_letters(dl))
+    assert [(x.output, x.reason, x.frames[2]) for x in letters] == \
+        [("lj", "refused", b'{"n":-1,"venom":1}')]
+    seg_no, offset = letters[0].position
+    spooled = {off: frames for off, _, frames in segment.iter_records(
+        next((tmp_path / "spool").glob(f"*{seg_no:0{8}d}*")), allow_torn_tail=True)}
+    assert spooled[offset][2] == b'{"n":-1,"venom":1}'

@@ -21,6 +21,26 @@ from logjam_relay.peers.courier_receiver import CourierReceiver
 from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, recv, relay_settings, send, start_process, stop_process
 
+
+_PROCS: list = []
+
+
+def start(*args, **kwargs):
+    """start_process, and the relay is killed after the test even when the test fails."""
+    proc = start_process(*args, **kwargs)
+    _PROCS.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _reap_relays():
+    yield
+    while _PROCS:
+        proc = _PROCS.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
 MiB = 1024 * 1024
 
 
@@ -96,7 +116,7 @@ def test_refused_event_is_dead_lettered_and_the_rest_flows(tmp_path, kind):
         async with trio.open_nursery() as nursery:
             await nursery.start(peer.serve, *args)
             proc = await trio.to_thread.run_sync(
-                lambda: start_process(s, extra, log_path=tmp_path / "relay.log"))
+                lambda: start(s, extra, log_path=tmp_path / "relay.log"))
             ctx = zmq.Context()
             try:
                 bodies = [(body(i), 0) for i in range(10)] + [(poison, 0)] + \
@@ -167,7 +187,7 @@ def test_bombs_and_a_65MiB_body_are_dead_lettered_rss_bounded(tmp_path, kind):
     result = {}
 
     async def phase1():
-        proc = await trio.to_thread.run_sync(lambda: start_process(
+        proc = await trio.to_thread.run_sync(lambda: start(
             s, common + ["--max-event-bytes", "100MiB", "--zmq-max-msg-bytes", "200MiB"],
             log_path=tmp_path / "relay1.log"))
         ctx = zmq.Context()
@@ -182,7 +202,7 @@ def test_bombs_and_a_65MiB_body_are_dead_lettered_rss_bounded(tmp_path, kind):
         async with trio.open_nursery() as nursery:
             await nursery.start(peer.serve, *args)
             proc = await trio.to_thread.run_sync(
-                lambda: start_process(s, common, log_path=tmp_path / "relay2.log"))
+                lambda: start(s, common, log_path=tmp_path / "relay2.log"))
             ctx = zmq.Context()
             try:
                 bodies, bombs = [], 8
@@ -245,7 +265,7 @@ def test_courier_partial_ack_survives_sigkill(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(rcv.serve, port)
             proc = await trio.to_thread.run_sync(
-                lambda: start_process(s, extra, log_path=tmp_path / "relay1.log"))
+                lambda: start(s, extra, log_path=tmp_path / "relay1.log"))
             ctx = zmq.Context()
             try:
                 push = ctx.socket(zmq.PUSH)
@@ -271,7 +291,7 @@ def test_courier_partial_ack_survives_sigkill(tmp_path):
         async with trio.open_nursery() as nursery:
             await nursery.start(rcv2.serve, port)
             proc = await trio.to_thread.run_sync(
-                lambda: start_process(s, extra, log_path=tmp_path / "relay2.log"))
+                lambda: start(s, extra, log_path=tmp_path / "relay2.log"))
             with trio.fail_after(20):
                 while len(set(seen) | set(first)) < 100:
                     await trio.sleep(0.05)

@@ -229,3 +229,12 @@ def test_dead_letter_dir_unwritable(tmp_path):
     line, _ = run_failing(base_argv(tmp_path) + [
         "--dead-letter-dir", d, "--output", "lumberjack://127.0.0.1:1?tls=off"])
     assert_names(line, f"dead_letter_dir {d} (flag --dead-letter-dir)", "cannot write")
+
+
+@pytest.mark.parametrize("scheme", ["lumberjack", "courier"])
+def test_input_port_in_use(tmp_path, busy_port, scheme):
+    url = f"{scheme}://127.0.0.1:{busy_port}?tls=off"
+    line, _ = run_failing(base_argv(tmp_path) + ["--spool-dir", str(tmp_path / "spool"),
+                                                 "--input", url])
+    assert_names(line, f"inputs {url} (flag --input)", "address already in use",
+                 "still running?")

@@ -594,6 +594,8 @@ def _read_brokers_file(s: Settings) -> None:
                           f"{e.strerror}") from None
     s.amqp_brokers = list(s.amqp_brokers) + [ln.strip() for ln in lines
                                               if ln.strip() and not ln.lstrip().startswith("#")]
+    if "amqp_brokers" not in s.sources:     # all of them from the file: name it as the source
+        s.sources["amqp_brokers"] = s.amqp_brokers_file
 
 
 def _check(s: Settings) -> None:

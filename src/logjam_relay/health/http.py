@@ -217,6 +217,8 @@ class HTTPServer:
                 self.bad_requests += 1
                 self.bad_requests_by_reason[e.reason] = \
                     self.bad_requests_by_reason.get(e.reason, 0) + 1
+                rlog.warning("http_" + e.reason, "metrics endpoint: bad request (%s): %s; "
+                             "answered %d", e.reason, e, e.status)
                 await self._respond(stream, e.status, "text/plain", f"{e}\n".encode())
                 return
         if read_scope.cancelled_caught:

@@ -47,9 +47,9 @@ class BaseInput:
         spec = self.spec
         try:
             listeners = await trio.open_tcp_listeners(spec.port, host=spec.host)
-        except OSError as e:
-            raise OSError(f"input {spec.name}: cannot listen on {spec.host}:{spec.port}: "
-                          f"{e.strerror or e}") from None
+        except OSError as e:         # the errno kept: start-up names the likely cause
+            raise OSError(e.errno, f"input {spec.name}: cannot listen on "
+                          f"{spec.host}:{spec.port}: {e.strerror or e}") from None
         self.port = listeners[0].socket.getsockname()[1]
         log.info("input %s listening on %s:%d (%s)", spec.name, spec.host, self.port,
                  "TLS" + (" with client certificates" if spec.ca else "") if spec.tls

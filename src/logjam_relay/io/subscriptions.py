@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 
 import zmq
 
@@ -88,6 +90,7 @@ class SubscriptionGuard:
     """
 
     TRIM_AFTER = 1000      # entries freed since the last malloc_trim
+    PEER_BYTES_PER_SECOND = 1024   # what a connection's byte budget grows by
 
     def __init__(self, sock: zmq.Socket, max_subscriptions: int = 10_000):
         if sock.type != zmq.XPUB:
@@ -114,7 +117,8 @@ class SubscriptionGuard:
         # hold at the longest topic): libzmq takes subscriptions into its trie faster
         # than anyone can read them, so the byte count (TCP_INFO) cuts a flood early
         self.max_peer_bytes = max_subscriptions * (MAX_TOPIC_BYTES + 12) + 4096
-        self._conns: dict[int, socket.socket] = {}   # fd -> our dup (TCP_INFO, abort)
+        # fd -> (our dup (TCP_INFO, abort), when it was accepted)
+        self._conns: dict[int, tuple[socket.socket, float]] = {}
         self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
 
     def close(self) -> None:
@@ -123,15 +127,19 @@ class SubscriptionGuard:
         except zmq.ZMQError:
             pass
         self._monitor.close(linger=0)
-        for c in self._conns.values():
+        for c, _ in self._conns.values():
             c.close()
         self._conns.clear()
 
     def _check_bytes(self) -> None:
         """Cut every connection that sent more than ``max_peer_bytes``; let go of our dup
         of a connection libzmq closed (its fd is gone or another file now), in case the
-        monitor's DISCONNECTED event was lost (the monitor queue drops when full)."""
-        for fd, c in list(self._conns.items()):
+        monitor's DISCONNECTED event was lost (the monitor queue drops when full).
+        The budget grows by ``PEER_BYTES_PER_SECOND`` with the connection's age, so
+        ZMTP heartbeats and subscription churn of a long-lived subscriber never add up
+        to a cut."""
+        now = time.monotonic()
+        for fd, (c, since) in list(self._conns.items()):
             try:
                 same = os.fstat(fd).st_ino == os.fstat(c.fileno()).st_ino
             except OSError:
@@ -146,8 +154,10 @@ class SubscriptionGuard:
                 info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
             except OSError:
                 continue
-            if len(info) >= 136 and int.from_bytes(info[128:136], "little") > \
-                    self.max_peer_bytes and self._disconnect(fd):
+            budget = self.max_peer_bytes + (now - since) * self.PEER_BYTES_PER_SECOND
+            # struct tcp_info: tcpi_bytes_received (u64) at offset 128 (Linux >= 4.1)
+            if len(info) >= 136 and int.from_bytes(info[128:136], sys.byteorder) > budget \
+                    and self._disconnect(fd):
                 self._cut.add(fd)
 
     def stats(self) -> dict:
@@ -259,7 +269,7 @@ class SubscriptionGuard:
             elif event == zmq.EVENT_DISCONNECTED:
                 c = self._conns.pop(fd, None)
                 if c is not None:
-                    c.close()
+                    c[0].close()
                 self._cut.discard(fd)
                 self._dead.add(fd)
                 gone = self._by_fd.pop(fd, None)
@@ -277,7 +287,7 @@ class SubscriptionGuard:
             return
         try:
             if c.type == socket.SOCK_STREAM and c.getsockname()[1] in self._ports:
-                self._conns[fd] = c
+                self._conns[fd] = (c, time.monotonic())
                 return
         except (OSError, IndexError, TypeError):
             pass

@@ -35,8 +35,8 @@ worker, measured with bench_durable.py).
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import pickle
 import select
 import signal
@@ -152,7 +152,8 @@ class ProcessOutput:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         fd = theirs.fileno()
-        argv = [sys.executable, "-m", "logjam_relay.outputs.worker", str(fd)]
+        # the output's name on the command line: ps/top show which worker is which
+        argv = [sys.executable, "-m", "logjam_relay.outputs.worker", str(fd), self.name]
         try:
             proc = await trio.lowlevel.open_process(argv, pass_fds=(fd,),
                                                     start_new_session=True)
@@ -245,9 +246,9 @@ class ProcessOutput:
                 store = self.dead_letters
                 if store is not None:
                     with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(
-                            lambda: store.put(output, reason, frames, kind=rkind,
-                                              detail=detail, position=position))
+                        await trio.to_thread.run_sync(functools.partial(
+                            store.put, output, reason, frames, kind=rkind, detail=detail,
+                            position=position))
 
 
     def _position(self, bno: int, idx: int):
@@ -287,7 +288,7 @@ class RemoteSource:
         """Records of one batch; positions ``(batch_no, index)`` (see the module doc)."""
         tnew = tuple.__new__
         self._records.extend([tnew(Record, (tnew(Position, (batch_no, i)), k, f))
-                              for i, (k, f) in enumerate(zip(kinds, frames))])
+                              for i, (k, f) in enumerate(zip(kinds, frames, strict=True))])
         self.records_received += len(frames)
         self._event.set()
 
@@ -381,6 +382,8 @@ async def worker_main(fd: int) -> int:
     dead = DeadLetterProxy(send) if with_dead else None
     output = make_output(OutputSpec(name, scheme, url), source, relay_host, dead_letters=dead,
                          max_event_bytes=max_event_bytes)
+    from ..relay.stamping import tune_gc
+    tune_gc()
 
     async def receive(cancel_scope):
         async for kind, payload in messages:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import zmq
 from ..config import Settings, find_exception
 from ..health.http import HTTPServer
 from ..health.metrics import make_registry, metrics_handler
+from ..redact import redact_text
 from .app import Relay, bind_cause
 
 log = logging.getLogger("logjam_relay.service")
@@ -124,9 +126,9 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
             factory = isolated_factory(spec, reader, relay.fqdn, dead_letters=dead_letters,
                                        max_event_bytes=settings.max_event_bytes)
         else:
-            factory = (lambda spec=spec, reader=reader: make_output(
-                spec, reader, relay.fqdn, dead_letters=dead_letters,
-                max_event_bytes=settings.max_event_bytes))
+            factory = functools.partial(make_output, spec, reader, relay.fqdn,
+                                        dead_letters=dead_letters,
+                                        max_event_bytes=settings.max_event_bytes)
         relay.outputs.append(OutputSupervisor(
             spec, reader, factory,
             retry_budget=settings.ready_output_down_after or float("inf")))
@@ -145,8 +147,12 @@ def attach_inputs(relay: Relay, settings: Settings) -> None:
     relay.inputs = [make_input(spec, relay) for spec in specs]
 
     async def start_inputs(nursery):
-        for inp in relay.inputs:
-            port = await nursery.start(inp.run)
+        for url, inp in zip(settings.inputs, relay.inputs, strict=True):
+            try:
+                port = await nursery.start(inp.run)
+            except OSError as e:
+                raise settings.startup_error("inputs", bind_cause(
+                    f"{inp.spec.host}:{inp.spec.port}", e), value=redact_text(url)) from None
             relay.endpoints[f"input_{inp.name}"] = f"{inp.spec.scheme}://{inp.spec.host}:{port}"
     relay.add_task(start_inputs)
 
