@@ -97,12 +97,28 @@ async def test_curve_accept_refuse_and_allow_list_changes(tmp_path, keys):
             with trio.fail_after(10):               # counted by the relay's socket monitor
                 while relay.curve.refused["handshake"] < 1:
                     await trio.sleep(0.01)
+            # 3b. an impostor: the allowed agent's public key without its secret key
+            imp = ctx.socket(zmq.DEALER)
+            imp.setsockopt(zmq.LINGER, 0)
+            imp.curve_publickey, imp.curve_secretkey = keys["agent"][0], keys["stranger"][1]
+            imp.curve_serverkey = keys["relay"][0]
+            imon = imp.get_monitor_socket(OK | FAILED)
+            accepted_before = relay.curve.stats()["accepted"]
+            imp.connect(router_ep)
+            assert await _handshake(imon) & FAILED
+            await zmq_trio.send_multipart(imp, [b"", b"curve-test", b"logs.curve", b"{}",
+                                                meta()])
+            with trio.move_on_after(0.5):          # nothing comes back: no session
+                assert not await zmq_trio.recv_multipart(imp), "impostor got a reply"
+            assert relay.curve.stats()["accepted"] == accepted_before
+            imp.close()
             # 4. a plain client: refused on the secure endpoint, served on the plain one
+            handshakes = relay.curve.refused["handshake"]
             p, pmon = _client(ctx, zmq.DEALER, keys, None)
             p.connect(router_ep)
             assert await _handshake(pmon) & FAILED
             with trio.fail_after(10):
-                while relay.curve.refused["handshake"] < 2:
+                while relay.curve.refused["handshake"] <= handshakes:
                     await trio.sleep(0.01)
             p2, p2mon = _client(ctx, zmq.DEALER, keys, None)
             p2.connect(f"tcp://127.0.0.1:{plain_port}")
@@ -139,6 +155,14 @@ def test_keygen_and_config_errors(tmp_path):
     assert oct(sec.stat().st_mode & 0o777) == "0o600"
     pub, secret = load_secret_key(str(sec))
     assert pub.decode() in r.stdout and secret.decode() not in r.stdout
+    # running it again keeps the pair (clients hold its public key) unless --force
+    again = cli("keygen", str(tmp_path / "k"), "relay")
+    assert again.returncode == 2 and "exists" in again.stderr and "--force" in again.stderr
+    assert load_secret_key(str(sec)) == (pub, secret)
+    assert cli("keygen", str(tmp_path / "k"), "../relay").returncode == 2
+    forced = cli("keygen", str(tmp_path / "k"), "relay", "--force")
+    assert forced.returncode == 0 and load_secret_key(str(sec))[0] != pub
+    pub, secret = load_secret_key(str(sec))
     (tmp_path / "allow").mkdir()
     (tmp_path / "allow" / "bare").write_text(pub.decode() + "\n")
     assert AllowList(str(tmp_path / "allow")).keys == {pub}

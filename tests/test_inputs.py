@@ -156,6 +156,30 @@ def test_parse_input_urls(tls_files):
             parse_input(bad)
 
 
+def test_every_parameter_docs_inputs_md_lists_is_accepted(tls_files):
+    """The parameter names come from docs/inputs.md's table, so a documented parameter the
+    parser refuses (or a renamed one) fails here."""
+    import pathlib
+    import re
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "inputs.md").read_text()
+    table = doc.split("## URL parameters", 1)[1].split("\n\n", 2)[1]
+    names = [n for row in table.splitlines()[2:]
+             for n in re.findall(r"`([a-z_]+)`", row.split("|")[1])]
+    assert len(names) >= 15, names
+    sample = {"tls": "on", "cert": tls_files["server"], "key": tls_files["server"],
+              "ca": tls_files["ca"], "name": "in1", "max_window": "100",
+              "max_event_bytes": "1MiB", "max_batch_bytes": "8MiB", "timeout": "5s",
+              "idle_timeout": "60s", "handshake_timeout": "2s", "max_connections": "10",
+              "ack_interval": "1s", "app_field": "fields.app", "env_field": "fields.env",
+              "default_app": "a", "default_env": "e", "topic_prefix": "t"}
+    for scheme in ("lumberjack", "courier"):
+        for name in names:
+            params = {"cert": tls_files["server"], name: sample[name]}
+            q = "&".join(f"{k}={v}" for k, v in params.items())
+            spec = parse_input(f"{scheme}://127.0.0.1:5044?{q}")
+            assert spec.port == 5044, (scheme, name)
+
+
 # ------------------------------------------------------------------ real relay
 
 async def _collect(sub, n, timeout=15):

@@ -9,6 +9,7 @@ still parse completely, so the drivers are checked against the unmutated input a
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -129,34 +130,26 @@ def test_valid_streams_parse_completely():
 
 
 chunks = st.lists(st.integers(min_value=0, max_value=4096), max_size=8)
+CORES = {"lumberjack": (drive_lumberjack, LJ_VALID), "courier": (drive_courier, CO_VALID)}
+each_core = pytest.mark.parametrize("core", list(CORES))
 
 
+@each_core
 @FUZZ
-@given(st.binary(max_size=2048), chunks)
-@example(b"1W\x00\x00\x00\x01", [])
-@example(b"2W\x00\x00\x00\x012C\xff\xff\xff\xff", [])
-def test_lumberjack_random_bytes(data, cuts):
-    drive_lumberjack(data, cuts)
+@given(data=st.binary(max_size=2048), cuts=chunks)
+@example(data=b"1W\x00\x00\x00\x01", cuts=[])
+@example(data=b"2W\x00\x00\x00\x012C\xff\xff\xff\xff", cuts=[])
+@example(data=b"HELO\xff\xff\xff\xff", cuts=[])
+def test_random_bytes(core, data, cuts):
+    CORES[core][0](data, cuts)
 
 
+@each_core
 @FUZZ
-@given(st.binary(max_size=2048), chunks)
-@example(b"\x00\x00\x00\x00", [])
-@example(b"HELO\xff\xff\xff\xff", [])
-def test_courier_random_bytes(data, cuts):
-    drive_courier(data, cuts)
-
-
-@FUZZ
-@given(st.integers(min_value=0, max_value=len(LJ_VALID)), chunks)
-def test_lumberjack_truncations(n, cuts):
-    drive_lumberjack(LJ_VALID[:n], cuts)
-
-
-@FUZZ
-@given(st.integers(min_value=0, max_value=len(CO_VALID)), chunks)
-def test_courier_truncations(n, cuts):
-    drive_courier(CO_VALID[:n], cuts)
+@given(frac=st.floats(min_value=0, max_value=1), cuts=chunks)
+def test_truncations(core, frac, cuts):
+    drive, valid = CORES[core]
+    drive(valid[:int(len(valid) * frac)], cuts)
 
 
 def _flip(data: bytes, flips) -> bytes:
@@ -170,27 +163,19 @@ flips = st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=0, ma
                  min_size=1, max_size=4)
 
 
+@each_core
 @FUZZ
-@given(flips, chunks)
-def test_lumberjack_bit_flips(fl, cuts):
-    drive_lumberjack(_flip(LJ_VALID, fl), cuts)
+@given(fl=flips, cuts=chunks)
+def test_bit_flips(core, fl, cuts):
+    drive, valid = CORES[core]
+    drive(_flip(valid, fl), cuts)
 
 
+@each_core
 @FUZZ
-@given(flips, chunks)
-def test_courier_bit_flips(fl, cuts):
-    drive_courier(_flip(CO_VALID, fl), cuts)
-
-
-@FUZZ
-@given(st.integers(min_value=0, max_value=len(LJ_VALID)), st.binary(min_size=1, max_size=64),
-       chunks)
-def test_lumberjack_spliced_garbage(at, junk, cuts):
-    drive_lumberjack(LJ_VALID[:at] + junk + LJ_VALID[at:], cuts)
-
-
-@FUZZ
-@given(st.integers(min_value=0, max_value=len(CO_VALID)), st.binary(min_size=1, max_size=64),
-       chunks)
-def test_courier_spliced_garbage(at, junk, cuts):
-    drive_courier(CO_VALID[:at] + junk + CO_VALID[at:], cuts)
+@given(frac=st.floats(min_value=0, max_value=1), junk=st.binary(min_size=1, max_size=64),
+       cuts=chunks)
+def test_spliced_garbage(core, frac, junk, cuts):
+    drive, valid = CORES[core]
+    at = int(len(valid) * frac)
+    drive(valid[:at] + junk + valid[at:], cuts)

@@ -287,13 +287,22 @@ def test_a_stalled_subscriber_costs_at_most_snd_hwm_messages(ctx, impl):
     xpub.setsockopt(zmq.SNDBUF, 65536)
     xpub.bind("tcp://127.0.0.1:*")
     pub = zmq_trio.PubSocket(xpub)
-    other = zmq.Context()                             # the subscriber: another "process"
-    sub = other.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.RCVHWM, 1)
-    sub.setsockopt(zmq.RCVBUF, 4096)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(xpub.getsockopt_string(zmq.LAST_ENDPOINT))
+    # the subscriber: a raw ZMTP 3.0 peer that subscribes to everything and never reads
+    # (a libzmq SUB in this process would only add its own queue)
+    import socket
+    port = int(xpub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", port))
+    raw.sendall(b"\xff" + b"\0" * 8 + b"\x7f")
+    got = b""
+    while len(got) < 10:
+        got += raw.recv(10 - len(got))
+    raw.sendall(b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32)
+    while len(got) < 64:                              # the whole greeting, as libzmq does
+        got += raw.recv(64 - len(got))
+    ready = b"\x05READY\x0bSocket-Type" + (3).to_bytes(4, "big") + b"SUB"
+    raw.sendall(b"\x04" + bytes([len(ready)]) + ready + b"\x00\x01\x01")
     assert xpub.poll(2000) and xpub.recv() == b"\x01"
     body = os.urandom(1 << 20)
     before = _rss()
@@ -304,6 +313,5 @@ def test_a_stalled_subscriber_costs_at_most_snd_hwm_messages(ctx, impl):
     assert pub.drops >= 1                             # the queue was found full
     # snd_hwm (8) + what sits in the subscriber's pipe and the socket buffers
     assert grown < 48 * (1 << 20), f"RSS grew {grown / (1 << 20):.0f} MiB"
+    raw.close()
     xpub.close(linger=0)
-    sub.close(linger=0)
-    other.term()

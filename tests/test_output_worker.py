@@ -141,7 +141,9 @@ def test_sigterm_stops_workers_and_keeps_the_cursor(tmp_path):
     port = free_port()
     spool = str(tmp_path / "spool")
     s = relay_settings(tmp_path, outputs=[lj_url(port)], spool_dir=spool)
-    extra = ["--output", lj_url(port), "--spool-dir", spool, "--output-isolation", "process"]
+    # a budget that a loaded machine keeps: the graceful stop is what is tested here
+    extra = ["--output", lj_url(port), "--spool-dir", spool, "--output-isolation", "process",
+             "--shutdown-timeout", "6"]
 
     async def main():
         reader = LumberjackReader(port=port)

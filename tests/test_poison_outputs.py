@@ -373,3 +373,120 @@ def test_letter_larger_than_the_budget_is_counted_not_raised(tmp_path):
     assert st.dropped == 1 and st.count_for("o") == {"too_large": 1}
     assert st.put("o", "too_large", [b"x" * 2_000]) is not None
     assert len(list(read_dead_letters(tmp_path / "dl"))) == 1
+
+
+def test_damaged_store_files_never_stop_list_or_the_relay_store(tmp_path):
+    """A torn tail, a flipped byte inside a letter, a garbage file and a directory with a
+    store file's name: `deadletters list` (the real command) still lists every intact
+    letter and exits 0, and the relay's store still opens and writes."""
+    import os
+    import subprocess
+    import sys
+    from logjam_relay.spool import segment as seg
+    dl = tmp_path / "dl"
+    st = DeadLetterStore(dl, max_bytes=8 * 1024 * 1024)
+    for i in range(5):
+        st.put("o", "refused", rec(good(i), i), position=(1, i), detail=f"#{i}")
+    st._seal()                                  # file 1: sealed, 5 letters
+    for i in range(5, 8):
+        st.put("o", "refused", rec(good(i), i), position=(1, i), detail=f"#{i}")
+    st.close()                                  # file 2: open, 3 letters
+    f1, f2 = sorted(p for p in dl.iterdir())
+    ids = [d.id for d in read_dead_letters(dl)]
+    assert len(ids) == 8
+    # flip a byte inside the body of letter #2 (file 1), tear the last letter of file 2
+    off2 = int(ids[2].split(":")[1])
+    b = bytearray(f1.read_bytes())
+    b[off2 + 30] ^= 0x40
+    f1.write_bytes(bytes(b))
+    with open(f2, "r+b") as f:
+        f.truncate(os.path.getsize(f2) - 7)
+    (dl / seg.segment_name(3, sealed=True)).write_bytes(b"\x00garbage" * 10)
+    (dl / seg.segment_name(4, sealed=False)).write_bytes(b"")
+    (dl / seg.segment_name(5, sealed=True)).mkdir()
+
+    r = subprocess.run([sys.executable, "-m", "logjam_relay", "deadletters", "list", "--dir",
+                        str(dl), "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    got = [json.loads(x)["detail"] for x in r.stdout.splitlines()]
+    # the damaged letter is skipped, the ones after it in the same file are found again
+    assert got == ["#0", "#1", "#3", "#4", "#5", "#6"], (got, r.stderr)
+    assert "damaged record skipped" in r.stderr
+
+    st2 = DeadLetterStore(dl, max_bytes=8 * 1024 * 1024)
+    assert st2.put("o", "too_large", rec(good(99), 99), detail="#99") is not None
+    st2.close()
+    assert [d.detail for d in read_dead_letters(dl)][-1] == "#99"
+
+
+def test_letters_with_odd_meta_are_listed_not_raised(tmp_path):
+    """A record that is intact but whose meta frame is not the store's (JSON list, wrong
+    types, no JSON at all) is listed with '?' fields."""
+    from logjam_relay.spool import segment as seg
+    dl = tmp_path / "dl"
+    dl.mkdir()
+    metas = [b"[1,2]", b'{"time_ms":"x","position":["a",1],"output":3}', b"\xff\xfe", b"null"]
+    data = seg.encode_header(1, 0, 0) + b"".join(
+        seg.encode_records([(0, [m, b"s", b"t", b"{}", encode_meta(0, 1, 1, 1)])], i)
+        for i, m in enumerate(metas))
+    (dl / seg.segment_name(1, sealed=False)).write_bytes(data)
+    letters = list(read_dead_letters(dl))
+    assert [(d.reason, d.time_ms, d.position) for d in letters] == [("?", 0, None)] * 4
+    assert letters[1].output == "3"
+    assert all(d.summary()["stream"] == "s" for d in letters)
+
+
+async def test_resend_counts_letters_the_output_diverts_again_as_not_delivered(
+        nursery, tmp_path, capsys):
+    """`resend` must not report a letter as delivered when the output diverted it again
+    (still over --max-event-bytes): the output acknowledges it to its source all the same."""
+    from conftest import free_port
+    from logjam_relay.tools.deadletters import resend
+    st = DeadLetterStore(tmp_path / "dl")
+    st.put("lj", "too_large", rec(b'"' + b"x" * 5000 + b'"', 0))
+    st.put("lj", "refused", rec(good(1), 1))
+    letters = list(read_dead_letters(tmp_path / "dl"))
+    port = free_port()
+    peer = LumberjackReader(port=port)
+    await nursery.start(peer.serve)
+    n = await trio.to_thread.run_sync(lambda: resend(
+        letters, f"lumberjack://127.0.0.1:{port}?tls=off", max_event_bytes=1024, timeout=10,
+        relay_host="h"))
+    assert n == 1 and len(peer.events) == 1
+    assert "1 too_large (raise --max-event-bytes)" in capsys.readouterr().err
+    n = await trio.to_thread.run_sync(lambda: resend(
+        letters[:1], f"lumberjack://127.0.0.1:{port}?tls=off", max_event_bytes=8192,
+        timeout=10, relay_host="h"))
+    assert n == 1 and len(peer.events) == 2
+
+
+async def test_lumberjack_window_is_cut_at_window_bytes(nursery, tmp_path):
+    """`window_bytes` bounds a window in bytes: 40 plain events of 30 KB with window=100 and
+    window_bytes=64KiB go in windows of at most 3 events (the window ends after the record
+    that reaches the cap), all delivered once and in order; the URL parameter is parsed."""
+    from logjam_relay.outputs.lumberjack import parse_url
+    assert parse_url("lumberjack://h?window_bytes=64KiB").window_bytes == 65536
+    for bad in ("window_bytes=1000", "window_bytes=lots"):
+        with pytest.raises(ValueError, match="window_bytes"):
+            parse_url(f"lumberjack://h?{bad}")
+    src = MemorySource()
+    for i in range(40):
+        src.append(rec(json.dumps({"i": i, "pad": "p" * 30_000}).encode(), i))
+    reader = LumberjackReader()
+    await nursery.start(reader.serve)
+    out = lj_out(reader.port, src, None, window=100, window_bytes=64 * 1024)
+    await run_until_acked(nursery, out, src)
+    sizes = [len(w.events) for w in reader.windows]
+    assert [json.loads(e.fields["line"])["i"] for e in reader.events] == list(range(40))
+    assert max(sizes) == 3 and sum(sizes) == 40, sizes
+    assert out.windows_cut >= 13
+    # without the cap (the default: 4 x max_event_bytes = 256 KiB here) windows hold 9
+    src2 = MemorySource()
+    for i in range(40):
+        src2.append(rec(json.dumps({"i": i, "pad": "p" * 30_000}).encode(), i))
+    reader2 = LumberjackReader()
+    await nursery.start(reader2.serve)
+    out2 = lj_out(reader2.port, src2, None, window=100)
+    await run_until_acked(nursery, out2, src2)
+    assert max(len(w.events) for w in reader2.windows) == 9

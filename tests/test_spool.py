@@ -557,6 +557,29 @@ def test_write_error_enospc_injected(tmp_path, monkeypatch):
     sp.close()
 
 
+def test_short_write_of_the_state_file_keeps_the_old_one(tmp_path, monkeypatch):
+    """A full disk that takes only part of the state file (a short write, no error):
+    the truncated file must not replace the good one (it holds the numbering)."""
+    import json
+    sp = open_spool(tmp_path, readers=["a"])
+    fill(sp, 0, 5)
+    sp._save_state()
+    good = (tmp_path / spool_mod.STATE_FILE).read_bytes()
+    real = spool_mod._write
+
+    def short(fd, data):
+        return real(fd, bytes(data[:10])) if len(data) > 10 else 0
+
+    monkeypatch.setattr(spool_mod, "_write", short)
+    with pytest.raises(SpoolWriteError) as e:
+        sp._save_state()
+    assert e.value.reason == "enospc"
+    monkeypatch.setattr(spool_mod, "_write", real)
+    assert (tmp_path / spool_mod.STATE_FILE).read_bytes() == good
+    assert json.loads(good)["next_seq"] == 5
+    sp.close()
+
+
 def test_write_error_directory_replaced_by_file(tmp_path):
     """Real kernel error (we run as root, so EACCES cannot be provoked): the spool
     directory is moved away and a plain file takes its place -> ENOTDIR on the next

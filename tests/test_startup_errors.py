@@ -238,3 +238,17 @@ def test_input_port_in_use(tmp_path, busy_port, scheme):
                                                  "--input", url])
     assert_names(line, f"inputs {url} (flag --input)", "address already in use",
                  "still running?")
+
+
+@pytest.mark.parametrize("content", [b'{"device": 0, "sequence": 12', b"\x00" * 64,
+                                     b'{"device": 0, "sequence": "many"}', b"[1, 2]"])
+def test_unreadable_sequence_state_refuses_to_start(tmp_path, content):
+    """The next number is unknown: starting at 1 could reuse numbers importers have seen."""
+    state = tmp_path / "state"
+    state.mkdir()
+    f = state / "sequence-device-0.json"
+    f.write_bytes(content)
+    line, _ = run_failing(base_argv(tmp_path))
+    assert_names(line, f"state_dir {state} (flag --state-dir)", "sequence-device-0.json",
+                 "unreadable", "move the file aside")
+    assert f.read_bytes() == content                # left as it was for the operator

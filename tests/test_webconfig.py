@@ -158,3 +158,58 @@ def test_real_prometheus_scrapes_over_tls_with_basic_auth(tmp_path, web_config, 
             prom.terminate()
             prom.wait(10)
         assert stop_process(relay) == 0
+
+
+async def test_wrong_passwords_do_not_hold_up_a_known_scraper(tmp_path):
+    """12 requests with wrong passwords (bcrypt cost 12 each, checked one at a time in a
+    worker thread) are in the server when a scraper whose credentials were verified
+    before asks: it is answered from the cache while the wrong ones are still being
+    checked (an ordering, not a speed claim: the inline check answered them all first)."""
+    import socket
+
+    import trio
+
+    from logjam_relay.health.http import HTTPServer
+
+    h = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(12)).decode()
+    p = tmp_path / "web.yml"
+    p.write_text(f"basic_auth_users:\n  prometheus: '{h}'\n")
+    cfg = load(str(p))
+    server = HTTPServer({"/metrics": lambda: (200, "text/plain", b"m 1\n")}, "127.0.0.1", 0,
+                        threaded=False, authorize=cfg.authorize,
+                        authorize_cached=cfg.authorize_cached)
+
+    def raw(auth: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", server.bound_port), timeout=60) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nAuthorization: Basic " +
+                      base64.b64encode(auth) + b"\r\n\r\n")
+            out = b""
+            while chunk := s.recv(4096):
+                out += chunk
+            return out
+
+    good = f"prometheus:{PASSWORD}".encode()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        assert (await trio.to_thread.run_sync(raw, good)).startswith(b"HTTP/1.1 200")
+        bad_replies: list[bytes] = []
+
+        async def bad(i):
+            bad_replies.append(await trio.to_thread.run_sync(
+                raw, b"prometheus:wrong%d" % i, limiter=trio.CapacityLimiter(1)))
+
+        for i in range(12):
+            nursery.start_soon(bad, i)
+        with trio.fail_after(30):
+            while server.requests < 13:         # all 12 read and waiting for their check
+                await trio.sleep(0.01)
+        reply = await trio.to_thread.run_sync(raw, good, limiter=trio.CapacityLimiter(1))
+        refused_when_answered = server.unauthorized
+        with trio.fail_after(120):
+            while len(bad_replies) < 12:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"m 1\n")
+    assert refused_when_answered < 12, refused_when_answered
+    assert all(r.startswith(b"HTTP/1.1 401") for r in bad_replies)
+    assert server.unauthorized == 12 and cfg.refused == 12

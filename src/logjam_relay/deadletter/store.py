@@ -226,25 +226,64 @@ class DeadLetterStore:
 
 
 def _decode(no: int, off: int, kind: int, frames: list[bytes]) -> DeadLetter:
+    """A letter from its record; a meta frame that is not what the store writes (a file
+    written by something else, or a CRC that matched by chance) gives ``?`` fields."""
     try:
         meta = json.loads(frames[0])
     except (ValueError, IndexError):
+        meta = None
+    if not isinstance(meta, dict):
         meta = {}
     pos = meta.get("position")
+    if not (isinstance(pos, list) and len(pos) == 2 and all(type(x) is int for x in pos)):
+        pos = None
+    t = meta.get("time_ms")
     return DeadLetter(id=f"{no}:{off}", output=str(meta.get("output", "?")),
                       reason=str(meta.get("reason", "?")), detail=str(meta.get("detail", "")),
-                      time_ms=int(meta.get("time_ms", 0)),
-                      position=tuple(pos) if isinstance(pos, list) and len(pos) == 2 else None,
+                      time_ms=t if type(t) is int and t >= 0 else 0,
+                      position=tuple(pos) if pos else None,
                       kind=kind, frames=list(frames[1:]))
 
 
+#: how far past a damaged record the reader looks for the next intact one
+RESYNC_WINDOW = 16 * 1024 * 1024
+
+
+def _records(path: Path) -> Iterator[tuple[int, int, list]]:
+    """``(offset, kind, frames)`` of every intact record of one store file.  A damaged
+    record (CRC, structure) is skipped: the next intact one is found by its sequence number
+    (the store numbers the records of each file from 0, as the spool does), within
+    :data:`RESYNC_WINDOW` bytes; a torn tail ends the file."""
+    start, seq = 0, 0
+    while True:
+        try:
+            for off, kind, frames in seg.iter_records(path, start, allow_torn_tail=True):
+                seq += 1
+                yield off, kind, frames
+            return
+        except seg.SegmentError as e:
+            if e.offset < seg.HEADER_LEN:           # the header itself: nothing to resync to
+                log.warning("dead-letter file %s: %s (file skipped)", path, e)
+                return
+            with open(path, "rb") as f:
+                f.seek(e.offset)
+                buf = f.read(RESYNC_WINDOW)
+            found = seg.resync(buf, e.offset, e.offset, seq, seq + 1 + 1024)
+            if found is None:
+                log.warning("dead-letter file %s: %s (rest of the file skipped)", path, e)
+                return
+            log.warning("dead-letter file %s: %s (damaged record skipped)", path, e)
+            start, seq = found
+
+
 def read_dead_letters(directory: str | os.PathLike) -> Iterator[DeadLetter]:
-    """Every dead letter in ``directory``, oldest first (torn tails are skipped)."""
+    """Every dead letter in ``directory``, oldest first.  Never stopped by a damaged file:
+    torn tails end a file, damaged records are skipped (logged), unreadable files too."""
     for no, path in _files(Path(directory)):
         try:
-            for off, kind, frames in seg.iter_records(path, allow_torn_tail=True):
+            for off, kind, frames in _records(path):
                 yield _decode(no, off, kind, [bytes(f) for f in frames])
         except FileNotFoundError:
             continue
-        except seg.SegmentError as e:
-            log.warning("dead-letter file %s: %s (rest of the file skipped)", path, e)
+        except OSError as e:                        # a directory, no permission, I/O error
+            log.warning("dead-letter file %s: %s (skipped)", path, e)

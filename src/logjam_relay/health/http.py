@@ -14,7 +14,11 @@
   are open.  Each request has ``header_timeout`` seconds to arrive in full.
 * **Pluggable TLS and auth** (the exporter web-config): ``ssl_context`` wraps each
   connection (server side, handshake inside the header timeout), and
-  ``authorize(method, path, headers) -> bool`` may refuse a request with 401.
+  ``authorize(method, path, headers) -> bool`` may refuse a request with 401.  With
+  ``authorize_cached`` (credentials verified before: no bcrypt) a request it accepts is
+  served at once; the others get the full check in a worker thread, one at a time, and
+  stay evictable at the connection cap meanwhile, so a flood of wrong passwords neither
+  blocks this loop nor holds the slots a known scraper needs.
 
 Requests are small GETs; every response closes the connection.  The request head is
 parsed by the sans-IO core ``protocols/http.py`` (malformed requests get 400, a head over
@@ -61,7 +65,8 @@ class HTTPServer:
                  max_connections: int = 64, header_timeout: float = 5.0,
                  loop_timeout: float = 5.0, threaded: bool = True,
                  ssl_context: ssl.SSLContext | None = None,
-                 authorize: Authorize | None = None, realm: str = "logjam-relay"):
+                 authorize: Authorize | None = None, realm: str = "logjam-relay",
+                 authorize_cached: Authorize | None = None):
         self.routes = routes
         self.host = "" if host in ("0.0.0.0", "*") else host
         self.port = port
@@ -71,6 +76,8 @@ class HTTPServer:
         self.threaded = threaded
         self.ssl_context = ssl_context
         self.authorize = authorize
+        self.authorize_cached = authorize_cached
+        self._auth_limiter: trio.CapacityLimiter | None = None
         self.realm = realm
         self.bound_port: int | None = None
         self._conns: dict[int, _Conn] = {}
@@ -230,11 +237,22 @@ class HTTPServer:
         method, path = req.method, req.path
         self.requests += 1
         if self.authorize is not None:
-            try:
-                ok = self.authorize(method, path, req.headers)
-            except Exception:
-                log.exception("metrics endpoint: authorization check failed")
-                ok = False
+            ok = self._authorized(self.authorize_cached, method, path, req.headers) \
+                if self.authorize_cached is not None else False
+            if not ok:
+                if self.authorize_cached is None:
+                    ok = self._authorized(self.authorize, method, path, req.headers)
+                else:
+                    # the slow check (bcrypt) in a worker thread, one at a time; meanwhile
+                    # the connection counts as not yet served, so that at the cap it is
+                    # closed before a scrape whose credentials are known is refused
+                    if self._auth_limiter is None:
+                        self._auth_limiter = trio.CapacityLimiter(1)
+                    conn.reading = True
+                    ok = await trio.to_thread.run_sync(
+                        self._authorized, self.authorize, method, path, req.headers,
+                        limiter=self._auth_limiter)
+                    conn.reading = False
             if not ok:
                 self.unauthorized += 1
                 await self._respond(stream, 401, "text/plain", b"unauthorized\n",
@@ -286,6 +304,14 @@ class HTTPServer:
             age = time.monotonic() - last[0]
             return (*last[1], f"X-Stale-Seconds: {age:.1f}\r\n")
         return (503, "text/plain", b"event loop not responding\n", "")
+
+    @staticmethod
+    def _authorized(check: Authorize, method: str, path: str, headers: dict) -> bool:
+        try:
+            return bool(check(method, path, headers))
+        except Exception:
+            log.exception("metrics endpoint: authorization check failed")
+            return False
 
     @staticmethod
     def _run_handler(path: str, handler: Handler) -> tuple[int, str, bytes]:

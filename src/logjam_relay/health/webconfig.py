@@ -74,21 +74,29 @@ class WebConfig:
             self.refused += 1
         return ok
 
+    def authorize_cached(self, method: str, path: str, headers: dict[str, str]) -> bool:
+        """True without a bcrypt check: no users, or these credentials were verified
+        before (HTTPServer answers such requests at once; the others wait for the slow
+        check in a worker thread, so wrong passwords cannot hold up a known scraper)."""
+        if not self.users:
+            return True
+        parsed = _basic(headers.get("authorization", ""))
+        if parsed is None:
+            return False
+        hashed = self.users.get(parsed[0])
+        if hashed is None:
+            return False
+        with self._lock:
+            return _cache_key(*parsed, hashed) in self._ok
+
     def _check(self, header: str) -> bool:
         import bcrypt
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "basic":
+        parsed = _basic(header)
+        if parsed is None:
             return False
-        try:
-            user, sep, password = base64.b64decode(token.strip(), validate=True) \
-                .decode("utf-8").partition(":")
-        except (binascii.Error, UnicodeDecodeError, ValueError):
-            return False
-        if not sep:
-            return False
+        user, password = parsed
         hashed = self.users.get(user)
-        key = hashlib.sha256(b"\0".join((user.encode(), password.encode(),
-                                         hashed or b""))).digest()
+        key = _cache_key(user, password, hashed or b"")
         with self._lock:
             if hashed is not None and key in self._ok:
                 return True
@@ -103,6 +111,23 @@ class WebConfig:
                 self._ok.add(key)
             return True
         return False
+
+
+def _basic(header: str) -> tuple[str, str] | None:
+    """(user, password) of a ``Basic`` Authorization header, or None."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, sep, password = base64.b64decode(token.strip(), validate=True) \
+            .decode("utf-8").partition(":")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    return (user, password) if sep else None
+
+
+def _cache_key(user: str, password: str, hashed: bytes) -> bytes:
+    return hashlib.sha256(b"\0".join((user.encode(), password.encode(), hashed))).digest()
 
 
 def _path(base: str, p) -> str:

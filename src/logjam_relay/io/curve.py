@@ -84,9 +84,18 @@ def parse_plain_endpoints(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def keygen(directory: str, name: str) -> tuple[str, str]:
-    """Write ``name.key`` (public, for the peers' allow-lists) and ``name.key_secret`` (0600)."""
+def keygen(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:
+    """Write ``name.key`` (public, for the peers' allow-lists) and ``name.key_secret`` (0600).
+    An existing pair is kept (``FileExistsError``) unless ``force``: replacing the relay's
+    key locks out every client that has its public key."""
     import zmq.auth
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"key name {name!r}: a file name stem, without '/'")
+    for suffix in (".key", ".key_secret"):
+        path = os.path.join(directory, name + suffix)
+        if not force and os.path.lexists(path):
+            raise FileExistsError(f"{path} exists (--force replaces the key pair; every "
+                                  "peer that has the old public key is then refused)")
     os.makedirs(directory, exist_ok=True)
     old = os.umask(0o077)
     try:
@@ -283,7 +292,8 @@ class Curve:
         acc.add_metric([device], self.accepted)
         ref = CounterMetricFamily("logjam_relay_curve_refused", "CURVE/ZAP handshakes refused",
                                   labels=["device", "reason"])
-        for reason in ("unknown_key", "handshake", "mechanism", "bad_request"):
+        for reason in sorted({"unknown_key", "handshake", "mechanism", "bad_request"} |
+                             set(self.refused)):
             ref.add_metric([device, reason], self.refused.get(reason, 0))
         keys = GaugeMetricFamily("logjam_relay_curve_allowed_keys",
                                  "client public keys in curve_allow_dir", labels=["device"])

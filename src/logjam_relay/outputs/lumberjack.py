@@ -108,6 +108,10 @@ class LumberjackOutput:
         self.config = config
         self._rng = rng or random.Random()
         self._encoder = EventEncoder(config.relay_host, max_event_bytes)
+        #: a window ends after the record that takes its spooled bytes to this
+        self.window_bytes = config.window_bytes or 4 * max_event_bytes
+        self._carry: list[Record] = []          # read, cut off a window by window_bytes
+        self.windows_cut = 0
         self.dead_letters = DeadLetterSink(config.name, dead_letters)
         self._session_start = 0.0
         self._held: _Window | None = None       # an isolated refused event (see _refused)
@@ -228,7 +232,8 @@ class LumberjackOutput:
 
     def _skip_idle(self) -> None:
         """Disconnected with nothing in flight: heartbeats are not this output's backlog."""
-        if not self._pending and self._held is None and not self._event_at_head:
+        if not self._pending and self._held is None and not self._event_at_head \
+                and not self._carry:
             self._event_at_head = skip_non_events(self.source)
 
     async def _refused(self) -> bool:
@@ -355,7 +360,7 @@ class LumberjackOutput:
             if len(self._pending) >= depth:
                 await self._wait_space()
                 continue
-            records = source.read(cfg.window)
+            records = self._read_window()
             if not records:
                 await source.wait()
                 continue
@@ -367,6 +372,26 @@ class LumberjackOutput:
                 self._head_since = trio.current_time()
                 self._update_deadline()
             await self._send_window(stream, win)
+
+    def _read_window(self) -> list[Record]:
+        """Up to ``window`` records; the window ends after the record that takes its
+        spooled bytes (the bodies) to ``window_bytes``, the rest is kept for the next."""
+        n = self.config.window
+        records, self._carry = self._carry, []
+        if len(records) < n:
+            records += self.source.read(n - len(records))
+        cap = self.window_bytes
+        if sum(len(r.frames[2]) if len(r.frames) > 2 else 0 for r in records) < cap:
+            return records
+        total = 0
+        for i, r in enumerate(records):
+            total += sum(map(len, r.frames))
+            if total >= cap:
+                if i + 1 < len(records):
+                    self._carry = records[i + 1:]
+                    self.windows_cut += 1
+                return records[:i + 1]
+        return records
 
     async def _send_window(self, stream, win: _Window) -> None:
         self._sent += 1

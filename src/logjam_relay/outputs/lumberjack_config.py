@@ -15,6 +15,7 @@ from ..io.net import TLSSettings, parse_hostport
 from ..protocols import lumberjack as lj
 
 DEFAULT_PORT = 5044
+MIN_WINDOW_BYTES = 64 * 1024
 
 
 # ------------------------------------------------------------------------ config
@@ -30,6 +31,9 @@ class LumberjackConfig:
     backoff_min: float = 0.5
     backoff_max: float = 30.0
     pipeline: int = 4                     # windows in flight; 1 = stop-and-wait
+    # a window ends after the record that takes its spooled bytes to this (0: 4 x the
+    # relay's max_event_bytes), so window x pipeline is bounded in bytes, not only events
+    window_bytes: int = 0
     loadbalance: bool = False             # pick a random host per connection
     relay_host: str = field(default_factory=socket.gethostname)
     name: str = "lumberjack"
@@ -45,6 +49,9 @@ class LumberjackConfig:
             raise ValueError(f"timeout: {self.timeout} must be > 0")
         if not 1 <= self.pipeline <= 64:
             raise ValueError(f"pipeline: {self.pipeline} not in 1..64")
+        if self.window_bytes and not MIN_WINDOW_BYTES <= self.window_bytes <= 2**40:
+            raise ValueError(f"window_bytes: {self.window_bytes} not in "
+                             f"{MIN_WINDOW_BYTES}..{2**40} (or 0: 4 x max_event_bytes)")
         if not 0 < self.backoff_min <= self.backoff_max:
             raise ValueError("backoff_min/backoff_max: need 0 < backoff_min <= backoff_max")
 
@@ -76,8 +83,8 @@ def _num(name: str, v: str, conv):
 
 def parse_url(url: str, **overrides) -> LumberjackConfig:
     """``lumberjack://h1:5044,h2:5044?window=1000&compression=3&tls=on&ca=...&cert=...
-    &key=...&server_name=...&verify=on&timeout=30&pipeline=4&loadbalance=off
-    &backoff_min=0.5&backoff_max=30&relay_host=...&name=...`` -> :class:`LumberjackConfig`.
+    &key=...&server_name=...&verify=on&timeout=30&pipeline=4&window_bytes=40MiB
+    &loadbalance=off&backoff_min=0.5&backoff_max=30&relay_host=...&name=...`` -> :class:`LumberjackConfig`.
 
     TLS is on unless ``tls=off``; the port defaults to 5044.  Raises ValueError naming
     the offending parameter.  ``overrides`` are passed to the config as keyword arguments.
@@ -110,6 +117,12 @@ def parse_url(url: str, **overrides) -> LumberjackConfig:
         seen.add(k)
         if k in ("window", "compression", "pipeline"):
             kw[k] = _num(k, v, int)
+        elif k == "window_bytes":
+            from ..config import size
+            try:
+                kw[k] = size(v)
+            except ValueError as e:
+                raise ValueError(f"lumberjack URL: parameter {k!r}: {e}") from None
         elif k in ("timeout", "backoff_min", "backoff_max"):
             kw[k] = _num(k, v, float)
         elif k == "loadbalance":

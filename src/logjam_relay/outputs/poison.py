@@ -121,9 +121,10 @@ class DeadLetterSink:
     async def divert(self, items: Sequence[tuple[Record, str, str]]) -> None:
         """Store ``(record, reason, detail)`` items durably (off the event loop)."""
         for rec, reason, detail in items:
-            self._rlog.warning(f"dead_letter_{reason}", "output %s: event %s diverted to the "
-                               "dead-letter store (%s): %s", self.output,
-                               _describe_record(rec), reason, detail)
+            self._rlog.warning(f"dead_letter_{reason}", "output %s: event %s %s (%s): %s",
+                               self.output, _describe_record(rec),
+                               "diverted to the dead-letter store" if self.store is not None
+                               else "not delivered (no dead-letter store)", reason, detail)
             if self.store is None:
                 self._local[reason] = self._local.get(reason, 0) + 1
                 continue

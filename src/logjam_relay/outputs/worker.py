@@ -183,9 +183,8 @@ class ProcessOutput:
         finally:
             self._stream = None
             with trio.CancelScope(shield=True):
-                await stream.aclose()
+                await stream.aclose()          # the worker sees EOF and stops
                 if proc.returncode is None:
-                    proc.send_signal(signal.SIGTERM)
                     with trio.move_on_after(2):
                         await proc.wait()
                     if proc.returncode is None:
@@ -415,7 +414,11 @@ async def worker_main(fd: int) -> int:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the relay decides when we stop
+    # The relay decides when a worker stops (T_STOP, or EOF when the relay is gone), also
+    # when a service manager signals the whole process group/cgroup: the relay then
+    # stops its outputs gracefully and the workers' last acks still reach the cursor.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.exit(trio.run(worker_main, int(sys.argv[1])))
 
 

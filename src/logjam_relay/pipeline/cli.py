@@ -73,6 +73,10 @@ def make_session(master: str | None = "local[*]", app_name: str = "logjam-relay-
     conf = {"spark.ui.enabled": "false", "spark.sql.session.timeZone": "UTC",
             "spark.sql.shuffle.partitions": "8",
             "spark.sql.sources.partitionOverwriteMode": "dynamic",
+            # the one aggregation of the batch pipeline has a group per (kind, minute, app,
+            # env, name): keep exact percentiles in the hash aggregate (the default 128
+            # groups per task fall back to sorting every row)
+            "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "65536",
             "spark.driver.memory": "2g"}
     conf.update(extra_conf or {})
     for k, v in conf.items():

@@ -144,11 +144,15 @@ def split(agg) -> dict:
 
 
 def summary_of(agg) -> dict:
+    """The input summary and the row count of each table (``counts``), in one job."""
     from pyspark.sql import functions as F
-    r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json"))) \
-           .collect()[0]
+    r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json")),
+                *(F.count(F.when(F.col("kind") == k, 1)).alias(n) for k, n in (
+                    (K_REQUEST, "request_stats"), (K_EXCEPTION, "exceptions"),
+                    (K_TOPIC, "topics")))).collect()[0]
     return {"rows_in": r["_rows"] or 0, "bad_records": r["_bad"] or 0,
-            "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0}
+            "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0,
+            "counts": {n: r[n] for n in ("request_stats", "exceptions", "topics")}}
 
 
 LOSS_COLUMNS = ["date", "minute", "device", "received", "missing", "duplicates",
@@ -192,6 +196,7 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
         raise failed[0]
     tables = split(agg)
     tables["loss"] = loss_table(spark, state)
+    summary["counts"]["loss"] = sum(len(d.rows) for d in state.devices.values())
     return tables, summary, agg
 
 
@@ -202,17 +207,24 @@ def configure(spark) -> None:
     register(spark)
 
 
-def _write_tables(tables: dict, output: str, dates=None, log=print) -> dict[str, int]:
-    """Write small aggregated tables (one task each, dynamic partition overwrite)."""
+def _write_tables(tables: dict, output: str, dates=None, log=print,
+                  counts: dict | None = None) -> dict[str, int]:
+    """Write small aggregated tables (one task each, dynamic partition overwrite);
+    ``counts``: their row counts when known (else counted here)."""
     from pyspark.sql import functions as F
     out = {}
     for name, df in tables.items():
         if dates is not None:
             df = df.where(F.col("date").isin([_dt.date.fromisoformat(x) for x in dates]))
-        df = df.coalesce(1).persist()
-        n = df.count()
-        df.write.mode("overwrite").partitionBy("date").parquet(os.path.join(output, name))
-        df.unpersist()
+        df = df.coalesce(1)
+        if counts is not None and name in counts:
+            n = counts[name]
+            df.write.mode("overwrite").partitionBy("date").parquet(os.path.join(output, name))
+        else:
+            df = df.persist()
+            n = df.count()
+            df.write.mode("overwrite").partitionBy("date").parquet(os.path.join(output, name))
+            df.unpersist()
         out[name] = n
         log(f"  {name}: {n} rows")
     return out
@@ -227,7 +239,8 @@ def run_batch(spark, input_dir: str, output: str, apdex_ms: float = DEFAULT_APDE
     log(f"read {summary['rows_in']} records ({summary['bad_records']} undecodable, "
         f"{summary['corrupt_segments']} corrupt segment regions, {summary['bad_json']} "
         f"logs bodies not JSON) and aggregated them in {time.perf_counter() - t0:.1f} s")
-    rows = _write_tables(tables, output, log=log)
+    counts = summary.pop("counts")
+    rows = _write_tables(tables, output, log=log, counts=counts)
     agg.unpersist()
     summary.update(rows_out=sum(rows.values()), tables=rows,
                    seconds=round(time.perf_counter() - t0, 3))

@@ -126,7 +126,10 @@ class Relay:
         s = self.settings
         self.acquire_state()
         spool_last = self.spool.last_sequence() if self.spool is not None else None
-        first = self.sequence_state.load(spool_last)
+        try:
+            first = self.sequence_state.load(spool_last)
+        except StateDirError as e:
+            raise self.settings.startup_error("state_dir", e.cause) from None
         try:
             # PUB and stats are XPUBs whose subscriptions are capped (SubscriptionGuard)
             pub_sock = self._bind(zmq.XPUB, "pub_port",

@@ -116,13 +116,18 @@ class SequenceState:
         if self.path is not None and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
+                int(data.get("sequence", 0)), int(data.get("reserved", 0))     # numbers?
                 if int(data.get("device", self.device)) != self.device:
                     log.warning("state file %s is for device %s, not %s: starting at 1",
                                 self.path, data.get("device"), self.device)
                     data = None
-            except (OSError, ValueError, TypeError) as e:
-                log.warning("state file %s unreadable (%s): starting at 1", self.path, e)
-                data = None
+            except (OSError, ValueError, TypeError, AttributeError) as e:
+                # the next number is unknown: starting at 1 could reuse numbers importers
+                # have seen, so refuse (the operator moves the file aside to accept that)
+                raise StateDirError(
+                    f"state file {self.path.name} is unreadable ({e}): the next sequence "
+                    "number is unknown and numbers could be reused; move the file aside "
+                    "to start again at 1") from None
         last = 0
         if data is not None:
             if data.get("clean"):

@@ -341,7 +341,8 @@ def build(settings: Settings) -> Relay:
                           max_connections=settings.metrics_max_connections,
                           header_timeout=settings.metrics_header_timeout,
                           ssl_context=web.ssl_context if web else None,
-                          authorize=web.authorize if web and web.users else None)
+                          authorize=web.authorize if web and web.users else None,
+                          authorize_cached=web.authorize_cached if web and web.users else None)
         relay.http = http
 
         async def start_http(nursery):

@@ -206,7 +206,7 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                _write(fd, data)
+                _write_all(fd, data, path)    # a short write must not replace the file
                 if self.fsync != "never":
                     os.fsync(fd)
             finally:

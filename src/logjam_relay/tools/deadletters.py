@@ -168,7 +168,17 @@ def resend(letters, url: str, *, max_event_bytes: int, timeout: float,
                 nursery.cancel_scope.cancel()
 
     trio.run(run)
-    return src._acked
+    acked = len(letters) - src.stats()["backlog_records"]
+    # an output acknowledges what it diverts too (too large for --max-event-bytes, or
+    # refused again by the receiver): those were not delivered
+    diverted = output.stats().get("dead_letters") or {}
+    not_sent = sum(diverted.values())
+    if not_sent:
+        print(f"logjam-relay deadletters resend: {not_sent} letter(s) not delivered: "
+              + ", ".join(f"{n} {r}" for r, n in sorted(diverted.items()))
+              + (" (raise --max-event-bytes)" if diverted.get("too_large") else ""),
+              file=sys.stderr)
+    return acked - not_sent
 
 
 def _resend_zmq(letters, url: str, timeout: float) -> int:
