@@ -167,6 +167,16 @@ def test_image_carries_every_c_twin(image):
     for label in _native.EXTENSIONS:
         assert label in out.split("C: ", 1)[1].split(";")[0], (label, out)
     assert "in Python" not in out
+    # the Dockerfile's own check, run in the image with the twins switched off, fails
+    # naming them (so a build without zlib.h or a compiler cannot pass it)
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    check = re.search(r'python -c "(import sys; from logjam_relay import _native[^"]+)"',
+                      text).group(1)
+    r = _run(["podman", "run", "--rm", *runtime, *_limits(), "-e",
+              "LOGJAM_RELAY_PURE_PYTHON=1", "--entrypoint", "python", tag, "-c", check],
+             timeout=120)
+    assert r.returncode != 0 and "C twins missing from the image: socket loops" in r.stderr, \
+        r.stderr
     # no compiler, runs as the unprivileged user
     r = _run(["podman", "run", "--rm", *runtime, *_limits(), "--entrypoint", "sh", tag, "-c",
               "id -u; command -v gcc cc || echo no-compiler"], timeout=120)

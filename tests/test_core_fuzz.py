@@ -328,3 +328,41 @@ def test_lumberjack_bit_flips_and_truncations(fl, cuts, role):
     valid = LJ_WRITER_VALID if role is lj.Role.WRITER else LJ_READER_VALID
     drive_lumberjack(_flip(valid, fl), cuts, role)
     drive_lumberjack(valid[:fl[0][0] % len(valid)], cuts, role)
+
+
+# ------------------------------------------------ the dead-letter store's files
+
+def _store_file(tmp_path_factory) -> bytes:
+    from logjam_relay.deadletter import DeadLetterStore
+    from logjam_relay.protocols.logjam import encode_meta
+    d = tmp_path_factory.mktemp("dl")
+    st = DeadLetterStore(d, max_bytes=1024 * 1024)
+    for i in range(6):
+        st.put("o", "refused", [b"app-prod", b"logs", b'{"i":%d}' % i, encode_meta(0, 1, 1, i)],
+               position=(1, i), detail=f"#{i}")
+    st._seal()
+    st.close()
+    (path,) = list(d.iterdir())
+    return path.read_bytes()
+
+
+_STORE: list[bytes] = []
+
+
+@FUZZ
+@given(FLIPS, st.integers(0, 10**6))
+def test_damaged_dead_letter_file_never_raises(tmp_path_factory, fl, cut):
+    """Bit flips and truncations of a store file: read_dead_letters (what `deadletters
+    list` and `resend` use) yields the intact letters and never raises."""
+    from logjam_relay.deadletter import read_dead_letters
+    from logjam_relay.spool import segment as seg
+    if not _STORE:
+        _STORE.append(_store_file(tmp_path_factory))
+    data = _flip(_STORE[0], fl)
+    data = data[:cut % (len(data) + 1)]
+    d = tmp_path_factory.mktemp("dmg")
+    (d / seg.segment_name(1, sealed=True)).write_bytes(data)
+    letters = list(read_dead_letters(d))
+    assert len(letters) <= 6
+    for x in letters:
+        x.summary()

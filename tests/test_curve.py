@@ -90,6 +90,15 @@ async def test_curve_accept_refuse_and_allow_list_changes(tmp_path, keys):
             x.connect(router_ep)
             assert await _handshake(xmon) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
             assert relay.curve.refused["unknown_key"] >= 1
+            # ... on PUB too: a subscriber with an unknown key, and one without CURVE
+            xs, xsmon = _client(ctx, zmq.SUB, keys, "stranger")
+            xs.setsockopt(zmq.SUBSCRIBE, b"")
+            xs.connect(f"tcp://127.0.0.1:{s.pub_port}")
+            assert await _handshake(xsmon) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            ps, psmon = _client(ctx, zmq.SUB, keys, None)
+            ps.setsockopt(zmq.SUBSCRIBE, b"")
+            ps.connect(f"tcp://127.0.0.1:{s.pub_port}")
+            assert await _handshake(psmon) & FAILED
             # 3. a client that expects another server key: the handshake fails
             w, wmon = _client(ctx, zmq.DEALER, keys, "agent", server_key=keys["other_server"][0])
             w.connect(router_ep)

@@ -91,6 +91,7 @@ def test_encode_response():
 def _exchange(port: int, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(data)
+        s.shutdown(socket.SHUT_WR)          # end of the request stream (EOF to the server)
         out = b""
         while chunk := s.recv(4096):
             out += chunk
@@ -118,6 +119,6 @@ async def test_server_answers_malformed_requests_and_keeps_serving():
         assert (await ask(b"POST /metrics HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 405 ")
         nursery.cancel_scope.cancel()
     st_ = server.stats()
-    assert st_["bad_requests"] == 3 and st_["requests"] == 2
+    assert st_["bad_requests"] == 3 and st_["requests"] == 2 and st_["timeouts"] == 0
     assert st_["bad_requests_by_reason"] == {"bad_request_line": 1, "bad_header": 1,
                                              "too_large": 1}

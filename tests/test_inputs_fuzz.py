@@ -47,18 +47,22 @@ def courier_stream() -> bytes:
 LJ_VALID = lumberjack_stream()
 
 
+def split(data: bytes, cuts: list[int]):
+    """``data`` in the non-empty chunks between the positions ``cuts``."""
+    prev = 0
+    for cut in sorted(set(cuts)) + [len(data)]:
+        if data[prev:cut]:
+            yield data[prev:cut]
+        prev = max(prev, cut)
+
+
 def drive_lumberjack(data: bytes, cuts: list[int]) -> int:
     """Feed ``data`` in chunks split at ``cuts``, then EOF; the windows parsed."""
     c = ljs.ServerConnection(max_window=100, max_event_bytes=MAX_EVENT,
                              max_window_bytes=MAX_WINDOW_BYTES)
     windows = 0
     try:
-        prev = 0
-        for cut in sorted(set(cuts)) + [len(data)]:
-            chunk = data[prev:cut]
-            prev = max(prev, cut)
-            if not chunk:
-                continue
+        for chunk in split(data, cuts):
             c.receive_data(chunk)
             while True:
                 ev = c.next_event()
@@ -93,12 +97,7 @@ def drive_courier(data: bytes, cuts: list[int]) -> int:
     payloads = 0
     now = 0.0
     try:
-        prev = 0
-        for cut in sorted(set(cuts)) + [len(data)]:
-            chunk = data[prev:cut]
-            prev = max(prev, cut)
-            if not chunk:
-                continue
+        for chunk in split(data, cuts):
             assert c.busy in (True, False)           # must not raise either
             c.receive_data(chunk)
             while True:
@@ -179,3 +178,67 @@ def test_spliced_garbage(core, frac, junk, cuts):
     drive, valid = CORES[core]
     at = int(len(valid) * frac)
     drive(valid[:at] + junk + valid[at:], cuts)
+
+
+# ------------------------------------------------------------- the event mapping
+# An exception here would close the connection before the ACK, and the sender would resend
+# the same window forever (a poison event that stops the chain): every event must map.
+
+from logjam_relay.inputs.mapping import MappingOptions, json_event, lumberjack_v1  # noqa: E402
+
+OPTS = MappingOptions(app_field="fields.app")
+RELAY_JSON = (b'{"@timestamp":"2024-01-01T00:00:00Z","app":"a","env":"e","topic":"logs.a.e",'
+              b'"host":"h","logjam":{"device":1,"sequence":2,"created_ms":3},"payload":{"x":1}}')
+any_text = st.text(st.characters(exclude_categories=()), max_size=12)   # lone surrogates too
+json_text = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | any_text,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                              max_size=4), max_leaves=12)
+
+
+def _check(t):
+    assert len(t) == 5 and all(isinstance(x, bytes) for x in (t[0], t[1], t[2], t[4]))
+    assert len(t[4]) == 8
+
+
+@pytest.mark.parametrize("raw", [
+    RELAY_JSON, RELAY_JSON.replace(b'"app":"a"', b'"app":"a\\x"'),
+    b'{"app":"a","topic":"\\ud800","logjam":{"device":1,"sequence":2}}',
+    b'{"app":"a","payload":"\\udc80","logjam":{"device":1,"sequence":2}}',
+    b'{"app":"a","payload":NaN,"logjam":{"device":1,"sequence":2}}',
+    b'{"message":"\\ud800"}', b"[" * 100_000, b"\xff\xfe", b""])
+def test_mapping_edge_cases(raw):
+    _check(json_event(raw, "in", "1.2.3.4:5", OPTS))
+
+
+@FUZZ
+@given(doc=json_text, relay=st.booleans())
+def test_json_event_never_raises(doc, relay):
+    import json as _json
+    if relay:
+        doc = {"app": "a", "env": doc, "topic": doc, "host": doc, "payload": doc,
+               "logjam": {"device": 1, "sequence": 2, "created_ms": doc}}
+    raw = _json.dumps(doc).encode()
+    _check(json_event(raw, "in", "peer", OPTS))
+
+
+@FUZZ
+@given(raw=st.binary(max_size=300), flips=st.lists(st.integers(min_value=0), max_size=3))
+def test_json_event_random_and_flipped_bytes(raw, flips):
+    _check(json_event(raw, "in", "peer", OPTS))
+    b = bytearray(RELAY_JSON)
+    for pos in flips:
+        b[pos % len(b)] ^= 0x20
+    _check(json_event(bytes(b), "in", "peer", OPTS))
+
+
+@FUZZ
+@given(fields=st.dictionaries(st.text(max_size=10), st.text(max_size=20), max_size=8),
+       relay=st.booleans(), raw=st.binary(max_size=40))
+def test_lumberjack_v1_never_raises(fields, relay, raw):
+    text = raw.decode("utf-8", "surrogateescape")       # as the v1 parser decodes
+    if relay:
+        fields.update({"type": "logjam", "line": text, "app": text, "env": "e",
+                       "topic": text, "device": fields.get("d", "1"), "sequence": "2",
+                       "created_ms": text})
+    _check(lumberjack_v1(fields, "in", "peer", OPTS))

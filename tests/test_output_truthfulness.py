@@ -86,6 +86,24 @@ def test_every_documented_url_parameter_is_accepted(scheme, tls_files):
     assert output_name(f"{scheme}://{hostport}?{full}") == "co-1"
 
 
+@pytest.mark.parametrize("scheme", ["lumberjack", "courier"])
+@pytest.mark.parametrize("query,needle", [
+    ("tls=off&ca={ca}", "'ca' given but tls=off"),
+    ("tls=off&verify=off", "'verify' given but tls=off"),
+    ("tls=off&server_name=x", "'server_name' given but tls=off"),
+    ("key={ca}", "'key' given without 'cert'"),
+    ("tls=maybe", "'tls': expected on/off"),
+    ("cert=", "'cert' is empty"),
+    ("tls=on&tls=off", "'tls' given twice"),
+])
+def test_both_output_urls_share_the_tls_rules(scheme, query, needle, tls_files):
+    """One parser for the TLS part of both URLs (outputs/url_params.py): an option that
+    tls=off would silently ignore is an error for Lumberjack as it was for Courier."""
+    parse = lumberjack.parse_url if scheme == "lumberjack" else courier.parse_url
+    with pytest.raises(ValueError, match=re.escape(f"{scheme} URL: parameter {needle}")):
+        parse(f"{scheme}://127.0.0.1:5000?" + query.format(ca=tls_files["ca"]))
+
+
 def test_courier_url_accepts_name():
     cfg = courier.parse_url("courier://h:5043?tls=off&name=co")
     assert cfg.name == "co"

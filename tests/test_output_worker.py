@@ -212,3 +212,39 @@ async def test_refused_event_in_a_worker_is_dead_lettered_by_the_relay(tmp_path)
     spooled = {off: frames for off, _, frames in segment.iter_records(
         next((tmp_path / "spool").glob(f"*{seg_no:0{8}d}*")), allow_torn_tail=True)}
     assert spooled[offset][2] == b'{"n":-1,"venom":1}'
+
+
+def test_workers_exit_when_the_relay_is_sigkilled(tmp_path):
+    """No orphans: a SIGKILLed relay's workers see EOF on their socket and exit."""
+    import time
+    port = free_port()
+    spool = str(tmp_path / "spool")
+    s = relay_settings(tmp_path, outputs=[lj_url(port)], spool_dir=spool)
+    extra = ["--output", lj_url(port), "--output", lj_url(port, name="lj2"),
+             "--spool-dir", spool, "--output-isolation", "process"]
+    proc = start_process(s, extra, log_path=tmp_path / "relay.log")
+    try:
+        deadline = time.monotonic() + 20
+        kids: list[str] = []
+        while len(kids) < 2 and time.monotonic() < deadline:
+            kids = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+            time.sleep(0.05)
+        assert len(kids) == 2
+        # SIGTERM to a worker alone is ignored: the relay decides when workers stop
+        os.kill(int(kids[0]), signal.SIGTERM)
+        time.sleep(0.3)
+        assert open(f"/proc/{kids[0]}/stat").read().split()[2] != "Z"
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def alive(pid: str) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(k) for k in kids)

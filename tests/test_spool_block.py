@@ -2,9 +2,10 @@
 counter grows while it lasts, and ingest resumes on the acknowledgement that frees space
 (not only when a whole segment is deleted)."""
 
-import trio
 import urllib.error
 import urllib.request
+
+import trio
 
 from conftest import free_port
 from logjam_relay.io import zmq_trio
@@ -57,12 +58,23 @@ async def test_block_pause_is_reported_and_ends_on_ack(tmp_path):
         segments_before = relay.spool.stats()["deleted_segments"]
         # a receiver that acknowledges one window and then stalls: space freed inside
         # the oldest segment is enough to resume
-        reader = LumberjackReader(port=port)
+        windows = []
+
+        async def ack_one_window_then_stall(window):
+            windows.append(window)
+            if len(windows) > 1:
+                await trio.sleep_forever()
+
+        reader = LumberjackReader(port=port, on_window=ack_one_window_then_stall)
         async with trio.open_nursery() as nursery:
             await nursery.start(reader.serve)
             assert await recv(dealer, timeout=20) == [b"block-test", b"202 Accepted"]
+            acked = reader.acks_sent
+            deleted = relay.spool.stats()["deleted_segments"] - segments_before
             nursery.cancel_scope.cancel()
+        # resumed on the one acknowledged window (20 records of a 64 KiB segment), with
+        # no segment deleted: the old policy waited for a whole segment
+        assert acked == 1 and deleted == 0, (acked, deleted)
         print(f"\nblock: accepted {accepted} before the pause; blocked seconds grew "
-              f"{t2 - t1:.2f} in 0.6 s; resumed after {len(reader.events)} events acked, "
-              f"segments deleted meanwhile: "
-              f"{relay.spool.stats()['deleted_segments'] - segments_before}")
+              f"{t2 - t1:.2f} in 0.6 s; resumed after {acked} window of 20 events acked, "
+              f"segments deleted meanwhile: {deleted}")

@@ -121,6 +121,9 @@ def test_five_sigkills_lose_nothing_and_duplicate_at_most_in_flight(tmp_path):
           f"co {len(co_all) - len(set(co_all))}")
     assert not lost_lj and not lost_co
     assert len(accepted) == ROUNDS * PER_ROUND
+    # every kill hit both outputs mid-drain (otherwise a crash would prove nothing)
+    assert all(f["backlog_at_kill"]["lj"] > 0 and f["backlog_at_kill"]["co"] > 0
+               for f in figures), [f["backlog_at_kill"] for f in figures]
     for row in rows:
         assert row["lj"] <= bounds["lj"] and row["co"] <= bounds["co"], rows
     assert "Traceback" not in log.read_text()

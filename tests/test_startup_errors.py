@@ -252,3 +252,12 @@ def test_unreadable_sequence_state_refuses_to_start(tmp_path, content):
     assert_names(line, f"state_dir {state} (flag --state-dir)", "sequence-device-0.json",
                  "unreadable", "move the file aside")
     assert f.read_bytes() == content                # left as it was for the operator
+
+
+def test_input_with_a_tls_file_that_is_not_pem(tmp_path):
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    url = f"courier://127.0.0.1:{free_port()}?cert={bad}&key={bad}"
+    line, _ = run_failing(base_argv(tmp_path) + ["--spool-dir", str(tmp_path / "spool"),
+                                                 "--input", url])
+    assert_names(line, f"inputs {url} (flag --input)", "TLS files cannot be loaded")

@@ -84,6 +84,10 @@ def splice_origin(body: bytes, origin_head: bytes) -> bytes:
     return origin_head + b"," + rest
 
 
+def _digits(s) -> bool:
+    return isinstance(s, str) and s.isascii() and s.isdigit()
+
+
 def _stream(app: str, env: str) -> bytes:
     return (app + "-" + env if env else app).encode("utf-8", "replace")
 
@@ -109,10 +113,10 @@ def lumberjack_v1(fields: dict, input_name: str, peer: str, opts: MappingOptions
         except KeyError:
             pass
         else:
-            if device.isdigit() and sequence.isdigit():
+            if _digits(device) and _digits(sequence):
                 body = line.encode("utf-8", "surrogateescape")
                 body = splice_origin(body, _origin(device.encode(), sequence.encode(),
-                                                   (created if created.isdigit() else "0")
+                                                   (created if _digits(created) else "0")
                                                    .encode(), fields.get("host", ""),
                                                    input_name))
                 return (_stream(app, env), topic.encode("utf-8", "surrogateescape"), body, 0,
@@ -150,7 +154,17 @@ _COURIER_HEAD = re.compile(
 
 
 def _jstr(b: bytes) -> str:
-    return json.loads(b) if b"\\" in b else b[1:-1].decode("utf-8", "replace")
+    if b"\\" in b:
+        try:
+            return json.loads(b)
+        except ValueError:          # a bad escape: the text as it is
+            pass
+    return b[1:-1].decode("utf-8", "replace")
+
+
+def _utf8(s: str) -> bytes:
+    """Text that came from JSON may hold lone surrogates (``"\\ud800"``): never raise."""
+    return s.encode("utf-8", "replace")
 
 
 def json_event(raw: bytes, input_name: str, peer: str, opts: MappingOptions) -> tuple:
@@ -161,8 +175,7 @@ def json_event(raw: bytes, input_name: str, peer: str, opts: MappingOptions) -> 
         device, sequence, created = m.group(5), m.group(6), m.group(7)
         body = splice_origin(raw[m.end():-1], _origin(device, sequence, created, host,
                                                       input_name))
-        return (_stream(app, env), topic.encode("utf-8", "replace"), body, 0,
-                _created8(created))
+        return (_stream(app, env), _utf8(topic), body, 0, _created8(created))
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
@@ -179,12 +192,16 @@ def json_event(raw: bytes, input_name: str, peer: str, opts: MappingOptions) -> 
         origin = _origin(b"%d" % lj["device"], b"%d" % lj["sequence"], b"%d" % created,
                          str(doc.get("host", "")), input_name)
         if "payload" in doc:
-            body = splice_origin(json.dumps(doc["payload"], ensure_ascii=False,
-                                            separators=(",", ":")).encode(), origin)
+            try:
+                payload = _utf8(json.dumps(doc["payload"], ensure_ascii=False,
+                                           separators=(",", ":"), allow_nan=False))
+            except (ValueError, RecursionError):      # NaN/Infinity, too deep
+                payload = raw
+            body = splice_origin(payload, origin)
         else:
             body = str(doc.get("message", "")).encode("utf-8", "replace")
         env = doc.get("env") if isinstance(doc.get("env"), str) else ""
-        return (_stream(doc["app"], env), str(doc.get("topic", "")).encode(), body, 0,
+        return (_stream(doc["app"], env), _utf8(str(doc.get("topic", ""))), body, 0,
                 _created8(created))
     return _wrap(raw, _path(doc, opts.app_field), _path(doc, opts.env_field), input_name,
                  peer, opts)

@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 import zmq
+import zmq.utils.z85
 
 from ..ratelimit import RateLimitedLog
 

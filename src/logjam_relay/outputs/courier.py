@@ -47,11 +47,15 @@ from .courier_encode import (  # noqa: F401  (re-exported)
     record_to_event_py,
 )
 from .poison import (
-    REFUSE_LIMIT,
+    BISECT,
+    HOLD,
+    UNHOLD,
     DeadLetterSink,
+    clear_suspicion,
     describe_error,
     is_dns_error,
     needs_worker,
+    refusal_action,
     skip_non_events,
 )
 
@@ -236,25 +240,19 @@ class CourierOutput:
             return self._held is not None
         if not head.sent or head.acked > head.base:
             return head.suspect or self._held is not None
-        head.refusals += 1
         self.refusals += 1
-        if self._held is not None:
+        action = refusal_action(head, len(head.events) - head.acked, self._held is not None)
+        if action == UNHOLD:
             held, self._held = self._held, None
-            held.refusals = 0
-            held.suspect = False
             self._batches.appendleft(held)
             self._by_nonce[held.nonce] = held
-            for b in self._batches:
-                b.suspect = False
-                b.refusals = 0
+            clear_suspicion(self._batches)
             log.warning("courier %s: the receiver refuses the payloads after the suspected "
                         "event too: not diverting it, retrying", self.config.name)
             return False
-        left = len(head.events) - head.acked
-        if left <= 1:
-            if head.refusals >= REFUSE_LIMIT:
-                self._hold(head)
-        elif head.suspect or head.refusals >= REFUSE_LIMIT:
+        if action == HOLD:
+            self._hold(head)
+        elif action == BISECT:
             self._bisect(head)
         first = next((b for b in self._batches if not b.done), None)
         return self._held is not None or (first is not None and first.suspect)

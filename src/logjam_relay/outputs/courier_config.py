@@ -6,14 +6,13 @@ listed in :func:`parse_url` and in the README's output table).
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from ..io.net import TLSSettings
 from ..protocols.courier import MAX_LENGTH
-
+from .url_params import flag, query_params, tls_settings
 
 # ------------------------------------------------------------------ configuration
 
@@ -43,10 +42,6 @@ class CourierConfig:
             raise ValueError("payload_size must be >= 1")
         if self.max_pending < 1:
             raise ValueError("max_pending must be >= 1")
-
-
-_BOOL = {"on": True, "true": True, "yes": True, "1": True,
-         "off": False, "false": False, "no": False, "0": False}
 
 
 def _hostport(s: str) -> tuple[str, int]:
@@ -96,11 +91,8 @@ def parse_url(url: str) -> CourierConfig:
         raise ValueError("courier URL: no host:port")
     hosts = tuple(_hostport(h) for h in u.netloc.split(","))
 
-    params: dict[str, str] = {}
-    for k, v in parse_qsl(u.query, keep_blank_values=True):
-        if k in params:
-            raise ValueError(f"courier URL: parameter {k!r} given twice")
-        params[k] = v
+    params = query_params("courier", u.query)
+    tls = tls_settings("courier", params, check_files=True)
 
     def num(name, conv, lo, hi=None):
         raw = params.pop(name, None)
@@ -116,25 +108,6 @@ def parse_url(url: str) -> CourierConfig:
             raise ValueError(f"courier URL: parameter {name}={raw!r} must be {rng}")
         return v
 
-    def flag(name):
-        raw = params.pop(name, None)
-        if raw is None:
-            return None
-        try:
-            return _BOOL[raw.lower()]
-        except KeyError:
-            raise ValueError(f"courier URL: parameter {name}={raw!r} must be on or off") from None
-
-    def path(name):
-        raw = params.pop(name, None)
-        if raw is None:
-            return None
-        if not raw:
-            raise ValueError(f"courier URL: parameter {name} is empty")
-        if not os.path.isfile(raw):
-            raise ValueError(f"courier URL: parameter {name}: file {raw!r} not found")
-        return raw
-
     kw: dict = {}
     for key, name, conv, lo, hi in (
         ("payload_size", "payload", int, 1, 1_000_000),
@@ -148,9 +121,8 @@ def parse_url(url: str) -> CourierConfig:
         v = num(name, conv, lo, hi)
         if v is not None:
             kw[key] = v
-    streaming = flag("evnt")
-    if streaming is not None:
-        kw["streaming"] = streaming
+    if "evnt" in params:
+        kw["streaming"] = flag("courier", "evnt", params.pop("evnt"))
     for key in ("hostname", "name"):
         value = params.pop(key, None)
         if value is not None:
@@ -158,21 +130,7 @@ def parse_url(url: str) -> CourierConfig:
                 raise ValueError(f"courier URL: parameter {key} is empty")
             kw[key] = value
 
-    tls_on = flag("tls")
-    verify = flag("verify")
-    ca, cert, key = path("ca"), path("cert"), path("key")
-    server_name = params.pop("server_name", None)
-    if server_name == "":
-        raise ValueError("courier URL: parameter server_name is empty")
-    if tls_on is False:
-        for name, v in (("ca", ca), ("cert", cert), ("key", key),
-                        ("server_name", server_name), ("verify", verify)):
-            if v is not None:
-                raise ValueError(f"courier URL: parameter {name} given but tls=off")
-    if key is not None and cert is None:
-        raise ValueError("courier URL: parameter key given without cert")
-    kw["tls"] = TLSSettings(enabled=tls_on is not False, ca=ca, cert=cert, key=key,
-                            server_name=server_name, verify=verify is not False)
+    kw["tls"] = tls
 
     if params:
         raise ValueError(f"courier URL: unknown parameter {sorted(params)[0]!r}")

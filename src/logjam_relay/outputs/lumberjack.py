@@ -51,11 +51,15 @@ from .lumberjack_encode import (  # noqa: F401  (re-exported)
     _ljencode,
 )
 from .poison import (
-    REFUSE_LIMIT,
+    BISECT,
+    HOLD,
+    UNHOLD,
     DeadLetterSink,
+    clear_suspicion,
     describe_error,
     is_event,
     needs_worker,
+    refusal_action,
     skip_non_events,
 )
 
@@ -178,6 +182,7 @@ class LumberjackOutput:
             "pipeline_fallbacks": self.pipeline_fallbacks,
             "refusals": self.refusals,
             "bisections": self.bisections,
+            "windows_cut": self.windows_cut,
             "dead_letters": self.dead_letters.counts(),
             "window_rtt_last_seconds": self.rtt_last,
             "window_rtt_sum_seconds": self.rtt_sum,
@@ -249,28 +254,22 @@ class LumberjackOutput:
         head = self._pending[0]
         if head.sent_at is None or head.sent_at < self._session_start:
             return head.suspect or self._held is not None
-        head.refusals += 1
         self.refusals += 1
-        if self._held is not None:
-            # what follows the held event is refused as well: no evidence against it
+        action = refusal_action(head, head.count, self._held is not None)
+        if action == UNHOLD:
             held, self._held = self._held, None
-            held.suspect = False
-            held.refusals = 0
             self._pending.appendleft(held)
-            for w in self._pending:
-                w.suspect = False
-                w.refusals = 0
+            clear_suspicion(self._pending)
             log.warning("lumberjack %s: the reader refuses the windows after the suspected "
                         "event too: not diverting it, retrying", self.config.name)
             return False
-        if head.count <= 1:
-            if head.refusals >= REFUSE_LIMIT:
-                self._held = self._pending.popleft()
-                self._space.set()
-                log.warning("lumberjack %s: event %s refused %d times in a row; sending what "
-                            "follows it, to divert it once the reader acknowledged that",
-                            self.config.name, head.records[-1].position, head.refusals)
-        elif head.suspect or head.refusals >= REFUSE_LIMIT:
+        if action == HOLD:
+            self._held = self._pending.popleft()
+            self._space.set()
+            log.warning("lumberjack %s: event %s refused %d times in a row; sending what "
+                        "follows it, to divert it once the reader acknowledged that",
+                        self.config.name, head.records[-1].position, head.refusals)
+        elif action == BISECT:
             await self._bisect_head()
         return self._held is not None or bool(self._pending and self._pending[0].suspect)
 
@@ -342,7 +341,6 @@ class LumberjackOutput:
         return reason
 
     async def _send_loop(self, stream: trio.abc.Stream, host) -> None:
-        cfg = self.config
         source = self.source
         while True:
             depth = self._depth(host)

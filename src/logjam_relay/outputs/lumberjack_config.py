@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 import socket
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl
 
 from ..io.net import TLSSettings, parse_hostport
 from ..protocols import lumberjack as lj
+from .url_params import flag, query_params, tls_settings
 
 DEFAULT_PORT = 5044
 MIN_WINDOW_BYTES = 64 * 1024
@@ -56,19 +56,6 @@ class LumberjackConfig:
             raise ValueError("backoff_min/backoff_max: need 0 < backoff_min <= backoff_max")
 
 
-_TRUE = {"on", "true", "yes", "1"}
-_FALSE = {"off", "false", "no", "0"}
-
-
-def _bool(name: str, v: str) -> bool:
-    lv = v.lower()
-    if lv in _TRUE:
-        return True
-    if lv in _FALSE:
-        return False
-    raise ValueError(f"lumberjack URL: parameter {name!r}: expected on/off, got {v!r}")
-
-
 def _num(name: str, v: str, conv):
     try:
         x = conv(v)
@@ -109,12 +96,9 @@ def parse_url(url: str, **overrides) -> LumberjackConfig:
             raise ValueError(f"lumberjack URL: bad host:port {part!r}")
         hosts.append((h, p))
     kw: dict = {}
-    tls: dict = {}
-    seen = set()
-    for k, v in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
-        if k in seen:
-            raise ValueError(f"lumberjack URL: parameter {k!r} given twice")
-        seen.add(k)
+    params = query_params("lumberjack", query)
+    tls = tls_settings("lumberjack", params, check_files=False)
+    for k, v in params.items():
         if k in ("window", "compression", "pipeline"):
             kw[k] = _num(k, v, int)
         elif k == "window_bytes":
@@ -126,23 +110,15 @@ def parse_url(url: str, **overrides) -> LumberjackConfig:
         elif k in ("timeout", "backoff_min", "backoff_max"):
             kw[k] = _num(k, v, float)
         elif k == "loadbalance":
-            kw[k] = _bool(k, v)
+            kw[k] = flag("lumberjack", k, v)
         elif k in ("relay_host", "name"):
             if not v:
                 raise ValueError(f"lumberjack URL: parameter {k!r} is empty")
             kw[k] = v
-        elif k == "tls":
-            tls["enabled"] = _bool(k, v)
-        elif k == "verify":
-            tls["verify"] = _bool(k, v)
-        elif k in ("ca", "cert", "key", "server_name"):
-            if not v:
-                raise ValueError(f"lumberjack URL: parameter {k!r} is empty")
-            tls[k] = v
         else:
             raise ValueError(f"lumberjack URL: unknown parameter {k!r}")
     kw.update(overrides)
-    kw.setdefault("tls", TLSSettings(**tls))
+    kw.setdefault("tls", tls)
     try:
         return LumberjackConfig(hosts=tuple(hosts), **kw)
     except ValueError as e:

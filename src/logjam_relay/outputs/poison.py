@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import ssl
@@ -24,14 +25,47 @@ from collections.abc import Sequence
 
 import trio
 
-from ..ratelimit import RateLimitedLog
 from ..protocols.logjam import HEARTBEAT
+from ..ratelimit import RateLimitedLog
 from ..spool.api import KIND_LOGJAM, Record
 
 log = logging.getLogger("logjam_relay.outputs")
 
 #: consecutive refusals (closed before the ACK) of the same window before it is split
 REFUSE_LIMIT = 3
+
+#: what an output does about a refused head window/payload (:func:`refusal_action`)
+KEEP, HOLD, BISECT, UNHOLD = "keep", "hold", "bisect", "unhold"
+
+
+def refusal_action(head, left: int, holding: bool) -> str:
+    """The one decision both outputs take when the receiver closed the connection before
+    their head window (Lumberjack) or payload (Courier) advanced.  ``head`` has
+    ``refusals`` (counted here) and ``suspect`` (a half of a split one); ``left``: its
+    events not yet acknowledged; ``holding``: an isolated event is already held back.
+
+    * ``UNHOLD``: what follows the held event is refused as well, so there is no evidence
+      against it: put it back and :func:`clear_suspicion` (a receiver that refuses
+      everything, a proxy without a backend, never fills the dead-letter store);
+    * ``HOLD``: one event left, refused :data:`REFUSE_LIMIT` times in a row: hold it
+      back, send what follows, divert it once the receiver acknowledged that;
+    * ``BISECT``: split it (a half under suspicion is split at its first refusal);
+    * ``KEEP``: retry it as it is.
+    """
+    head.refusals += 1
+    if holding:
+        return UNHOLD
+    if left <= 1:
+        return HOLD if head.refusals >= REFUSE_LIMIT else KEEP
+    if head.suspect or head.refusals >= REFUSE_LIMIT:
+        return BISECT
+    return KEEP
+
+
+def clear_suspicion(items) -> None:
+    for x in items:
+        x.suspect = False
+        x.refusals = 0
 
 
 def is_event(rec: Record) -> bool:
@@ -130,9 +164,9 @@ class DeadLetterSink:
                 continue
             # shielded: a record taken out of the stream must reach the store
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(
-                    lambda: self.store.put(self.output, reason, rec.frames, kind=rec.kind,
-                                           detail=detail, position=tuple(rec.position)))
+                await trio.to_thread.run_sync(functools.partial(
+                    self.store.put, self.output, reason, rec.frames, kind=rec.kind,
+                    detail=detail, position=tuple(rec.position)))
 
 
 def _describe_record(rec: Record) -> str:

@@ -12,7 +12,7 @@ Input: a directory of sealed segment files ``NNNNNNNNNNNNNNNNNNNN.seg`` as writt
 names (temporary files, ``.open`` segments) are ignored.  See ``docs/pipeline.md``.
 
 One row per logjam record (spool record kind 0; other kinds are skipped), columns
-:data:`SCHEMA`.  A record that cannot be decoded (broken meta frame, body that does not
+:data:`SCHEMA_DDL`.  A record that cannot be decoded (broken meta frame, body that does not
 decompress, body that is not UTF-8) still gives a row -- with ``body`` null and ``error``
 naming the reason -- so the loss report sees its sequence number and the pipeline can
 count it.  A record whose CRC or structure is wrong makes the rest of its segment
@@ -21,15 +21,18 @@ unreadable (there is no resynchronisation, as in the spool): the reader emits on
 the offset and how many records were lost when the seal record says so) and goes on with the
 next segment.  Nothing here raises on bad data.
 
+Column pruning: a schema given with ``.schema(...)`` may name any subset of the columns
+and of the request fields extracted from ``logs`` bodies (:data:`ALL_FIELDS`); only those
+are built, and bodies are not decompressed when no body-derived column is asked for.
 Partitions: one per segment, or slices of ``recordsPerPartition`` records (option).  The
-reader parses one ``bytes`` object per file with ``struct``, verifies every record CRC,
-decompresses bodies and builds Arrow arrays from bulk buffers (numpy gathers for the meta
-fields, one joined buffer plus offsets for the bodies).
+decoding itself (no Spark) is :mod:`.decode` and :mod:`.extract`.
 
-Streaming offsets are ``{"segment": S, "record": R}``: everything before record ``R`` of
-segment ``S`` (and all of lower-numbered segments) has been read.  Segments are immutable
-and appear in ascending number order (the archive links them when they are sealed), so
-offsets are replayable: exactly-once into a checkpointed file sink.  Options
+Streaming offsets are ``{"segment": S, "record": R, "below": K}``: everything before record
+``R`` of segment ``S`` (and all of lower-numbered segments) has been read; ``K`` segments
+numbered below ``S`` existed then.  Segments are immutable and must appear in ascending
+number order (the archive links them when they are sealed), so offsets are replayable:
+exactly-once into a checkpointed file sink; a segment that appears below the position is
+refused (:class:`LateSegment`), not silently skipped.  Options
 ``maxRecordsPerTrigger`` / ``maxSegmentsPerTrigger`` bound a micro-batch;
 ``Trigger.AvailableNow`` is supported.
 """

@@ -145,8 +145,7 @@ def extract_c(body_col: pa.Array, rows: np.ndarray, names=None) -> dict[str, pa.
     n = len(body_col)
     data, offs = _body_buffers(body_col)
     (started, tt, code, sev, flags, a_offs, a_data, l_offs, e_offs,
-     e_data) = _extract_c.extract(data, offs.tobytes() if offs.base is None or
-                                  not offs.flags.c_contiguous else offs,
+     e_data) = _extract_c.extract(data, np.ascontiguousarray(offs),
                                   np.ascontiguousarray(rows, dtype=np.uint8))
     fl = np.frombuffer(flags, dtype=np.uint8)
     names = [f.name for f in EXTRACT_FIELDS] if names is None else list(names)

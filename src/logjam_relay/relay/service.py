@@ -142,9 +142,17 @@ def attach_inputs(relay: Relay, settings: Settings) -> None:
     """Lumberjack/Courier listeners in the relay's nursery (docs/inputs.md)."""
     if not settings.inputs:
         return
+    import ssl
+
     from ..inputs import make_input, parse_inputs
     specs = parse_inputs(settings.inputs, max_event_bytes=settings.max_event_bytes)
-    relay.inputs = [make_input(spec, relay) for spec in specs]
+    relay.inputs = []
+    for url, spec in zip(settings.inputs, specs, strict=True):
+        try:
+            relay.inputs.append(make_input(spec, relay))
+        except (OSError, ssl.SSLError, ValueError) as e:    # the server's TLS files
+            raise settings.startup_error("inputs", f"TLS files cannot be loaded: {e}",
+                                         value=redact_text(url)) from None
 
     async def start_inputs(nursery):
         for url, inp in zip(settings.inputs, relay.inputs, strict=True):

@@ -141,8 +141,8 @@ def _show(directory, args, settings, out) -> int:
 
 def resend(letters, url: str, *, max_event_bytes: int, timeout: float,
            relay_host: str) -> int:
-    """Deliver ``letters`` to ``url``; returns how many were acknowledged (or queued, for
-    tcp://)."""
+    """Deliver ``letters`` to ``url``; returns how many were acknowledged (for tcp://: how
+    many were queued to a connected PULL peer; ZeroMQ PUSH has no acknowledgement)."""
     scheme = url.partition("://")[0].lower()
     if scheme == "tcp":
         return _resend_zmq(letters, url, timeout)
@@ -186,6 +186,9 @@ def _resend_zmq(letters, url: str, timeout: float) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, int(timeout * 1000))
+    # queue only to a connection that is up: without it PUSH queues to a pipe whose
+    # connection is still being tried, and a relay that is not there "receives" everything
+    sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
     n = 0
     try:
