@@ -26,7 +26,7 @@ setup(ext_modules=[
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Lumberjack output's event mapping
     Extension("logjam_relay.outputs._ljencode", ["src/logjam_relay/outputs/_ljencode.c"],
-              optional=True, extra_compile_args=["-O2", "-std=c11"]),
+              optional=True, libraries=["z", "pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),

@@ -169,10 +169,12 @@ def test_chain_sigkill_and_outage_lose_nothing(tmp_path):
         assert o["sequence"] >= 1 and doc["n"] < N
         origins[o["input"]].append(doc["n"])
     figures = {}
+    missing = {}
     for path, ns in origins.items():
         lost = N - len(set(ns))
         dup = len(ns) - len(set(ns))
         figures[path] = (lost, dup)
+        missing[path] = sorted(set(range(N)) - set(ns))[:20]     # which, to debug a loss
     jumps = [(a, b) for a, b in zip(seqs, seqs[1:], strict=False) if b != a + 1]
     pub_origins = sum(1 for _, d in pub_seen if d.get("logjam_origin", {}).get("device") == 1)
     print(f"chain: accepted {accepted}, faults {faults} (SIGKILL x{KILLS} + {STOP_SECONDS:g} s "
@@ -181,7 +183,7 @@ def test_chain_sigkill_and_outage_lose_nothing(tmp_path):
           f"{len(pub_seen)}, with origin {pub_origins}")
     assert accepted == N
     for path, (lost, dup) in figures.items():
-        assert lost == 0, (path, figures)
+        assert lost == 0, (path, figures, missing)
         assert dup <= faults * WINDOW, (path, figures)
     # central sequences: consecutive within a run, never reused; a SIGKILL may jump ahead
     assert all(b > a for a, b in jumps), jumps

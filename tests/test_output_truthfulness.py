@@ -16,27 +16,10 @@ from conftest import free_port
 from logjam_relay.outputs import courier, lumberjack
 from logjam_relay.outputs.supervisor import output_name, parse_outputs
 from logjam_relay.peers.lumberjack_reader import LumberjackReader
-from relay_harness import relay_settings, start_process, stop_process
+from relay_harness import relay_settings, stop_process
 
-
-_PROCS: list = []
-
-
-def start(*args, **kwargs):
-    """start_process, and the relay is killed after the test even when the test fails."""
-    proc = start_process(*args, **kwargs)
-    _PROCS.append(proc)
-    return proc
-
-
-@pytest.fixture(autouse=True)
-def _reap_relays():
-    yield
-    while _PROCS:
-        proc = _PROCS.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+# start(): start_process, and the relay is killed after the test even when it fails
+from test_relay_poison import _reap_relays, start  # noqa: F401  (_reap_relays: autouse)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

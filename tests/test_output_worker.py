@@ -248,3 +248,127 @@ def test_workers_exit_when_the_relay_is_sigkilled(tmp_path):
     while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(k) for k in kids)
+
+
+# ------------------------------------------------------- SegmentTail (tail mode)
+
+
+def _spool(tmp_path, **kw):
+    from logjam_relay.spool.spool import Spool
+    return Spool(tmp_path / "sp", readers=["t"], segment_bytes=4096, fsync="never", **kw)
+
+
+def _append(sp, start, n):
+    for i in range(start, start + n):
+        sp.append_records([(0, [b"app", b"topic", b"%06d" % i + b"." * 60, b"m" * 24])])
+
+
+def _tail(reader, acks, reports):
+    from logjam_relay.spool.tail import SegmentTail
+    return SegmentTail("t", reader._ack_pos, reader._ack_seq, acks.append,
+                       lambda *d: reports.append(d))
+
+
+def _numbers(recs):
+    return [int(r.frames[2][:6]) for r in recs]
+
+
+def test_segment_tail_reads_acks_and_rewinds_across_segments(tmp_path):
+    """The worker's reader on the relay's snapshots: records in order over several
+    segments (one sealed while being read), only what the snapshot announces, acks as
+    real positions the relay's reader takes, a rewind from the first unacknowledged."""
+    from logjam_relay.spool.tail import snapshot
+    sp = _spool(tmp_path)
+    reader = sp.reader("t")
+    acks, reports = [], []
+    tail = _tail(reader, acks, reports)
+    _append(sp, 0, 100)
+    tail.update(snapshot(sp, 0))
+    assert len({e[0] for e in tail._segs.values()}) >= 3
+    got = []
+    while recs := tail.read(7):
+        got += recs
+    assert _numbers(got) == list(range(100))
+    _append(sp, 100, 10)                          # not announced yet: not read
+    assert tail.read(100) == []
+    tail.update(snapshot(sp, 0))
+    got += tail.read(100)
+    assert _numbers(got) == list(range(110))
+    tail.ack(got[40].position)
+    tail.ack(got[30].position)                    # older: not sent
+    assert acks == [got[40].position]
+    reader.ack(acks[-1])                          # the relay's side
+    assert reader.stats()["backlog_records"] == 110 - 41
+    tail.rewind()
+    assert _numbers(tail.read(1000)) == list(range(41, 110))
+    tail.rewind()
+    tail.ack(got[109].position)
+    tail.rewind()
+    assert tail.read(10) == [] and reports == []
+    reader.ack(acks[-1])
+    assert reader.stats()["backlog_records"] == 0 and reader.lost == 0
+    sp.close()
+
+
+def test_segment_tail_skips_dropped_segments_and_the_relay_counts_them(tmp_path):
+    """drop_oldest deletes segments under the worker: it reads on from the first
+    segment still listed; the relay's reader counts what it never delivered as lost."""
+    from logjam_relay.spool.tail import snapshot
+    sp = _spool(tmp_path, policy="drop_oldest", max_bytes=16384)
+    reader = sp.reader("t")
+    acks, reports = [], []
+    tail = _tail(reader, acks, reports)
+    _append(sp, 0, 10)
+    tail.update(snapshot(sp, 0))
+    first = tail.read(5)
+    tail.ack(first[-1].position)
+    reader.ack(acks[-1])
+    _append(sp, 10, 600)                          # far more than 16 KiB: oldest dropped
+    tail.update(snapshot(sp, reader._ack_pos.segment))
+    rest = []
+    while recs := tail.read(50):
+        rest += recs
+    got = _numbers(first + rest)
+    assert got == sorted(got) and got[-1] == 609 and len(set(got)) == len(got)
+    assert got[5] > 5                              # a jump over the dropped segments
+    tail.ack(rest[-1].position)
+    reader.ack(acks[-1])
+    assert reader.stats()["backlog_records"] == 0
+    assert reader.lost == 610 - len(got) > 0 and reports == []
+    sp.close()
+
+
+def test_segment_tail_reports_a_damaged_record_and_the_relay_registers_the_gap(tmp_path):
+    """A corrupt record: the worker stops at it and reports; the relay's damage handling
+    (resync) registers a hole and a gap; with the next snapshot the worker reads on
+    after it, and the relay's reader counts exactly that record as lost (corrupt)."""
+    from logjam_relay.spool.tail import handle_damage, snapshot
+    sp = _spool(tmp_path)
+    reader = sp.reader("t")
+    acks, reports = [], []
+    tail = _tail(reader, acks, reports)
+    _append(sp, 0, 20)
+    sp.seal()
+    seg = next(iter(sp._segs.values()))
+    offs = [off for off, _, _ in __import__("logjam_relay.spool.segment", fromlist=["x"])
+            .iter_records(seg.path)]
+    with open(seg.path, "r+b") as f:              # flip a byte in record 7's body
+        f.seek(offs[7] + 40)
+        b = f.read(1)
+        f.seek(offs[7] + 40)
+        f.write(bytes([b[0] ^ 0xFF]))
+    tail.update(snapshot(sp, 0))
+    got = tail.read(100)
+    assert _numbers(got) == list(range(7))
+    assert tail.read(100) == [] and len(reports) == 1
+    segno, off, seq, reason, _ = reports[0]
+    assert (segno, off, seq, reason) == (seg.segno, offs[7], 7, "crc")
+    handle_damage(reader, *reports[0])
+    handle_damage(reader, *reports[0])           # a repeated report changes nothing
+    tail.update(snapshot(sp, 0))
+    got += tail.read(100)
+    assert _numbers(got) == [i for i in range(20) if i != 7]
+    tail.ack(got[-1].position)
+    reader.ack(acks[-1])
+    assert reader.lost_by_reason == {"corrupt": 1}
+    sp.close()

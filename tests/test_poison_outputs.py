@@ -488,3 +488,17 @@ async def test_lumberjack_window_is_cut_at_window_bytes(nursery, tmp_path):
     out2 = lj_out(reader2.port, src2, None, window=100)
     await run_until_acked(nursery, out2, src2)
     assert max(len(w.events) for w in reader2.windows) == 9
+
+
+def test_full_store_with_an_undeletable_file_still_writes(tmp_path):
+    """The oldest "file" is a directory with a store file's name: making room skips it
+    (logged), it does not turn every later letter into a write error."""
+    from logjam_relay.spool import segment as seg
+    dl = tmp_path / "dl"
+    dl.mkdir()
+    (dl / seg.segment_name(1, sealed=True)).mkdir()
+    st = DeadLetterStore(dl, max_bytes=100_000)
+    for i in range(60):
+        st.put("o", "too_large", rec(b"y" * 4000, i), detail=f"#{i}")
+    assert st.write_errors == 0 and st.bytes <= 100_000
+    assert [d.detail for d in read_dead_letters(dl)][-1] == "#59"

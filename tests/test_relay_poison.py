@@ -109,6 +109,13 @@ def test_refused_event_is_dead_lettered_and_the_rest_flows(tmp_path, kind):
     extra = ["--output", url(kind, port), "--spool-dir", str(tmp_path / "spool"),
              "--dead-letter-dir", str(dl)]
     poison = b'{"action":"Poison#test","n":-1,"venom":true}'
+    # a damaged store from an earlier life must not stop the relay nor `deadletters list`:
+    # a garbage file, an empty one and a directory, all with store file names
+    from logjam_relay.spool import segment as seg
+    dl.mkdir()
+    (dl / seg.segment_name(1, sealed=True)).write_bytes(b"\x00garbage" * 10)
+    (dl / seg.segment_name(2, sealed=False)).write_bytes(b"")
+    (dl / seg.segment_name(3, sealed=True)).mkdir()
 
     async def main():
         peer, args = make_peer(kind, port, refuse=b"venom")

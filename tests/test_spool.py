@@ -580,6 +580,32 @@ def test_short_write_of_the_state_file_keeps_the_old_one(tmp_path, monkeypatch):
     sp.close()
 
 
+def test_segments_sealed_by_recovery_reach_the_archive_without_readers(tmp_path):
+    """A relay with an archive and no output (a chain's central relay) has a spool without
+    readers. After a crash with a torn tail the recovery seals the open segment; it must
+    stay until the archive has it (it used to be deleted at once: acknowledged records
+    gone from spool and archive)."""
+    from logjam_relay.outputs.archive import Archive
+    from logjam_relay.spool.segment import iter_records
+    sp = Spool(str(tmp_path / "sp"), readers=[], segment_bytes=1 << 20,
+               on_seal=lambda n, p: None)
+    for i in range(10):
+        sp.append(msg(i))
+    sp.sync()
+    sp._release_lock()                                   # a SIGKILL: no close
+    (seg,) = [n for n in os.listdir(tmp_path / "sp") if n.endswith(".open")]
+    path = tmp_path / "sp" / seg
+    os.truncate(path, os.path.getsize(path) - 3)         # torn in the 10th record
+    (tmp_path / "arch").mkdir()
+    archive = Archive(str(tmp_path / "arch"), 7 * 86400)
+    sp = Spool(str(tmp_path / "sp"), readers=[], segment_bytes=1 << 20,
+               on_seal=archive.on_seal)
+    assert archive.catch_up(str(tmp_path / "sp")) == 1   # what the relay does at start
+    (archived,) = os.listdir(tmp_path / "arch")
+    assert len(list(iter_records(str(tmp_path / "arch" / archived)))) == 9
+    sp.close()
+
+
 def test_write_error_directory_replaced_by_file(tmp_path):
     """Real kernel error (we run as root, so EACCES cannot be provoked): the spool
     directory is moved away and a plain file takes its place -> ENOTDIR on the next

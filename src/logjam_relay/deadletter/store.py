@@ -212,6 +212,9 @@ class DeadLetterStore:
             os.unlink(victim[1])
         except FileNotFoundError:
             pass
+        except OSError as e:       # not ours to delete (a directory, no permission):
+            log.warning("dead-letter store %s: cannot delete %s (%s): no longer counted",
+                        self.directory, victim[1].name, e)
         self._files.remove(victim)
         self.dropped += n
         log.warning("dead-letter store %s full (%d bytes): deleted %s with %d letter(s)",

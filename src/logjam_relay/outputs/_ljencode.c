@@ -10,12 +10,27 @@
  * ``fallback(frames, seq) -> bytes`` (the Python mapping, which also counts the decode
  * error), so both paths give byte-identical frames.  ``cache`` maps (app_env, topic) to
  * the encoded app/env/topic pairs; on a miss ``stream_pairs(app_env, topic)`` builds them.
+ *
+ * window_start(frames, count, level, fd) -> WindowJob
+ *     The compressed window of protocols.lumberjack.encode_window(frames, count, level)
+ *     (``1W count`` + one ``1C`` frame, zlib at ``level``; byte-identical: the same
+ *     deflateInit parameters and the same Z_NO_FLUSH then Z_FINISH calls as zlib's
+ *     compressobj) made by a thread of its own that never takes the GIL: it writes into
+ *     a bytes object allocated here, then adds 1 to the eventfd ``fd``.  The event loop
+ *     waits for ``fd`` to be readable and calls ``job.finish() -> bytes``.
+ *     (trio.to_thread + zlib: the thread needs the GIL to start, to come back from
+ *     deflate and to hand the result over; with ingest keeping the GIL busy on the loop
+ *     it waited up to the switch interval each time, and inline Lumberjack starved.)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
+#include <zlib.h>
 
 typedef struct { char *p; size_t len, cap; } buf_t;
 
@@ -160,9 +175,154 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------- window compression */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *src;            /* bytes: the 1D frames (kept alive while the thread runs) */
+    PyObject *dst;            /* bytes: 1W + 1C header + payload, resized by finish() */
+    const unsigned char *in;
+    size_t inlen;
+    unsigned char *out;
+    size_t outcap;
+    size_t outlen;            /* payload bytes, set by the thread */
+    uint32_t count;
+    int level, fd, err, started, joined;
+    volatile int done;
+    pthread_t th;
+} WindowJob;
+
+static void put32at(unsigned char *p, uint32_t v) {
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = (unsigned char)v;
+}
+
+static void *window_thread(void *arg) {
+    WindowJob *j = arg;               /* no Python API in here: the GIL is never taken */
+    z_stream zs;
+    memset(&zs, 0, sizeof zs);
+    int rc = deflateInit(&zs, j->level);
+    if (rc == Z_OK) {
+        zs.next_out = j->out + 12;
+        zs.avail_out = (uInt)(j->outcap - 12);
+        const unsigned char *in = j->in;
+        size_t left = j->inlen;
+        while (rc == Z_OK && left) {                  /* compressobj.compress(): Z_NO_FLUSH */
+            uInt chunk = left > 0x40000000u ? 0x40000000u : (uInt)left;
+            zs.next_in = (Bytef *)in;
+            zs.avail_in = chunk;
+            rc = deflate(&zs, Z_NO_FLUSH);
+            in += chunk - zs.avail_in;
+            left -= chunk - zs.avail_in;
+            if (rc == Z_BUF_ERROR) rc = Z_OK;
+        }
+        if (rc == Z_OK) rc = deflate(&zs, Z_FINISH);  /* compressobj.flush() */
+        j->outlen = zs.total_out;
+        deflateEnd(&zs);
+    }
+    j->err = rc == Z_STREAM_END ? 0 : (rc == Z_OK ? Z_BUF_ERROR : rc);
+    if (!j->err) {
+        memcpy(j->out, "1W", 2);
+        put32at(j->out + 2, j->count);
+        memcpy(j->out + 6, "1C", 2);
+        put32at(j->out + 8, (uint32_t)j->outlen);
+    }
+    __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+    uint64_t one = 1;
+    while (write(j->fd, &one, sizeof one) < 0 && errno == EINTR) {}
+    return NULL;
+}
+
+static void job_join(WindowJob *j) {
+    if (j->started && !j->joined) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(j->th, NULL);
+        Py_END_ALLOW_THREADS
+        j->joined = 1;
+    }
+}
+
+static void job_dealloc(WindowJob *j) {
+    job_join(j);                      /* an abandoned job: its thread still uses the buffers */
+    Py_XDECREF(j->src);
+    Py_XDECREF(j->dst);
+    Py_TYPE(j)->tp_free((PyObject *)j);
+}
+
+static PyObject *job_done(WindowJob *j, PyObject *unused) {
+    return PyBool_FromLong(__atomic_load_n(&j->done, __ATOMIC_ACQUIRE));
+}
+
+static PyObject *job_join_py(WindowJob *j, PyObject *unused) {
+    job_join(j);
+    Py_RETURN_NONE;
+}
+
+static PyObject *job_finish(WindowJob *j, PyObject *unused) {
+    if (!j->dst) { PyErr_SetString(PyExc_RuntimeError, "finish() called twice"); return NULL; }
+    job_join(j);
+    if (j->err) return PyErr_Format(PyExc_RuntimeError, "zlib deflate failed (%d)", j->err);
+    PyObject *out = j->dst;
+    j->dst = NULL;
+    if (_PyBytes_Resize(&out, (Py_ssize_t)(12 + j->outlen)) < 0) return NULL;
+    return out;
+}
+
+static PyMethodDef job_methods[] = {
+    {"done", (PyCFunction)job_done, METH_NOARGS, "whether the thread has finished"},
+    {"finish", (PyCFunction)job_finish, METH_NOARGS, "finish() -> the window's bytes"},
+    {"join", (PyCFunction)job_join_py, METH_NOARGS, "wait for the thread (GIL released)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WindowJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "logjam_relay.outputs._ljencode.WindowJob",
+    .tp_basicsize = sizeof(WindowJob),
+    .tp_dealloc = (destructor)job_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = job_methods,
+};
+
+static PyObject *window_start(PyObject *self, PyObject *args) {
+    PyObject *src;
+    unsigned long count;
+    int level, fd;
+    if (!PyArg_ParseTuple(args, "Skii", &src, &count, &level, &fd)) return NULL;
+    if (count < 1 || count > 0xFFFFFFFFul)
+        return PyErr_Format(PyExc_ValueError, "window of %lu events", count);
+    if (level < 1 || level > 9) return PyErr_Format(PyExc_ValueError, "zlib level %d", level);
+    size_t inlen = (size_t)PyBytes_GET_SIZE(src);
+    if (inlen > 0x7FFF0000u) return PyErr_Format(PyExc_ValueError, "window too large");
+    WindowJob *j = PyObject_New(WindowJob, &WindowJobType);
+    if (!j) return NULL;
+    j->src = NULL; j->dst = NULL; j->started = j->joined = 0; j->done = 0; j->err = 0;
+    j->outcap = 12 + (size_t)compressBound((uLong)inlen) + 64;
+    j->dst = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)j->outcap);
+    if (!j->dst) { Py_DECREF(j); return NULL; }
+    Py_INCREF(src);
+    j->src = src;
+    j->in = (const unsigned char *)PyBytes_AS_STRING(src);
+    j->inlen = inlen;
+    j->out = (unsigned char *)PyBytes_AS_STRING(j->dst);
+    j->outlen = 0;
+    j->count = (uint32_t)count;
+    j->level = level;
+    j->fd = fd;
+    int rc = pthread_create(&j->th, NULL, window_thread, j);
+    if (rc) {
+        Py_DECREF(j);
+        errno = rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    j->started = 1;
+    return (PyObject *)j;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
      "encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback) -> (bytes, n)"},
+    {"window_start", window_start, METH_VARARGS,
+     "window_start(frames, count, level, eventfd) -> WindowJob (compressed window, no GIL)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -170,4 +330,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_ljencode", "Lumberjack event mapping in C.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__ljencode(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__ljencode(void) {
+    if (PyType_Ready(&WindowJobType) < 0) return NULL;
+    return PyModule_Create(&module);
+}

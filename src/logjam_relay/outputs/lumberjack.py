@@ -49,6 +49,7 @@ from .lumberjack_encode import (  # noqa: F401  (re-exported)
     DEFAULT_MAX_EVENT_BYTES,
     EventEncoder,
     _ljencode,
+    compress_window,
 )
 from .poison import (
     BISECT,
@@ -428,7 +429,7 @@ class LumberjackOutput:
                 frames, n, kept, rejected = self._encoder.encode_checked(records)
                 level = self.config.compression
                 if n and level and len(frames) >= THREAD_COMPRESS_MIN:
-                    data = await trio.to_thread.run_sync(lj.encode_window, frames, n, level)
+                    data = await compress_window(frames, n, level)     # no GIL taken
                 else:
                     data = lj.encode_window(frames, n, level) if n else b""
             if rejected:

@@ -9,9 +9,13 @@ rejected, for the dead-letter store.
 
 from __future__ import annotations
 
+import os
 import struct
 
+import trio
+
 from .. import _native
+from ..protocols import lumberjack as lj
 from ..limits import BadBody, EventTooLarge, inflate_bounded
 from ..protocols.logjam import HEARTBEAT, split_app_env, unpack_meta
 from ..spool.api import KIND_LOGJAM, Record
@@ -193,3 +197,37 @@ class EventEncoder:
             _K_DEVICE, _u32(len(d)), d, _K_SEQUENCE, _u32(len(s)), s,
             _K_CREATED, _u32(len(c)), c, self._tail,
             b"" if ok else _TAG_DECODE_ERROR))
+
+
+# ------------------------------------------------------------- window compression
+
+_WINDOW_C = _ljencode is not None and hasattr(_ljencode, "window_start") and \
+    hasattr(os, "eventfd")
+
+
+async def compress_window(frames: bytes, n: int, level: int) -> bytes:
+    """``protocols.lumberjack.encode_window(frames, n, level)`` off the event loop.
+
+    With the C twin, a thread of its own compresses without ever taking the GIL and
+    signals an eventfd the loop waits on.  ``trio.to_thread`` (the fallback) needs the
+    GIL three times per window (to start the thread's Python code, when zlib returns,
+    to hand the result back); with ingest keeping the loop thread busy, each waited up
+    to the interpreter's switch interval (5 ms), so an inline Lumberjack output did a
+    fraction of its rate (issue 14).  Same bytes either way
+    (tests/test_lumberjack_writer.py).
+    """
+    if not _WINDOW_C or level <= 0:
+        return await trio.to_thread.run_sync(lj.encode_window, frames, n, level)
+    if not 1 <= n <= 0xFFFFFFFF:
+        raise ValueError(f"window of {n} events")
+    efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    job = None
+    try:
+        job = _ljencode.window_start(frames, n, level, efd)
+        while not job.done():
+            await trio.lowlevel.wait_readable(efd)
+        return job.finish()
+    finally:
+        if job is not None:
+            job.join()          # cancelled: the thread must be done with efd before close
+        os.close(efd)

@@ -9,7 +9,8 @@
   one event is left: refused :data:`REFUSE_LIMIT` times on its own, it is diverted.
   While a window is under suspicion only it is in flight (stop-and-wait) and the
   reconnect backoff does not grow, so 1000 events cost about 3 + 2·log2(1000) ≈ 23
-  short reconnects (seconds, not minutes).
+  short reconnects (seconds, not minutes).  :func:`refusal_action` is that decision,
+  shared by both outputs; they differ only in how they split and hold.
 * :func:`describe_error` -- the cause of a connection failure in words, e.g. the TLS
   verification error (``certificate verify failed: self-signed certificate``) that trio
   hides behind ``BrokenResourceError``, or the DNS error behind an ``OSError``.

@@ -59,7 +59,11 @@ STATS_EVERY = 0.5
 _HDR = struct.Struct(">IB")
 _ACK = struct.Struct(">QQ")
 T_CONFIG, T_RECORDS, T_STOP = ord("C"), ord("R"), ord("S")     # relay -> worker
+T_SEGS = ord("G")                                              # relay -> worker (tail mode)
 T_ACK, T_STATS, T_DEAD = ord("A"), ord("T"), ord("D")          # worker -> relay
+T_DAMAGE = ord("X")                                            # worker -> relay (tail mode)
+NOTIFY_EVERY = 0.003         # tail mode: at most one segment snapshot per this many seconds
+IDLE_CHECK = 0.25            # tail mode: snapshot check without appends (seals, deletions)
 
 
 class WorkerDied(RuntimeError):
@@ -121,6 +125,13 @@ class ProcessOutput:
         self.pid: int | None = None
         self.records_shipped = 0
         self.acks_applied = 0
+        # tail mode: the worker reads the segment files itself (spool/tail.py); the relay
+        # sends segment snapshots and applies acks (real positions) to the reader
+        self.tail = hasattr(reader, "_spool")
+        self._snap_sent = None
+        self.snapshots_sent = 0
+        self.damage_reports = 0
+        self.bad_acks = 0
 
     # -- the output surface ------------------------------------------------------
     def stats(self) -> dict:
@@ -128,6 +139,7 @@ class ProcessOutput:
         d["isolation"] = "process"
         d["worker_pid"] = self.pid or 0
         d["worker_inflight"] = self._inflight
+        d["worker_mode"] = "tail" if self.tail else "ship"
         return d
 
     def request_shutdown(self) -> None:
@@ -166,13 +178,22 @@ class ProcessOutput:
         self._batches.clear()
         clean = False
         try:
+            start = None
+            if self.tail:
+                r = self.reader
+                r._normalize_ack()
+                start = (tuple(r._ack_pos), r._ack_seq)
             cfg = (self.spec.name, self.spec.scheme, self.spec.url, self.relay_host,
-                   self.max_event_bytes, self.dead_letters is not None, self.log_level)
+                   self.max_event_bytes, self.dead_letters is not None, self.log_level,
+                   start)
             await stream.send_all(_frame(T_CONFIG, pickle.dumps(cfg)))
+            self._snap_sent = None
+            if self.tail:
+                await self._send_snapshot(stream)
             if self._stop_requested:
                 await self._send_stop(stream)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._feed, stream)
+                nursery.start_soon(self._notify if self.tail else self._feed, stream)
                 await self._receive(stream)           # until the worker closes
                 nursery.cancel_scope.cancel()
             code = await proc.wait()
@@ -216,11 +237,55 @@ class ProcessOutput:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return                  # the worker died: _receive sees the end
 
+    async def _send_snapshot(self, stream, force: bool = False) -> None:
+        from ..spool.tail import snapshot
+        r = self.reader
+        snap = snapshot(r._spool, r._ack_pos.segment)
+        if snap == self._snap_sent and not force:
+            return
+        self._snap_sent = snap
+        self.snapshots_sent += 1
+        async with self._send_lock:
+            await stream.send_all(_frame(T_SEGS, pickle.dumps(snap, 5)))
+
+    async def _notify(self, stream) -> None:
+        """Tail mode: tell the worker which segments exist and how far each is
+        committed, after appends (coalesced) and now and then (seals, deletions)."""
+        sp = self.reader._spool
+        try:
+            while not self._stop_requested:
+                with trio.move_on_after(IDLE_CHECK):
+                    await sp._appended.wait()
+                await trio.sleep(NOTIFY_EVERY)
+                await self._send_snapshot(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return                      # the worker died: _receive sees the end
+
+    async def _on_damage(self, stream, payload: bytes) -> None:
+        """Tail mode: the worker found a damaged record or cannot open a segment:
+        the relay's damage handling registers the gap (loss accounting), then the
+        worker gets a fresh snapshot (with the hole, or without the segment)."""
+        from ..spool.tail import handle_damage
+        self.damage_reports += 1
+        handle_damage(self.reader, *pickle.loads(payload))
+        await self._send_snapshot(stream, force=True)
+
     async def _receive(self, stream) -> None:
         reader = self.reader
         unpack = _ACK.unpack
         async for kind, payload in _read_messages(stream):
-            if kind == T_ACK:
+            if kind == T_ACK and self.tail:
+                pos = Position(*unpack(payload))
+                try:
+                    reader.ack(pos)
+                except ValueError as e:          # not a record: a worker bug, never fatal
+                    self.bad_acks += 1
+                    log.error("output %s: worker ack ignored: %s", self.name, e)
+                    continue
+                self.acks_applied += 1
+            elif kind == T_DAMAGE:
+                await self._on_damage(stream, payload)
+            elif kind == T_ACK:
                 bno, idx = unpack(payload)
                 real = self._position(bno, idx)
                 if real is None:
@@ -239,7 +304,7 @@ class ProcessOutput:
                 self._stats = pickle.loads(payload)
             elif kind == T_DEAD:
                 output, reason, frames, rkind, detail, position = pickle.loads(payload)
-                if position is not None:
+                if position is not None and not self.tail:
                     real = self._position(*position)
                     position = tuple(real) if real is not None else None
                 store = self.dead_letters
@@ -373,11 +438,18 @@ async def worker_main(fd: int) -> int:
     kind, payload = await messages.__anext__()
     if kind != T_CONFIG:
         raise RuntimeError("output worker: no configuration received")
-    name, scheme, url, relay_host, max_event_bytes, with_dead, level = pickle.loads(payload)
+    name, scheme, url, relay_host, max_event_bytes, with_dead, level, start = \
+        pickle.loads(payload)
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [{name} worker] "
                                             "%(name)s: %(message)s")
     ack = _ACK.pack
-    source = RemoteSource(name, lambda pos: send(T_ACK, ack(pos[0], pos[1])))
+    if start is not None:               # tail mode: read the segment files here
+        from ..spool.tail import SegmentTail
+        source = SegmentTail(name, Position(*start[0]), start[1],
+                             lambda pos: send(T_ACK, ack(pos[0], pos[1])),
+                             lambda *damage: send(T_DAMAGE, pickle.dumps(damage)))
+    else:
+        source = RemoteSource(name, lambda pos: send(T_ACK, ack(pos[0], pos[1])))
     dead = DeadLetterProxy(send) if with_dead else None
     output = make_output(OutputSpec(name, scheme, url), source, relay_host, dead_letters=dead,
                          max_event_bytes=max_event_bytes)
@@ -386,7 +458,9 @@ async def worker_main(fd: int) -> int:
 
     async def receive(cancel_scope):
         async for kind, payload in messages:
-            if kind == T_RECORDS:
+            if kind == T_SEGS:
+                source.update(pickle.loads(payload))
+            elif kind == T_RECORDS:
                 source.add(*pickle.loads(payload))
             elif kind == T_STOP:
                 if hasattr(output, "request_shutdown"):

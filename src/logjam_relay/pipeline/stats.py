@@ -37,7 +37,7 @@ RECORD_DDL = ("app string, env string, topic string, device long, sequence long,
               "exceptions array<string>, bad_json boolean")
 
 # kinds of the combined aggregation's keys
-K_REQUEST, K_EXCEPTION, K_TOPIC, K_OTHER = 0, 1, 2, 3
+K_REQUEST, K_TOPIC, K_OTHER = 0, 2, 3
 
 # --------------------------------------------------------------------- Spark side
 
@@ -55,47 +55,37 @@ def _with_minute(df, ms_col: str):
 
 def aggregate(df, apdex_ms: float = DEFAULT_APDEX_MS):
     """One pass over scanned rows (:data:`SCAN_DDL` columns) -> one small DataFrame holding
-    the groups of request_stats, exceptions and topics and the input summary: every row
-    becomes one item (a request, a topic count or "other") plus one item per exception
-    name, and a single hash aggregation computes all figures."""
+    the groups of request_stats and topics (each row is exactly one item: a request, a
+    topic count, or "other" for the summary), with the exception names of each request
+    group collected, and the input summary counters: a single hash aggregation."""
     from pyspark.sql import functions as F
     is_logs = F.coalesce(F.col("topic").startswith("logs"), F.lit(False))
     valid = is_logs & F.col("error").isNull() & ~F.coalesce(F.col("bad_json"), F.lit(False))
-    req_ms = F.coalesce(F.col("started_ms"), F.col("created_ms"))
-    req_minute = _minute_of(req_ms)
-    action = F.coalesce(F.col("action"), F.lit("unknown"))
     is_topic = F.col("topic").isNotNull() & ~is_logs & F.col("created_ms").isNotNull() & \
         ~((F.col("app") == "heartbeat") & (F.col("env") == ""))
-    nul = F.lit(None).cast("string")
-
-    def item(kind, minute, name, exc):
-        return F.struct(F.lit(kind).alias("kind"), minute.cast("long").alias("m"),
-                        F.col("app").alias("app"), F.col("env").alias("env"),
-                        name.alias("name"), exc.alias("exc"))
-
-    req_item = item(K_REQUEST, req_minute, action, nul)
-    exc_items = F.transform(
-        F.filter(F.coalesce(F.col("exceptions"), F.array().cast("array<string>")),
-                 lambda x: x.isNotNull()),
-        lambda x: item(K_EXCEPTION, req_minute, action, x))
-    items = F.when(valid, F.concat(F.array(req_item), exc_items)) \
-             .when(is_topic, F.array(item(K_TOPIC, _minute_of(F.col("created_ms")),
-                                          F.col("topic"), nul))) \
-             .otherwise(F.array(F.struct(F.lit(K_OTHER).alias("kind"),
-                                         F.lit(None).cast("long").alias("m"),
-                                         nul.alias("app"), nul.alias("env"),
-                                         nul.alias("name"), nul.alias("exc"))))
-    x = df.select(F.explode(items).alias("k"), "total_time", "code", "severity", "error",
-                  F.coalesce(F.col("bad_json"), F.lit(False)).alias("bad_json"))
-    kind = F.col("k.kind")
-    base = kind != K_EXCEPTION                 # one base item per input row
-    req = kind == K_REQUEST
-    tt = F.when(req, F.col("total_time"))
+    kind = F.when(valid, K_REQUEST).when(is_topic, K_TOPIC).otherwise(K_OTHER)
+    keyed = F.when(valid, 1).when(is_topic, 1)
+    x = df.select(
+        kind.alias("kind"),
+        F.when(valid, _minute_of(F.coalesce(F.col("started_ms"), F.col("created_ms"))))
+         .when(is_topic, _minute_of(F.col("created_ms"))).alias("minute_ms"),
+        F.when(keyed.isNotNull(), F.col("app")).alias("app"),
+        F.when(keyed.isNotNull(), F.col("env")).alias("env"),
+        F.when(valid, F.coalesce(F.col("action"), F.lit("unknown")))
+         .when(is_topic, F.col("topic")).alias("name"),
+        F.when(valid, F.col("total_time")).alias("tt"),
+        F.when(valid, F.col("code")).alias("code"),
+        F.when(valid, F.col("severity")).alias("severity"),
+        F.when(valid, F.array_compact(F.col("exceptions"))).alias("exceptions"),
+        F.col("error"),
+        F.coalesce(F.col("bad_json"), F.lit(False)).alias("bad_json"))
+    tt = F.col("tt")
     t = float(apdex_ms)
 
     def count_if(c):
         return F.count(F.when(c, 1))
 
+    code = F.col("code")
     aggs = [
         F.count(F.lit(1)).alias("count"),
         F.sum(tt).alias("total_time_sum"),
@@ -104,21 +94,17 @@ def aggregate(df, apdex_ms: float = DEFAULT_APDEX_MS):
         F.percentile(tt, F.array(F.lit(0.5), F.lit(0.95), F.lit(0.99))).alias("_pct"),
         F.try_divide(count_if(tt <= t) + 0.5 * count_if((tt > t) & (tt <= 4 * t)),
                      F.count(tt)).alias("apdex"),
+        *(count_if((code >= k * 100) & (code < k * 100 + 100)).alias(f"http_{k}xx")
+          for k in (2, 3, 4, 5)),
+        *(count_if(F.col("severity") == k).alias(f"severity_{k}") for k in range(6)),
+        F.flatten(F.collect_list("exceptions")).alias("_exceptions"),
+        F.count(F.lit(1)).alias("_rows"),
+        count_if(F.col("error").isNotNull()).alias("_bad"),
+        count_if(F.coalesce(F.col("error").startswith("corrupt"), F.lit(False)))
+        .alias("_corrupt"),
+        count_if(F.col("bad_json")).alias("_bad_json"),
     ]
-    code = F.col("code")
-    for k in (2, 3, 4, 5):
-        aggs.append(count_if(req & (code >= k * 100) & (code < k * 100 + 100))
-                    .alias(f"http_{k}xx"))
-    for k in range(6):
-        aggs.append(count_if(req & (F.col("severity") == k)).alias(f"severity_{k}"))
-    aggs += [count_if(base).alias("_rows"),
-             count_if(base & F.col("error").isNotNull()).alias("_bad"),
-             count_if(base & F.coalesce(F.col("error").startswith("corrupt"), F.lit(False)))
-             .alias("_corrupt"),
-             count_if(base & F.col("bad_json")).alias("_bad_json")]
-    return x.groupBy(F.col("k.kind").alias("kind"), F.col("k.m").alias("minute_ms"),
-                     F.col("k.app").alias("app"), F.col("k.env").alias("env"),
-                     F.col("k.name").alias("name"), F.col("k.exc").alias("exc")).agg(*aggs)
+    return x.groupBy("kind", "minute_ms", "app", "env", "name").agg(*aggs)
 
 
 REQUEST_COLUMNS = ["date", "minute", "app", "env", "action", "count", "total_time_sum",
@@ -135,9 +121,11 @@ def split(agg) -> dict:
            .withColumn("total_time_p50", F.col("_pct")[0]) \
            .withColumn("total_time_p95", F.col("_pct")[1]) \
            .withColumn("total_time_p99", F.col("_pct")[2]).select(*REQUEST_COLUMNS)
-    exc = a.where(F.col("kind") == K_EXCEPTION).select(
+    exc = a.where(F.col("kind") == K_REQUEST).select(
         "date", "minute", "app", "env", F.col("name").alias("action"),
-        F.col("exc").alias("exception"), "count")
+        F.explode("_exceptions").alias("exception")) \
+        .groupBy("date", "minute", "app", "env", "action", "exception") \
+        .agg(F.count(F.lit(1)).alias("count"))
     top = a.where(F.col("kind") == K_TOPIC).select(
         "date", "minute", "app", "env", F.col("name").alias("topic"), "count")
     return {"request_stats": req, "exceptions": exc, "topics": top}
@@ -148,11 +136,10 @@ def summary_of(agg) -> dict:
     from pyspark.sql import functions as F
     r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json")),
                 *(F.count(F.when(F.col("kind") == k, 1)).alias(n) for k, n in (
-                    (K_REQUEST, "request_stats"), (K_EXCEPTION, "exceptions"),
-                    (K_TOPIC, "topics")))).collect()[0]
+                    (K_REQUEST, "request_stats"), (K_TOPIC, "topics")))).collect()[0]
     return {"rows_in": r["_rows"] or 0, "bad_records": r["_bad"] or 0,
             "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0,
-            "counts": {n: r[n] for n in ("request_stats", "exceptions", "topics")}}
+            "counts": {n: r[n] for n in ("request_stats", "topics")}}
 
 
 LOSS_COLUMNS = ["date", "minute", "device", "received", "missing", "duplicates",

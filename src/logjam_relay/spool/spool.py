@@ -191,7 +191,13 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
                 except SpoolError:
                     pass
             self._make_reserve()
-            self._maybe_delete()
+            if not self._seal_listeners:
+                self._maybe_delete()
+            # else: segments sealed by the recovery (or sealed before a crash that came
+            # between the rename and the listener) were never announced; deleting them
+            # now (at once when no output reads the spool) would lose them from the
+            # archive too. The owner announces them (Archive.catch_up) and they are
+            # deleted on the next seal or acknowledgement.
         except BaseException:
             self._release_lock()
             raise

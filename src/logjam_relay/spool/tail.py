@@ -1,0 +1,304 @@
+"""Read-only tailing of the spool's segment files, for an output in another process.
+
+With ``output_isolation = "process"`` (``outputs/worker.py``) the worker process reads
+the segment files itself: the relay only tells it which segments exist and how far
+each is committed (a *snapshot*, see :func:`snapshot`), and applies the worker's
+acknowledgements (spool positions) to the output's real
+:class:`~logjam_relay.spool.reader.SpoolReader`, which keeps the cursor log and the
+loss accounting.  Segments are append-only and a sealed one is immutable, so a reader
+that stops at the committed end the relay announced never sees a torn record.
+
+:class:`SegmentTail` implements the reader protocol of ``spool/api.py`` (``read``,
+``wait``, ``ack``, ``rewind``, ``stats``) on such snapshots.  It never decides a loss:
+
+* a segment the snapshot no longer lists was deleted (``drop_oldest``, or acknowledged
+  by every reader): reading jumps to the next listed one; the relay's reader counts
+  what was skipped when the acknowledged cursor passes over it;
+* a segment file that cannot be opened, or a damaged record, is reported through
+  ``report(segno, offset, seq, reason, message)``; the relay runs its damage handling
+  (:meth:`Spool._on_corrupt`: resync, gap, hole or ``bad_offset``) and sends a new
+  snapshot, with which reading goes on.  Until then this segment is not read.
+
+Pure apart from ``os.open``/``os.pread`` on the segment files and one ``trio.Event``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+from . import segment as fmt
+from .api import Position, Record
+
+MiB = 1 << 20
+
+# snapshot entry: (segno, path, limit, sealed, first_seq, holes)
+#   limit: where readers stop (committed end of the active segment, data end of a
+#   sealed one, or the first unreadable offset); holes: ((offset, resume, seq), ...)
+
+
+def snapshot(spool, from_segment: int) -> tuple:
+    """The segments from ``from_segment`` on, as the relay announces them to a worker."""
+    return tuple((s.segno, s.path, s.limit, s.sealed, s.first_seq,
+                  tuple(sorted((o, h[0], h[1]) for o, h in s.holes.items())) if s.holes
+                  else ())
+                 for s in spool._segs.values() if s.segno >= from_segment)
+
+
+def handle_damage(reader, segno: int, off: int, seq: int, reason: str, message: str) -> None:
+    """The relay's half of a damage report: run the spool's damage handling for the
+    output's reader (resync and hole, or ``bad_offset``; a gap that every reader counts
+    as lost), as if the reader itself had found it.  A stale report (already handled,
+    or its segment deleted meanwhile) changes nothing; the worker gets a new snapshot
+    either way."""
+    sp = reader._spool
+    seg = sp._segs.get(segno)
+    if seg is None or off >= seg.limit or off in seg.holes:
+        return
+    if reason in ("torn", "short_file"):
+        err = fmt.SegmentTruncated(reason, message, off)
+    elif reason == "unreadable":
+        err = fmt.SegmentError(reason, message, off)
+    else:
+        err = fmt.SegmentCorrupt(reason, message, off)
+    # the damage handling starts at the reader's read position (the relay's reader does
+    # not read in this mode: its read position is its acknowledged cursor)
+    reader._read_pos, reader._read_seq = Position(segno, off), max(seq, reader._ack_seq)
+    try:
+        sp._on_corrupt(reader, seg, err)
+    finally:
+        reader._read_pos, reader._read_seq = reader._ack_pos, reader._ack_seq
+
+
+class SegmentTail:
+    """An output's reader in a worker process, on the relay's segment snapshots."""
+
+    CHUNK = 1 * MiB
+
+    def __init__(self, name: str, start: Position, start_seq: int, send_ack, report):
+        self.name = name
+        self._send_ack = send_ack
+        self._report = report
+        self._segs: dict[int, tuple] = {}         # segno -> snapshot entry
+        self._pos = Position(*start)            # next record read() returns
+        self._seq = start_seq
+        self._first = Position(*start)          # first record not acknowledged (if _acked None)
+        self._first_seq = start_seq
+        self._acked: Position | None = None     # last acknowledged record
+        self._acked_seq = -1
+        self._skip = False                      # read(): pass over the record at _pos
+        self._stuck: tuple | None = None        # (segno, offset) reported, not yet resolved
+        self._event = trio.Event()
+        self._fd: int | None = None
+        self._fd_seg = -1
+        self._buf = b""
+        self._buf_seg = -1
+        self._buf_base = 0
+        self.records_read = 0
+        self.acks = 0
+        self.reports = 0
+        self.snapshots = 0
+
+    # -- from the relay -----------------------------------------------------------
+    def update(self, snap) -> None:
+        old = self._segs
+        segs = {e[0]: e for e in snap}
+        for segno in old:
+            if segno not in segs:
+                self._forget(segno)
+        self._segs = segs
+        self._stuck = None                      # the relay answered: try again
+        self.snapshots += 1
+        self._event.set()
+
+    # -- files ----------------------------------------------------------------------
+    def _forget(self, segno: int) -> None:
+        if self._fd_seg == segno and self._fd is not None:
+            os.close(self._fd)
+            self._fd, self._fd_seg = None, -1
+        if self._buf_seg == segno:
+            self._buf, self._buf_seg = b"", -1
+
+    def _fd_for(self, entry) -> int:
+        segno, path = entry[0], entry[1]
+        if self._fd_seg != segno:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd, self._fd_seg = None, -1
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                # sealed (renamed .open -> .seg) since the snapshot was taken?
+                root, ext = os.path.splitext(path)
+                if ext != ".open":
+                    raise
+                fd = os.open(root + ".seg", os.O_RDONLY | os.O_CLOEXEC)
+            self._fd, self._fd_seg = fd, segno
+        return self._fd
+
+    def _load(self, entry, off: int, need: int) -> None:
+        size = min(max(self.CHUNK, need), entry[2] - off)
+        self._buf = os.pread(self._fd_for(entry), size, off)
+        self._buf_seg, self._buf_base = entry[0], off
+
+    def _next_segment(self, after: int):
+        best = None
+        for segno in self._segs:
+            if segno > after and (best is None or segno < best):
+                best = segno
+        return None if best is None else self._segs[best]
+
+    def _stop_at(self, segno: int, off: int, reason: str, message: str) -> None:
+        if self._stuck != (segno, off):
+            self._stuck = (segno, off)
+            self.reports += 1
+            self._report(segno, off, self._seq, reason, message)
+
+    # -- reader protocol ------------------------------------------------------------
+    def read(self, max_records: int) -> list[Record]:
+        out: list[Record] = []
+        if self._stuck is not None:
+            return out
+        segs = self._segs
+        tnew = tuple.__new__
+        while len(out) < max_records:
+            pos = self._pos
+            entry = segs.get(pos.segment)
+            if entry is None:
+                nxt = self._next_segment(pos.segment)
+                if nxt is None:
+                    break                               # nothing announced past here yet
+                self._pos = Position(nxt[0], fmt.HEADER_LEN)
+                self._seq = max(self._seq, nxt[4])
+                self._skip = False                      # the acked record went with its segment
+                continue
+            segno, _path, limit, sealed, _first, holes = entry
+            off = pos.offset
+            resume = None
+            next_hole = None
+            for h in holes:
+                if h[0] == off:
+                    resume = h
+                    break
+                if h[0] > off and (next_hole is None or h[0] < next_hole):
+                    next_hole = h[0]
+            if resume is not None:
+                self._pos = Position(segno, resume[1])
+                self._seq = max(self._seq, resume[2])
+                self._skip = False
+                continue
+            if off >= limit:
+                if not sealed:
+                    break                               # at the committed end
+                nxt = self._next_segment(segno)
+                if nxt is None:
+                    break
+                self._pos = Position(nxt[0], fmt.HEADER_LEN)
+                self._seq = max(self._seq, nxt[4])
+                self._skip = False
+                continue
+            try:
+                if not (self._buf_seg == segno
+                        and self._buf_base <= off < self._buf_base + len(self._buf)):
+                    self._load(entry, off, 0)
+                    if not self._buf:
+                        self._stop_at(segno, off, "short_file",
+                                      "segment file shorter than expected")
+                        break
+            except OSError as e:
+                self._stop_at(segno, off, "unreadable", f"cannot read segment: {e}")
+                break
+            buf, base = self._buf, self._buf_base
+            stop = min(len(buf), limit - base)
+            if next_hole is not None and next_hole - base < stop:
+                stop = next_hole - base
+            want = max_records - len(out) + (1 if self._skip else 0)
+            recs, _, status = fmt.parse_records(buf, off - base, stop, want, base)
+            if recs:
+                if self._skip:
+                    self._skip = False
+                    first = recs[0]
+                    recs = recs[1:]
+                    if not recs:
+                        self._pos = Position(segno, first[4])
+                        self._seq = first[2] + 1
+                        continue
+                out.extend([tnew(Record, (tnew(Position, (segno, r[0])), r[1], r[3]))
+                            for r in recs])
+                last = recs[-1]
+                self._pos = Position(segno, last[4])
+                self._seq = last[2] + 1
+                continue
+            if status is None:
+                continue
+            if status == "partial":
+                need = fmt.PREFIX_LEN + (fmt.PREFIX.unpack_from(buf, off - base)[0]
+                                         if stop - (off - base) >= fmt.PREFIX_LEN else 0)
+                if base == off and len(buf) >= min(need, limit - off):
+                    self._stop_at(segno, off, "torn", "record crosses the committed end")
+                    break
+                if base == off and len(buf) < min(self.CHUNK, limit - off):
+                    self._stop_at(segno, off, "short_file",
+                                  "segment file shorter than expected")
+                    break
+                try:
+                    self._load(entry, off, need)
+                except OSError as e:
+                    self._stop_at(segno, off, "unreadable", f"cannot read segment: {e}")
+                    break
+                continue
+            if status == "seal":
+                self._stop_at(segno, off, "unexpected_seal", "seal record inside data")
+                break
+            self._stop_at(segno, off, status.reason, str(status))
+            break
+        self.records_read += len(out)
+        return out
+
+    async def wait(self) -> None:
+        while True:
+            if self._stuck is None and self._has_more():
+                await trio.lowlevel.checkpoint()
+                return
+            self._event = trio.Event()
+            await self._event.wait()
+
+    def _has_more(self) -> bool:
+        entry = self._segs.get(self._pos.segment)
+        if entry is None:
+            return self._next_segment(self._pos.segment) is not None
+        if self._pos.offset < entry[2]:
+            return True
+        return entry[3] and self._next_segment(entry[0]) is not None
+
+    def ack(self, upto: Position) -> None:
+        acked = self._acked
+        if acked is not None and upto <= acked:
+            return
+        if acked is None and upto < self._first:
+            return
+        self._acked = upto
+        self.acks += 1
+        self._send_ack(upto)
+
+    def rewind(self) -> None:
+        """Back to the first unacknowledged record: the last acknowledged one is
+        re-parsed and passed over (its end is not kept)."""
+        self._buf, self._buf_seg = b"", -1
+        if self._acked is None:
+            self._pos, self._seq, self._skip = self._first, self._first_seq, False
+        else:
+            self._pos, self._skip = self._acked, True
+        self._stuck = None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd, self._fd_seg = None, -1
+
+    def stats(self) -> dict:
+        return {"worker_records_read": self.records_read, "worker_acks": self.acks,
+                "worker_damage_reports": self.reports, "worker_snapshots": self.snapshots,
+                "worker_segment": self._pos.segment, "worker_offset": self._pos.offset}
+
