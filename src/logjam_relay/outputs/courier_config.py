@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from ..io.net import TLSSettings
 from ..protocols.courier import MAX_LENGTH
-from .url_params import flag, query_params, tls_settings
+from .url_params import flag, query_params, split_url, tls_settings
 
 # ------------------------------------------------------------------ configuration
 
@@ -76,7 +75,7 @@ def parse_url(url: str) -> CourierConfig:
     spool cursor, dead letters). Raises ValueError naming the bad part.
     """
     try:
-        u = urlsplit(url)
+        u = split_url(url)
     except ValueError as e:
         raise ValueError(f"courier URL: {e}") from None
     if u.scheme != "courier":

@@ -12,13 +12,41 @@ context is built then).
 from __future__ import annotations
 
 import os
+import re
+from typing import NamedTuple
 from urllib.parse import parse_qsl
 
 from ..io.net import TLSSettings
 
+class SplitURL(NamedTuple):
+    scheme: str
+    netloc: str
+    path: str
+    query: str
+    fragment: str
+
+
 TRUE = frozenset(("on", "true", "yes", "1"))
 FALSE = frozenset(("off", "false", "no", "0"))
 TLS_KEYS = ("tls", "verify", "ca", "cert", "key", "server_name")
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)([^?#]*)(?:\?([^#]*))?(?:#(.*))?$")
+
+
+def split_url(url: str) -> SplitURL:
+    """``scheme://netloc/path?query#fragment`` without ``urlsplit``'s netloc checks.
+
+    A multi-host netloc such as ``a:1,[::1]:2`` is not one RFC 3986 authority, and
+    CPython's security releases (and Debian's 3.11.2) reject it in ``urlsplit`` with
+    "Invalid IPv6 URL" whenever a bracketed host is not the first; the hosts are split
+    and checked one by one by the callers instead.
+    """
+    m = _URL.match(url.strip())
+    if not m:
+        raise ValueError("expected scheme://host:port[,host:port...][?parameters]")
+    scheme, netloc, path, query, fragment = m.groups()
+    return SplitURL(scheme.lower(), netloc, path, query or "", fragment or "")
 
 
 def query_params(scheme: str, query: str) -> dict[str, str]:

@@ -7,24 +7,40 @@ Here each output runs in a worker process of its own; the relay keeps everything
 must stay in one place:
 
 * the spool and the output's :class:`~logjam_relay.spool.reader.SpoolReader` (cursor,
-  loss accounting, space management) stay in the relay: the relay side reads records
-  (C record parser) and ships them to the worker in batches over a Unix socket pair;
-* the worker runs the unchanged output class (:func:`supervisor.make_output`) on a
-  :class:`RemoteSource`, an in-memory reader (like ``MemorySource``) that keeps what it
-  was given until it is acknowledged (so the output's own ``rewind()`` after a reconnect
-  works locally) and sends every ``ack(position)`` back; the relay applies it to the real
-  reader, which persists the cursor;
+  loss accounting, space management, damage handling) stay in the relay;
+* **tail mode** (the relay's outputs): the worker reads the segment files itself
+  (:class:`~logjam_relay.spool.tail.SegmentTail`, C record parser).  The relay only
+  sends *snapshots* -- which segments exist, how far each is committed, sealed or not,
+  the holes its damage handling registered -- after appends (at most one per
+  ``NOTIFY_EVERY``) and every ``IDLE_CHECK`` (seals, deletions); the worker acks real
+  spool positions, which the relay applies to the reader (``reader.ack``: cursor log,
+  loss accounting).  A damaged record or a segment file that cannot be read is reported
+  (``T_DAMAGE``); the relay runs the spool's damage handling as if its reader had found
+  it (:func:`~logjam_relay.spool.tail.handle_damage`) and sends a new snapshot.  A
+  segment deleted under the worker (``drop_oldest``) leaves the snapshot: the worker
+  reads on from the next one, the relay's reader counts the skipped records as lost.
+  The relay's cost per record is then nothing but applying an ack per window;
+* **ship mode** (any other reader, e.g. tests' in-memory sources): the relay side reads
+  records and ships them to the worker in batches over the socket pair; the worker runs
+  the output on a :class:`RemoteSource`, an in-memory reader (like ``MemorySource``)
+  that keeps what it was given until it is acknowledged (so the output's own
+  ``rewind()`` after a reconnect works locally) and sends every ``ack(position)`` back;
+* either way the worker runs the unchanged output class (:func:`supervisor.make_output`);
 * dead letters are sent back too and written by the relay's store, before any later ack
   (one ordered channel), so "acknowledged" still implies "delivered or dead-lettered";
 * the worker sends its ``stats()`` every 0.5 s; metrics and readiness read the last one.
 
-Flow control: at most ``MAX_INFLIGHT`` records are in the worker, unacknowledged.  A
+Flow control (ship mode): at most ``MAX_INFLIGHT`` records are in the worker,
+unacknowledged; in tail mode the worker holds what its output holds (a window or two).  A
 worker that dies (crash, SIGKILL) makes :meth:`ProcessOutput.run` raise; the
 supervisor restarts it from the acknowledged cursor (``reader.rewind()``), exactly as
 for a crashed inline output.  ``request_shutdown()`` is passed on: the worker lets its
 output finish what is in flight, sends the last acks and exits.
 
-Wire format (both directions): ``<u32 length><u8 type><payload>``.  A batch of records
+Wire format (both directions): ``<u32 length><u8 type><payload>``.  Tail mode: a
+snapshot is ``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
+``>QQ`` (segment, offset), a damage report ``pickle((segno, offset, seq, reason, msg))``.
+Ship mode: a batch of records
 goes as ``pickle((batch_no, kinds, frames))``: the spool positions stay in the relay
 (with the batch, until it is acknowledged) and the worker's records carry the position
 ``(batch_no, index)``, which orders like the real one; an ack ``(batch_no, index)`` is
@@ -37,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import pickle
 import select
 import signal
@@ -426,13 +443,20 @@ async def worker_main(fd: int) -> int:
     poller.register(fd, select.POLLOUT)
 
     def send(kind: int, payload: bytes) -> None:
-        data = memoryview(_frame(kind, payload))
+        send_raw(_frame(kind, payload))
+
+    def send_raw(data: bytes) -> None:
+        data = memoryview(data)
         with out_lock:
             while data:
                 try:
                     data = data[sock.send(data):]
                 except BlockingIOError:
                     poller.poll(1000)
+                except (BrokenPipeError, ConnectionResetError):
+                    # the relay is gone (SIGKILL): no one to ack for; its successor
+                    # starts from the durable cursor.  Also from the output's threads.
+                    os._exit(0)
 
     messages = _read_messages(stream)
     kind, payload = await messages.__anext__()
@@ -443,13 +467,26 @@ async def worker_main(fd: int) -> int:
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [{name} worker] "
                                             "%(name)s: %(message)s")
     ack = _ACK.pack
+    output = None
+
+    def stats_frame() -> bytes:
+        st = dict(output.stats())
+        st.update(source.stats())
+        return _frame(T_STATS, pickle.dumps(st))
+
+    def send_ack(pos) -> None:
+        # the stats go with the ack (one write): once the relay's cursor has moved, its
+        # metrics show what moved it (outputs count before they ack); acks come per
+        # window or payload, so this costs little
+        data = _frame(T_ACK, ack(pos[0], pos[1]))
+        send_raw(data + stats_frame() if output is not None else data)
+
     if start is not None:               # tail mode: read the segment files here
         from ..spool.tail import SegmentTail
-        source = SegmentTail(name, Position(*start[0]), start[1],
-                             lambda pos: send(T_ACK, ack(pos[0], pos[1])),
+        source = SegmentTail(name, Position(*start[0]), start[1], send_ack,
                              lambda *damage: send(T_DAMAGE, pickle.dumps(damage)))
     else:
-        source = RemoteSource(name, lambda pos: send(T_ACK, ack(pos[0], pos[1])))
+        source = RemoteSource(name, send_ack)
     dead = DeadLetterProxy(send) if with_dead else None
     output = make_output(OutputSpec(name, scheme, url), source, relay_host, dead_letters=dead,
                          max_event_bytes=max_event_bytes)
@@ -471,9 +508,7 @@ async def worker_main(fd: int) -> int:
 
     async def report():
         while True:
-            st = dict(output.stats())
-            st.update(source.stats())
-            send(T_STATS, pickle.dumps(st))
+            send_raw(stats_frame())
             await trio.sleep(STATS_EVERY)
 
     async with trio.open_nursery() as nursery:
@@ -481,9 +516,7 @@ async def worker_main(fd: int) -> int:
         nursery.start_soon(report)
         await output.run()
         nursery.cancel_scope.cancel()
-    st = dict(output.stats())
-    st.update(source.stats())
-    send(T_STATS, pickle.dumps(st))
+    send_raw(stats_frame())
     return 0
 
 
