@@ -248,6 +248,8 @@ def test_workers_exit_when_the_relay_is_sigkilled(tmp_path):
     while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(k) for k in kids)
+    # quietly: a worker whose relay is gone exits without a traceback on the shared log
+    assert "Traceback" not in (tmp_path / "relay.log").read_text()
 
 
 # ------------------------------------------------------- SegmentTail (tail mode)
@@ -372,3 +374,41 @@ def test_segment_tail_reports_a_damaged_record_and_the_relay_registers_the_gap(t
     reader.ack(acks[-1])
     assert reader.lost_by_reason == {"corrupt": 1}
     sp.close()
+
+
+async def test_worker_reports_a_damaged_record_and_the_relay_counts_it(tmp_path):
+    """Tail mode end to end: a record damaged on disk before the worker reads it is
+    reported by the worker, handled by the relay (one record lost, reason corrupt), and
+    everything else arrives once."""
+    from logjam_relay.spool import segment
+    port = free_port()
+    async with running_relay(tmp_path, outputs=[lj_url(port)], output_isolation="process",
+                             spool_dir=str(tmp_path / "spool")) as (relay, cl):
+        push = cl.push()
+        await push_n(push, 0, 300)
+        sup = relay.outputs[0]
+
+        def spooled():
+            return [fr[2] for p in (tmp_path / "spool").glob("*.open")
+                    for _, _, fr in segment.iter_records(p, allow_torn_tail=True)]
+        await until(lambda: sum(b.startswith(b'{"action"') for b in spooled()) == 300)
+        relay.spool.seal()
+        seg = next(p for p in (tmp_path / "spool").glob("*.seg"))
+        recs = [(off, fr) for off, _, fr in segment.iter_records(seg)]
+        victim = next(off for off, fr in recs if fr[2].startswith(b'{"action":"Worker#test","n":150,'))
+        with open(seg, "r+b") as f:              # one byte of record n=150's body
+            f.seek(victim + 60)
+            b = f.read(1)
+            f.seek(victim + 60)
+            f.write(bytes([b[0] ^ 0xFF]))
+        reader = LumberjackReader(port=port)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.serve)
+            await until(lambda: len(reader.events) >= 299)
+            await until(lambda: sup.reader.stats()["backlog_records"] == 0)
+            await until(lambda: sup.stats().get("worker_damage_reports") == 1)
+            nursery.cancel_scope.cancel()
+        push.close()
+        assert sup.reader.stats()["lost_by_reason"] == {"corrupt": 1}
+        assert sup.stats()["worker_mode"] == "tail"
+    assert sorted(numbers(reader)) == [i for i in range(300) if i != 150]

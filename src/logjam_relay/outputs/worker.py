@@ -157,6 +157,8 @@ class ProcessOutput:
         d["worker_pid"] = self.pid or 0
         d["worker_inflight"] = self._inflight
         d["worker_mode"] = "tail" if self.tail else "ship"
+        d["worker_snapshots_sent"] = self.snapshots_sent
+        d["worker_bad_acks"] = self.bad_acks
         return d
 
     def request_shutdown(self) -> None:
