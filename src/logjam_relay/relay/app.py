@@ -287,7 +287,9 @@ class Relay:
                 if p.seq >= self.sequence_state.reserved:
                     self.sequence_state.reserve(p.seq, len(records))
                 if spool is not None:
-                    await self._spool_write(records)
+                    # False: shutting down with the batch not in the spool; the input
+                    # must not ACK it (the sender resends to the next relay run)
+                    return await self._spool_write(records)
         return True
 
     def _close(self) -> None:
@@ -363,8 +365,12 @@ class Relay:
                 records = p.commit(acc, now_ms())
             if p.seq >= self.sequence_state.reserved:
                 self.sequence_state.reserve(p.seq, len(records))
-            if self.spool is not None:
-                await self._spool_write(records)
+            if self.spool is not None and not await self._spool_write(records):
+                # shutting down with the batch not in the spool: no 202 for it (a 202
+                # means "in the spool"); the client's timeout makes it resend
+                log.warning("shutdown: %d messages published but not spooled; their "
+                            "replies are withheld", len(records))
+                replies = [r for r in replies if not r[-1].startswith(b"202")]
         if replies:
             # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
             # with logjam-device, but counted.
@@ -403,8 +409,9 @@ class Relay:
                          "answered 400" if is_router else "dropped")
         return keep
 
-    async def _spool_write(self, records: list[tuple]) -> None:
+    async def _spool_write(self, records: list[tuple]) -> bool:
         """Append a committed batch; on a write error keep the batch, pause, retry.
+        True once the batch is in the spool; False only when shutting down gave up on it.
 
         Replies are sent only after this returns, so a 202 always means "in the spool"
         (and, with spool_fsync=batch, on disk: the fdatasync runs in a worker thread while
@@ -422,13 +429,13 @@ class Relay:
                     written = True
                 if spool.defer_batch_sync:
                     await spool.sync_async()
-                return
+                return True
             except SpoolWriteError as e:
                 self.spool_write_failures += 1
                 rlog.error("spool_write", "spool %s failed (%s): %s; ingress paused, retrying",
                            "sync" if written else "write", e.reason, e)
                 if self.stopping:
-                    return
+                    return False
                 # paused (counted in spool_blocked_seconds while it lasts); retried at
                 # once when the spool frees space, else after the backoff
                 t0 = trio.current_time()
