@@ -1,6 +1,6 @@
 """Bounded decompression: never inflate more than ``limit`` bytes into memory.
 
-``max_event_bytes`` (config.py) bounds the decompressed size of one event.  Every
+``max_event_bytes`` (config/settings.py) bounds the decompressed size of one event.  Every
 place that inflates a body for an output goes through :func:`inflate_bounded`:
 
 * zlib / gzip: ``decompressobj().decompress(data, limit + 1)`` -- at most

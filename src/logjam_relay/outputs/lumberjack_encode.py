@@ -20,7 +20,7 @@ from ..limits import BadBody, EventTooLarge, inflate_bounded
 from ..protocols.logjam import HEARTBEAT, split_app_env, unpack_meta
 from ..spool.api import KIND_LOGJAM, Record
 
-#: what ``max_event_bytes`` defaults to (config.py): Filebeat's ``max_bytes`` default
+#: what ``max_event_bytes`` defaults to (config/settings.py): Filebeat's ``max_bytes`` default
 DEFAULT_MAX_EVENT_BYTES = 10 * 1024 * 1024
 
 # ----------------------------------------------------------------- event mapping
