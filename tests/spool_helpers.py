@@ -1,0 +1,44 @@
+"""Helpers shared by the spool tests: logjam messages with a meta frame, a small spool."""
+
+import os
+import struct
+
+from logjam_relay.spool import segment as fmt
+from logjam_relay.spool.spool import Spool
+
+
+def meta(seq: int) -> bytes:
+    return struct.pack(">HBBIQQ", 0xCABD, 1, 1, 7, 1_700_000_000_000 + seq, seq)
+
+
+def msg(i: int, size: int = 300) -> list[bytes]:
+    return [b"myapp-production", b"logs.web", i.to_bytes(4, "big") * (size // 4), meta(i)]
+
+
+def seq_of(rec) -> int:
+    return struct.unpack(">HBBIQQ", rec.frames[3])[5]
+
+
+def drain(reader, batch=1000) -> list:
+    out = []
+    while True:
+        got = reader.read(batch)
+        if not got:
+            return out
+        out.extend(got)
+
+
+def open_spool(path, readers=("a", "b"), **kw):
+    kw.setdefault("segment_bytes", 16 * 1024)
+    kw.setdefault("max_bytes", 64 << 20)
+    kw.setdefault("fsync", "never")
+    return Spool(path, readers=list(readers), **kw)
+
+
+def segment_files(path):
+    return sorted(f for f in os.listdir(path) if fmt.parse_segment_name(f))
+
+
+def fill(sp, start, n, batch=10, size=300):
+    for k in range(start, start + n, batch):
+        sp.append_batch([msg(i, size) for i in range(k, min(k + batch, start + n))])
