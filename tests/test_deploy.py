@@ -5,8 +5,7 @@ loads and validates (including its commented-out examples), the Kubernetes manif
 parse and agree with the relay configuration they carry, the systemd unit passes
 ``systemd-analyze verify`` (when available), the Prometheus example passes ``promtool
 check config`` (when available), the Dockerfile has the expected shape, the Grafana
-provisioning files parse, and /healthz, /readyz and /metrics behave as the probes,
-HEALTHCHECK and scrape configs expect.
+provisioning files parse. The HTTP endpoints they rely on: tests/test_health_endpoints.py.
 """
 
 from __future__ import annotations
@@ -17,16 +16,13 @@ import re
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-import trio
 import yaml
 
 from logjam_relay import config
-from relay_harness import meta, relay_settings, running_relay, send, start_process, stop_process
+from relay_harness import relay_settings, start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -562,152 +558,3 @@ def test_grafana_dashboard_structure():
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, p["title"]
                 cells.add((x, y))
-
-
-# ------------------------------------------------------------------ endpoints
-
-#: logjam-device's metric names (logjam-tools device-prometheus-client.cpp).
-LOGJAM_DEVICE_METRICS = [
-    "logjam:device:msgs_received_total", "logjam:device:msgs_invalid_total",
-    "logjam:device:msgs_received_bytes_total", "logjam:device:msgs_compressed_total",
-    "logjam:device:msgs_compressed_bytes_total", "logjam:device:cpu_seconds_total",
-    "logjam:device:ping_count_total", "logjam:device:ping_count_by_stream_total",
-    "logjam:device:broken_meta_count_total",
-    "logjam:device:broken_meta_count_by_stream_total", "logjam:device:app_start_time",
-]
-
-
-def _get(port: int, path: str, method: str = "GET") -> tuple[int, dict, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
-
-
-async def aget(port: int, path: str, method: str = "GET"):
-    return await trio.to_thread.run_sync(_get, port, path, method)
-
-
-class _StuckOutput:
-    """An output past its retry budget, as far as readiness is concerned."""
-
-    def readiness_problem(self):
-        return "output lumberjack://upstream:5044: not connected for 60 s"
-
-
-async def test_healthz_readyz_metrics_share_the_port(tmp_path):
-    async with running_relay(tmp_path) as (relay, cl):
-        port = cl.settings.metrics_port
-        assert relay.http.bound_port == port
-        status, _, body = await aget(port, "/healthz")
-        assert (status, body) == (200, b"ok\n")
-        status, _, body = await aget(port, "/readyz")
-        assert (status, body) == (200, b"ready\n")
-        status, headers, body = await aget(port, "/metrics")
-        assert status == 200 and headers["Content-Type"].startswith("text/plain")
-        text = body.decode()
-        for name in LOGJAM_DEVICE_METRICS:
-            stem = re.escape(name.removesuffix("_total"))
-            # prometheus_client writes counter TYPE lines with or without _total
-            assert re.search(rf"^# TYPE {stem}(_total)? ", text, re.M), name
-        assert re.search(r'^logjam:device:msgs_received_total\{device="0"\} 0\.0$', text,
-                         re.M)
-
-
-async def test_metrics_count_what_went_through(tmp_path):
-    async with running_relay(tmp_path, device_id=7) as (relay, cl):
-        push = cl.push()
-        await send(push, [b"probe-test", b"logs.probe", b"{}", meta()])
-        await send(push, [b"probe-test", b"foo.bar", b"{}", meta()])
-        port = cl.settings.metrics_port
-        with trio.fail_after(5):
-            while relay.pipeline.counters.received + relay.pipeline.counters.invalid < 2:
-                await trio.sleep(0.01)
-        text = (await aget(port, "/metrics"))[2].decode()
-        assert 'logjam:device:msgs_received_total{device="7"} 1.0' in text
-        assert 'logjam:device:msgs_invalid_total{device="7"} 1.0' in text
-        assert 'logjam_relay_invalid_total{device="7",reason="topic"} 1.0' in text
-        assert 'logjam_relay_input_messages_total{device="7",socket="pull"} 2.0' in text
-
-
-async def test_readyz_reports_an_output_out_of_budget(tmp_path):
-    async with running_relay(tmp_path) as (relay, cl):
-        port = cl.settings.metrics_port
-        relay.outputs.append(_StuckOutput())
-        try:
-            status, _, body = await aget(port, "/readyz")
-            assert status == 503
-            assert b"lumberjack://upstream:5044: not connected" in body
-            status, _, _ = await aget(port, "/healthz")
-            assert status == 200, "alive while not ready"
-        finally:
-            relay.outputs.pop()
-        assert (await aget(port, "/readyz"))[0] == 200
-
-
-@pytest.mark.parametrize("down_after", [0.3, 0.0])
-async def test_readyz_output_gate_is_the_setting(tmp_path, down_after):
-    """ready_output_down_after: an output that cannot connect makes /readyz fail once it
-    has been down that long; 0 = outputs never make the relay unready."""
-    from conftest import free_port
-    url = f"lumberjack://127.0.0.1:{free_port()}?tls=off&backoff_min=0.05&backoff_max=0.1"
-    async with running_relay(tmp_path, outputs=[url],
-                             ready_output_down_after=down_after) as (relay, cl):
-        port = cl.settings.metrics_port
-        (out,) = relay.outputs
-        if down_after:
-            assert out.retry_budget == down_after
-            with trio.fail_after(10):
-                while (await aget(port, "/readyz"))[0] == 200:
-                    await trio.sleep(0.05)
-            status, _, body = await aget(port, "/readyz")
-            assert status == 503 and b"not connected" in body, body
-        else:
-            assert out.retry_budget == float("inf")
-            assert out.readiness_problem() is None
-            assert (await aget(port, "/readyz"))[0] == 200
-
-
-async def test_readyz_not_ready_while_shutting_down(tmp_path):
-    async with running_relay(tmp_path) as (relay, cl):
-        relay.stopping = True          # what shutdown() sets before draining
-        try:
-            status, _, body = await aget(cl.settings.metrics_port, "/readyz")
-            assert status == 503 and b"shutting down" in body
-        finally:
-            relay.stopping = False
-
-
-async def test_http_edge_cases(tmp_path):
-    async with running_relay(tmp_path) as (relay, cl):
-        port = cl.settings.metrics_port
-        status, headers, body = await aget(port, "/healthz", "HEAD")
-        assert status == 200 and body == b"" and headers["Content-Length"] == "3"
-        assert (await aget(port, "/nope"))[0] == 404
-        assert (await aget(port, "/metrics", "POST"))[0] == 405
-        assert (await aget(port, "/readyz?verbose=1"))[0] == 200
-
-
-def _dockerfile_healthcheck() -> list[str]:
-    text = (DEPLOY / "Dockerfile").read_text()
-    logical = re.sub(r"\\\n\s*", " ", "\n".join(
-        ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
-    (hc,) = [ln for ln in logical.splitlines() if ln.startswith("HEALTHCHECK ")]
-    return json.loads(hc.split(" CMD ", 1)[1])
-
-
-async def test_dockerfile_healthcheck_command_probes_healthz(tmp_path):
-    """The image's HEALTHCHECK command (run with this Python) passes against a running
-    relay and fails when nothing listens."""
-    argv = _dockerfile_healthcheck()
-    assert argv[0] == "python"
-    argv = [sys.executable, *argv[1:]]
-    async with running_relay(tmp_path) as (relay, cl):
-        env = dict(os.environ, LOGJAM_RELAY_METRICS_PORT=str(cl.settings.metrics_port))
-        ok = await trio.run_process(argv, env=env, check=False, capture_stderr=True)
-        assert ok.returncode == 0, ok.stderr
-    env = dict(os.environ, LOGJAM_RELAY_METRICS_PORT=str(cl.settings.metrics_port))
-    down = await trio.run_process(argv, env=env, check=False, capture_stderr=True)
-    assert down.returncode != 0
