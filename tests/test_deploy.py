@@ -366,11 +366,11 @@ def test_wheel_contains_the_c_socket_loops_and_they_work(tmp_path):
     zipfile.ZipFile(whl).extractall(site)
     probe = ("import zmq, logjam_relay.io.zmq_fast as f, logjam_relay.io.zmq_trio as t\n"
              "assert f.AVAILABLE, f.WHY_NOT\n"
-             "assert f.__file__.startswith({!r}), f.__file__\n"
+             f"assert f.__file__.startswith({str(site)!r}), f.__file__\n"
              "c = zmq.Context(); a = c.socket(zmq.PULL); b = c.socket(zmq.PUSH)\n"
              "a.bind('inproc://x'); b.connect('inproc://x')\n"
              "b.send_multipart([b'1', b'2']); a.poll(1000)\n"
-             "assert t.drain(a, 10) == [[b'1', b'2']]\n".format(str(site)))
+             "assert t.drain(a, 10) == [[b'1', b'2']]\n")
     env = {k: v for k, v in os.environ.items() if k != "LOGJAM_RELAY_PURE_PYTHON"}
     env["PYTHONPATH"] = str(site)
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

@@ -392,21 +392,17 @@ class FrameReader:
         return None
 
 
-# The connection state machines live in courier_conn.py (re-exported here).
-from .courier_conn import (  # noqa: E402,F401
-    BEHAVIOURS,
-    ClientConnection,
-    DEFAULT,
-    GO,
-    GO_VERS,
-    HandshakeComplete,
-    Overloaded,
-    PayloadAck,
-    RUBY1,
-    RUBY2,
-    RUBY_VERS,
-    ReceiverBehaviour,
-    ServerConnection,
-    _Connection,
-    _Pending,
-)
+# The connection state machines live in courier_conn.py, re-exported here lazily (PEP 562)
+# so that either module can be imported first: courier_conn imports the framing above.
+_CONN_NAMES = frozenset({
+    "BEHAVIOURS", "ClientConnection", "DEFAULT", "GO", "GO_VERS", "HandshakeComplete",
+    "Overloaded", "PayloadAck", "RUBY1", "RUBY2", "RUBY_VERS", "ReceiverBehaviour",
+    "ServerConnection", "_Connection", "_Pending",
+})
+
+
+def __getattr__(name: str):
+    if name in _CONN_NAMES:
+        from . import courier_conn
+        return getattr(courier_conn, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

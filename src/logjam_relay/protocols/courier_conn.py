@@ -14,35 +14,28 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .courier import (  # the framing layer
-    ACKN,
-    Ackn,
-    CourierError,
-    EVNT,
     FLAG_EVNT,
-    FrameReader,
     HELO,
-    Helo,
     MAX_HANDSHAKE_GO,
     MAX_LENGTH,
     MAX_UNCOMPRESSED,
-    PING,
     PING_FRAME,
-    PONG,
     PONG_FRAME,
+    UNKN_FRAME,
+    Ackn,
+    CourierError,
+    FrameReader,
+    Helo,
     Payload,
     Ping,
     Pong,
-    UNKN_FRAME,
     UnknownMessage,
     Unsupported,
-    VERS,
     Vers,
     encode_ackn,
     encode_hello,
     encode_payload,
-    send,
 )
-
 
 # ------------------------------------------------------------------- client state
 

@@ -6,9 +6,14 @@ See docs/spool-format.md, "Damage found while reading" and "Loss accounting".
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from . import segment as fmt
 from .errors import SpoolWriteError
+
+if TYPE_CHECKING:
+    from .reader import SpoolReader
+    from .spool import _Seg
 
 MiB = 1 << 20
 

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import trio
 
 from . import segment as fmt
-from .errors import SpoolWriteError, is_disk_full, write_error as _write_error
+from .errors import SpoolWriteError, is_disk_full
+from .errors import write_error as _write_error
 from .recovery import _unlink_quiet
+
+if TYPE_CHECKING:
+    from .api import Position
+    from .spool import _Seg
 
 log = logging.getLogger("logjam_relay.spool")
 
