@@ -26,8 +26,8 @@ pa = pytest.importorskip("pyarrow")
 pyspark = pytest.importorskip("pyspark")
 
 import pyarrow.parquet as pq  # noqa: E402
-from conftest import free_port  # noqa: E402
 
+from conftest import free_port  # noqa: E402
 from logjam_relay.pipeline import sample, stats  # noqa: E402
 from logjam_relay.pipeline.java import ensure_java  # noqa: E402
 

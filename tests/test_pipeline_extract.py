@@ -11,7 +11,6 @@ np = pytest.importorskip("numpy")
 pa = pytest.importorskip("pyarrow")
 
 from conftest import require_native  # noqa: E402
-
 from logjam_relay.pipeline import extract as ex  # noqa: E402
 
 CASES = [

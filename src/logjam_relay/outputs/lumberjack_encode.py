@@ -15,8 +15,8 @@ import struct
 import trio
 
 from .. import _native
-from ..protocols import lumberjack as lj
 from ..limits import BadBody, EventTooLarge, inflate_bounded
+from ..protocols import lumberjack as lj
 from ..protocols.logjam import HEARTBEAT, split_app_env, unpack_meta
 from ..spool.api import KIND_LOGJAM, Record
 

@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl
 
 from ..io.net import TLSSettings
 
+
 class SplitURL(NamedTuple):
     scheme: str
     netloc: str
