@@ -21,6 +21,8 @@ from typing import NamedTuple
 import lz4.block
 import snappy
 
+from ..limits import BadBody, EventTooLarge, inflate_bounded
+
 # --------------------------------------------------------------------------- meta
 
 META_SIZE = 24
@@ -298,46 +300,17 @@ def compress(body: bytes, method: int) -> bytes:
 MAX_DECOMPRESSED = 64 * 1024 * 1024
 
 
-def _snappy_length(body: bytes) -> int:
-    """The uncompressed length a raw snappy block announces (its varint prefix)."""
-    n = shift = 0
-    for i in range(min(len(body), 5)):
-        b = body[i]
-        n |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return n
-        shift += 7
-    raise LogjamError("decompress", "snappy body without a valid length prefix")
-
-
 def decompress(body: bytes, method: int, max_size: int = MAX_DECOMPRESSED) -> bytes:
-    """Decompress a body; raises :class:`LogjamError` ('decompress') on any failure."""
+    """Decompress a body; raises :class:`LogjamError` ('decompress') on any failure.
+
+    The relay has one bounded decompressor, :func:`logjam_relay.limits.inflate_bounded`
+    (nothing past ``max_size`` is ever inflated); this is its logjam-protocol face.
+    """
+    if method == NO_COMPRESSION:
+        return body
+    if method not in COMPRESSION_NAMES:
+        raise LogjamError("compression", f"unknown compression method {method}")
     try:
-        if method == NO_COMPRESSION:
-            return body
-        if method == ZLIB_COMPRESSION:
-            d = zlib.decompressobj()
-            out = d.decompress(body, max_size)
-            if d.unconsumed_tail or not d.eof:
-                raise LogjamError("decompress", "zlib body truncated or too large")
-            return out
-        if method == SNAPPY_COMPRESSION:
-            n = _snappy_length(body)
-            if n > max_size:
-                raise LogjamError("decompress", f"snappy length {n} too large")
-            return snappy.uncompress(body)
-        if method == LZ4_COMPRESSION:
-            if len(body) < 4:
-                raise LogjamError("decompress", "lz4 body shorter than its length prefix")
-            (n,) = _LEN.unpack_from(body)
-            if n > max_size:
-                raise LogjamError("decompress", f"lz4 length prefix {n} too large")
-            out = lz4.block.decompress(body[4:], uncompressed_size=n)
-            if len(out) != n:
-                raise LogjamError("decompress", f"lz4 block gave {len(out)} bytes, prefix says {n}")
-            return out
-    except LogjamError:
-        raise
-    except Exception as e:  # zlib.error, snappy errors, lz4 errors: all bad input
-        raise LogjamError("decompress", f"{COMPRESSION_NAMES.get(method, method)}: {e}") from e
-    raise LogjamError("compression", f"unknown compression method {method}")
+        return inflate_bounded(method, body, max_size)
+    except (EventTooLarge, BadBody) as e:
+        raise LogjamError("decompress", f"{COMPRESSION_NAMES[method]}: {e}") from None
