@@ -267,7 +267,7 @@ class Pipeline:
         if _recompress is not None and method in (L.ZLIB_COMPRESSION, L.LZ4_COMPRESSION):
             chunk = idx[start:stop]
             outs = _recompress.compress_batch([acc[i][2] for i in chunk], method)
-            for i, b in zip(chunk, outs):
+            for i, b in zip(chunk, outs, strict=True):
                 a, t, _, _, cr = acc[i]
                 acc[i] = (a, t, b, method, cr)
             return

@@ -114,7 +114,7 @@ def check(directory: str) -> tuple[list[str], int]:
                      f"({readable} readable records)" +
                      ("; " + "; ".join(notes) if notes else ": ok"))
         segs.append((segno, h.first_seq, end_seq))
-    for (a_no, _a_lo, a_hi), (b_no, b_lo, _b_hi) in zip(segs, segs[1:]):
+    for (a_no, _a_lo, a_hi), (b_no, b_lo, _b_hi) in zip(segs, segs[1:], strict=False):
         if b_lo > a_hi:
             problems += 1
             lines.append(f"  gap: seq {a_hi}..{b_lo - 1} not on disk (between segments "
