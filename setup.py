@@ -4,8 +4,9 @@
 ``logjam_relay.outputs._ljencode`` and ``_courierenc`` (the Lumberjack and Courier event
 mappings),
 ``logjam_relay.relay._recompress`` (batch recompression without the GIL),
-``logjam_relay.relay._stamp`` (the PULL validate + stamp loop) and
-``logjam_relay.spool._segscan`` (record parsing, the Spark data source's walk) are built when a C
+``logjam_relay.relay._stamp`` (the PULL validate + stamp loop, and its halves for -x) and
+``logjam_relay.spool._segscan`` (record parsing, the Spark data source's walk) and
+``_segenc`` (record encoding, the spool's write side) are built when a C
 compiler and the Python headers (and zlib.h) are there; if a build fails, the install
 goes on and the pure-Python code is used (``logjam-relay --version`` says which).
 """
@@ -13,8 +14,10 @@ goes on and the pure-Python code is used (``logjam-relay --version`` says which)
 from setuptools import Extension, setup
 
 setup(ext_modules=[
+    # (and the relay's ingest pass: drain + stamp + publish + spool records; zlib.h: crc32)
     Extension("logjam_relay.io._zmqfast", ["src/logjam_relay/io/_zmqfast.c"],
-              optional=True, extra_compile_args=["-O2", "-std=c11"]),
+              depends=["src/logjam_relay/spool/_crc32.h"],
+              optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # batch recompression (-x zlib|lz4) with the GIL released
     Extension("logjam_relay.relay._recompress", ["src/logjam_relay/relay/_recompress.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
@@ -30,7 +33,18 @@ setup(ext_modules=[
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
+    # the spool's record encoder, write side (zlib.h: crc32)
+    Extension("logjam_relay.spool._segenc", ["src/logjam_relay/spool/_segenc.c"],
+              depends=["src/logjam_relay/spool/_crc32.h"], optional=True, libraries=["z"],
+              extra_compile_args=["-O2", "-std=c11"]),
+    # an output worker's reads of the spool segments (spool/tail.py)
+    Extension("logjam_relay.spool._tailread", ["src/logjam_relay/spool/_tailread.c"],
+              depends=["src/logjam_relay/spool/_crc32.h"], optional=True, libraries=["z"],
+              extra_compile_args=["-O2", "-std=c11"]),
     # the request fields of logs bodies for the Spark data source (pipeline/extract.py)
     Extension("logjam_relay.pipeline._extract", ["src/logjam_relay/pipeline/_extract.c"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
+    # the body decompression (zlib, snappy, lz4) and UTF-8 check of the Spark data source
+    Extension("logjam_relay.pipeline._bodies", ["src/logjam_relay/pipeline/_bodies.c"],
+              optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
 ])

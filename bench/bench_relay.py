@@ -261,6 +261,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--paths", default="pull,router,lz4")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each path's proxy/relay pair this many times; print the median "
+                         "ratio (a shared host's load drifts)")
     ap.add_argument("--pure-python", action="store_true",
                     help="also run the relay with LOGJAM_RELAY_PURE_PYTHON=1 (no C loops)")
     ap.add_argument("--python-load", action="store_true",
@@ -273,14 +276,21 @@ def main() -> int:
     for path in args.paths.split(","):
         kind = "router" if path == "router" else "pull"
         extra = ["-x", "lz4"] if path == "lz4" else []
-        base = run_path("proxy", kind, n, [], tool)
-        relay = run_path("relay", kind, n, extra, tool)
         label = {"pull": "PULL -> PUB", "router": "ROUTER (DEALER async) -> PUB",
                  "lz4": "PULL -> PUB with -x lz4"}[path]
-        print(f"{label:32s} zmq.proxy {base['rate']:>9,.0f} msg/s (generator alone "
-              f"{base['gen_rate']:>9,.0f}/s) | relay {relay['rate']:>9,.0f} msg/s | "
-              f"ratio {relay['rate'] / base['rate']:.2f} | relay CPU "
-              f"{relay['cpu_per_million']:.2f} s per million")
+        ratios = []
+        for _ in range(args.repeat):
+            base = run_path("proxy", kind, n, [], tool)
+            relay = run_path("relay", kind, n, extra, tool)
+            ratios.append(relay["rate"] / base["rate"])
+            print(f"{label:32s} zmq.proxy {base['rate']:>9,.0f} msg/s (generator alone "
+                  f"{base['gen_rate']:>9,.0f}/s) | relay {relay['rate']:>9,.0f} msg/s | "
+                  f"ratio {ratios[-1]:.2f} | relay CPU {relay['cpu_per_million']:.2f} s per "
+                  f"million (proxy {base['cpu_per_million']:.2f})", flush=True)
+        if args.repeat > 1:
+            ratios.sort()
+            print(f"{label:32s} median ratio of {args.repeat} proxy/relay pairs "
+                  f"{ratios[len(ratios) // 2]:.2f} (min {ratios[0]:.2f}, max {ratios[-1]:.2f})")
         if args.pure_python:
             pure = run_path("relay", kind, n, extra, tool, {"LOGJAM_RELAY_PURE_PYTHON": "1"})
             print(f"{'  same, pyzmq loops only':32s} {'':>34s} | relay {pure['rate']:>9,.0f} "

@@ -3,7 +3,8 @@
     python bench/bench_spool.py [--seconds 0.6] [--dir /tmp]
 
 Messages: 4 logjam frames with a 300-byte body, appended in batches of 1000
-(one append_batch per drained batch, as the relay does).  Baselines:
+(one append_batch per drained batch, as the relay does).  The record encoder is timed
+alone too: the Python one against the C one (``_segenc.c``) in the same run.  Baselines:
 append -> os.write of the same pre-encoded bytes with the same fsync policy;
 replay -> os.read of the segment files in 1 MiB chunks (no parsing, no CRC).
 """
@@ -62,6 +63,23 @@ def bench_raw_write(base: str, fsync: str, data: bytes, seconds: float) -> tuple
     return dt, n * len(data)
 
 
+def bench_encode(batch, seconds: float) -> tuple[float, float | None]:
+    """Records per second of the Python encoder and of the C one (None: not built)."""
+    out = []
+    for enc in (fmt.encode_logjam_batch_py,
+                fmt._encode_logjam_batch if fmt._encode_c is not None else None):
+        if enc is None:
+            out.append(None)
+            continue
+        n = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            enc(batch, n)
+            n += len(batch)
+        out.append(n / (time.perf_counter() - t0))
+    return out[0], out[1]
+
+
 def bench_replay(d: str) -> tuple[float, int, int, float, int]:
     sp = Spool(d, readers=["r"])
     r = sp.reader("r")
@@ -101,6 +119,9 @@ def main() -> None:
         data = fmt.encode_logjam_batch(batch, 0)
         mb = 1e6
         replay_dir = None
+        py_rate, c_rate = bench_encode(batch, args.seconds)
+        print(f"encode (Python)     {py_rate:>10,.0f} events/s | C encoder (_segenc.c) " + (
+            f"{c_rate:>10,.0f} events/s | C {c_rate / py_rate:5.1f}x" if c_rate else "not built"))
         for fsync in ("never", "interval", "batch"):
             dt, n, nbytes, d = bench_append(base, fsync, args.seconds, batch)
             raw_dt, raw_bytes = bench_raw_write(base, fsync, data, args.seconds)

@@ -227,9 +227,20 @@ def test_workers_exit_when_the_relay_is_sigkilled(tmp_path):
         deadline = time.monotonic() + 20
         kids: list[str] = []
         while len(kids) < 2 and time.monotonic() < deadline:
-            kids = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+            # every thread's children: trio starts processes from its worker threads,
+            # and they are listed under the thread that started them while it lives
+            kids = [k for t in os.listdir(f"/proc/{proc.pid}/task")
+                    for k in open(f"/proc/{proc.pid}/task/{t}/children").read().split()]
             time.sleep(0.05)
         assert len(kids) == 2
+
+        def ignores_sigterm(pid: str) -> bool:       # the worker's main() has run
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+            return False
+        while not all(map(ignores_sigterm, kids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         # SIGTERM to a worker alone is ignored: the relay decides when workers stop
         os.kill(int(kids[0]), signal.SIGTERM)
         time.sleep(0.3)

@@ -340,3 +340,32 @@ def test_fuzzed_broker_input_only_ever_raises_amqp_error():
         except A.AmqpError:
             outcomes["error"] += 1
     assert outcomes["events"] and outcomes["error"]
+
+
+def test_acks_decoded_in_place_match_the_general_decoder():
+    """receive_data decodes basic.ack frames in place on an open connection; any tag,
+    stray bits, any channel and any chunking give what the general decoder gives (it
+    still handles them while the connection is closing)."""
+    import random
+    rng = random.Random(3)
+    acks = [(rng.randrange(1, 4), rng.choice([1, 2**64 - 1, rng.randrange(2**64)]),
+             rng.randrange(256)) for _ in range(200)]
+    stream = b"".join(A.method_frame(ch, A.BASIC_ACK, struct.pack(">QB", tag, bits))
+                      for ch, tag, bits in acks)
+    want = [A.Ack(ch, tag, bool(bits & 1)) for ch, tag, bits in acks]
+    c = opened()[0]
+    assert c.receive_data(stream) == want
+    for size in (1, 5, 13, 64):
+        c = opened()[0]
+        got = []
+        for i in range(0, len(stream), size):
+            got += c.receive_data(stream[i:i + size])
+        assert got == want, size
+    c = opened()[0]
+    c.close()                                   # "closing": the general decoder
+    assert c.state == "closing"
+    assert c.receive_data(stream) == want
+    # a truncated ack (bad size) is still refused by the general decoder
+    c = opened()[0]
+    with pytest.raises(A.AmqpError):
+        c.receive_data(A.method_frame(1, A.BASIC_ACK, b"\x00" * 8))

@@ -211,6 +211,7 @@ def test_config_parsers():
 
 def test_publish_memo_gives_what_the_parser_gives():
     """PublishMemo: a hit is exactly what parse_request returns for that request."""
+    import dataclasses
     import random
 
     from logjam_relay.protocols.samwise import PublishMemo, SamwiseError, parse_request
@@ -230,23 +231,31 @@ def test_publish_memo_gives_what_the_parser_gives():
         p.build_publish("amq.direct", "k", b"-", immediate=True),
         [b"120", b"publish", b"round robin", b"amq.direct", b"k", b"0", b"0", b"11", b"-"],
     ]
-    publishes = 0
+    publishes = lookups = 0
     for _ in range(400):
         frames = list(rng.choice(templates))
         frames[-1] = rng.choice([b"", b"payload-%d" % rng.randrange(1000), b"\x00x"])
+        # lookup (the broker outputs' path: spool record = [targets, *request]) hits only
+        # what parse gives: the template with this payload, the same derived parts
+        hit = memo.lookup([b"a,b"] + frames, 1)
         try:
             want = parse_request(frames)
         except SamwiseError as e:
+            assert hit is None
             with pytest.raises(SamwiseError) as ei:
                 memo.parse(frames)
             assert ei.value.message == e.message
             continue
+        if hit is not None:
+            lookups += 1
+            assert dataclasses.replace(hit[0], payload=frames[-1]) == want
+            assert hit[1] == ("parts", want.exchange)
         got, derived = memo.parse(frames)
         assert got == want
         assert derived == (("parts", want.exchange) if isinstance(want, p.Publish) else None)
         publishes += isinstance(want, p.Publish)
-    assert memo.hits > 100
-    assert len(calls) == publishes - memo.hits      # a hit does not derive again
+    assert memo.hits > 100 and lookups > 50
+    assert len(calls) == publishes - (memo.hits - lookups)   # a hit does not derive again
 
 
 def test_publish_memo_is_bounded():

@@ -332,6 +332,40 @@ async def test_batch_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
     assert len(r.read(100)) == 20
 
 
+async def test_interval_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
+    """defer_interval_sync (the relay sets it): appends and tick() never fdatasync on the
+    event loop; run() does, once the interval has passed, in a worker thread."""
+    synced = []
+    real = spool_mod._fdatasync
+
+    def spy(fd):
+        synced.append(trio.lowlevel.in_trio_run())
+        real(fd)
+
+    monkeypatch.setattr(spool_mod, "_fdatasync", spy)
+    now = [100.0]
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="interval", fsync_interval_s=1.0,
+               segment_bytes=64 * 1024, monotonic=lambda: now[0])
+    sp.defer_interval_sync = True
+    sp.append_batch([msg(i) for i in range(10)])
+    now[0] += 5
+    sp.append_batch([msg(i) for i in range(10, 20)])
+    sp.tick()
+    assert synced == [] and sp.fsyncs == 0          # due, but not on the event loop
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sp.run, 0.01)
+            while not synced:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert synced == [False] and sp.fsyncs == 1 and not sp._unsynced
+    sp.defer_interval_sync = False                  # without it: the append syncs itself
+    now[0] += 5
+    sp.append_batch([msg(20)])
+    assert synced == [False, True] and sp.fsyncs == 2
+    sp.close()
+
+
 # ------------------------------------------------------------- accounting and cursors
 
 def test_drop_oldest_accounting_is_exact(tmp_path):

@@ -1,4 +1,5 @@
-"""Pipeline.stamp_pull (C loop, relay/_stamp.c) against prepare_pull + commit (Python).
+"""Pipeline.stamp_pull (C loop, relay/_stamp.c) and the C prepare_pull + commit (the -x
+path) against prepare_pull_py + commit_py (Python).
 
 Random PULL batches mixing the fast path with everything that must leave it (new
 streams and topics, legacy 3-frame messages, pings, broken meta, wrong frame counts,
@@ -54,6 +55,9 @@ def run(pipeline_cls_path: str, batches, now):
     records = []
     for batch in batches:
         if pipeline_cls_path == "two-step":
+            acc = p.prepare_pull_py(batch)
+            records.append(p.commit_py(acc, now) if acc else [])
+        elif pipeline_cls_path == "c-two-step":
             acc = p.prepare_pull(batch)
             records.append(p.commit(acc, now) if acc else [])
         else:
@@ -71,12 +75,94 @@ def test_stamp_pull_equals_prepare_and_commit(seed):
     batches = [random_batch(rnd, rnd.randint(0, 300)) for _ in range(6)]
     now = 1_750_000_000_000 + seed
     ref = run("two-step", batches, now)
-    got = run("fused", batches, now)
-    assert got[0] == ref[0]          # records, batch by batch
-    assert got[1] == ref[1]          # what was published
-    assert got[2] == ref[2]          # last sequence
-    assert got[3] == ref[3]          # every counter
+    for how in ("fused", "c-two-step"):
+        got = run(how, batches, now)
+        assert got[0] == ref[0]          # records, batch by batch
+        assert got[1] == ref[1]          # what was published
+        assert got[2] == ref[2]          # last sequence
+        assert got[3] == ref[3]          # every counter
     assert sum(map(len, ref[0])) > 0 and ref[3]["invalid"] > 0   # both paths exercised
+
+
+def test_c_prepare_pull_gives_the_python_tuples():
+    require_native(stamping._stamp, "logjam_relay.relay._stamp")
+    rnd = random.Random(3)
+    for _ in range(5):
+        batch = random_batch(rnd, 300)
+        ref = Pipeline(7, 1, lambda r: None, fqdn=b"vm")
+        got = Pipeline(7, 1, lambda r: None, fqdn=b"vm")
+        for _ in range(2):                 # first sight of the streams, then known ones
+            assert got.prepare_pull(batch) == ref.prepare_pull_py(batch)
+        assert vars_of(got.counters) == vars_of(ref.counters)
+
+
+def test_c_prepare_router_gives_the_python_tuples_and_replies():
+    require_native(stamping._stamp, "logjam_relay.relay._stamp")
+    rnd = random.Random(4)
+    for _ in range(5):
+        batch = []
+        for m in random_batch(rnd, 300):
+            ident = b"id-%d" % rnd.randrange(5)
+            r = rnd.random()
+            batch.append([ident, b"", *m] if r < 0.5 else [ident, *m] if r < 0.95
+                         else [ident, b"x", *m])      # not a request: no empty frame
+        batch.append([b"id-big", b"", b"nope-env", b"logs.x", b"y" * 5000, meta()])
+        ref = Pipeline(7, 1, lambda r: None, fqdn=b"vm")
+        got = Pipeline(7, 1, lambda r: None, fqdn=b"vm")
+        for _ in range(2):                 # first sight of the streams, then known ones
+            r_ref, r_got = [], []
+            assert got.prepare_router(batch, r_got) == ref.prepare_router_py(batch, r_ref)
+            assert r_got == r_ref
+        assert vars_of(got.counters) == vars_of(ref.counters)
+        assert ref.counters.replies_202 > 100 and ref.counters.replies_400 > 0
+
+
+def test_largest_body_counts_slow_path_messages_too():
+    """received_max_bytes is the largest body seen, whichever path took the message."""
+    for method in ("prepare_pull", "prepare_pull_py"):
+        p = Pipeline(7, 1, lambda r: None, fqdn=b"vm")
+        getattr(p, method)([[b"shop-production", b"logs.shop", b"b" * 10, meta()]])
+        getattr(p, method)([[b"shop-production", b"logs.shop", b"b" * 10, meta()],
+                            [b"shop-production", b"logs.shop", b"b" * 900],   # legacy
+                            [b"shop-production", b"logs.shop", b"b" * 20, meta()]])
+        assert p.counters.received_max_bytes == 900, method
+
+
+def vars_of(c):
+    return {k: getattr(c, k) for k in c.__slots__}
+
+
+COMMIT_CASES = [
+    [(b"a", b"t", b"b", 3, b"\0" * 8), (b"a", b"t", b"", 255, b"12345678")],
+    [(b"a", b"t", b"b", 256, b"\0" * 8)],                   # compression out of range
+    [(b"a", b"t", b"b", -1, b"\0" * 8)],
+    [(b"a", b"t", b"b", True, b"\0" * 8)],
+    [(b"a", b"t", b"b", 1, b"short")],                        # created not 8 bytes
+    [(b"a", b"t", b"b", 1)],                                  # not 5 fields
+    [[b"a", b"t", b"b", 1, b"\0" * 8]],                      # a list, not a tuple
+    [(b"a", b"t", bytearray(b"b"), 1, b"\0" * 8)],
+    [(b"a", None, b"b", 1, b"\0" * 8)],
+    [],
+]
+
+
+@pytest.mark.parametrize("acc", COMMIT_CASES)
+@pytest.mark.parametrize("first", [1, (1 << 64) - 1, (1 << 64) - 2])
+def test_c_commit_same_as_python_or_same_error(acc, first):
+    """The C commit declines anything but plain tuples (and a sequence past 2^64 - 1):
+    then commit_py runs, so the result or the exception is Python's."""
+    require_native(stamping._stamp, "logjam_relay.relay._stamp")
+
+    def outcome(method):
+        pub = []
+        p = Pipeline(0x0A0B0C0D, first, pub.append, fqdn=b"vm")
+        try:
+            recs = getattr(p, method)(list(acc), 1_750_000_000_000)
+        except Exception as e:
+            return ("raise", type(e), str(e), p.seq, pub)
+        return ("ok", recs, p.seq, pub, vars_of(p.counters))
+
+    assert outcome("commit") == outcome("commit_py")
 
 
 def test_stamp_pull_fast_path_bytes():

@@ -17,6 +17,8 @@ PURE_PYTHON = os.environ.get("LOGJAM_RELAY_PURE_PYTHON", "") not in ("", "0")
 EXTENSIONS = {
     "socket loops": "logjam_relay.io._zmqfast",
     "spool parsing": "logjam_relay.spool._segscan",
+    "spool encoding": "logjam_relay.spool._segenc",
+    "spool tail reads": "logjam_relay.spool._tailread",
     "pipeline field extraction": "logjam_relay.pipeline._extract",
     "lumberjack mapping": "logjam_relay.outputs._ljencode",
     "courier mapping": "logjam_relay.outputs._courierenc",

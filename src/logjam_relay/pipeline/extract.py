@@ -97,11 +97,11 @@ def fields_of(body: bytes) -> tuple | None:
     return action, sm, tt, code, sev, exs
 
 
-def _body_buffers(body_col: pa.Array) -> tuple[bytes, np.ndarray]:
+def _body_buffers(body_col: pa.Array) -> tuple[memoryview | bytes, np.ndarray]:
     offs = np.frombuffer(body_col.buffers()[1], dtype=np.int32,
                          count=len(body_col) + 1, offset=body_col.offset * 4)
     data = body_col.buffers()[2]
-    return (data.to_pybytes() if data is not None else b""), offs
+    return (memoryview(data) if data is not None else b""), offs      # no copy
 
 
 def extract_py(body_col: pa.Array, rows: np.ndarray, names=None) -> dict[str, pa.Array]:
@@ -112,7 +112,7 @@ def extract_py(body_col: pa.Array, rows: np.ndarray, names=None) -> dict[str, pa
     cols: list[list] = [[None] * n for _ in range(6)]
     bad = np.zeros(n, dtype=bool)
     for i in np.flatnonzero(rows).tolist():
-        f = fields_of(data[offs[i]:offs[i + 1]])
+        f = fields_of(bytes(data[offs[i]:offs[i + 1]]))
         if f is None:
             bad[i] = True
             continue
@@ -206,7 +206,7 @@ def _patched(body_col, data, offs, fl, fb, started, tt, code, sev, a_offs, a_dat
                           for k in range(lo[i], lo[i + 1])]
     bad = (fl & 64).astype(bool)
     for i in fb.tolist():
-        r = fields_of(data[offs[i]:offs[i + 1]])
+        r = fields_of(bytes(data[offs[i]:offs[i + 1]]))
         if r is None:
             bad[i] = True
             continue

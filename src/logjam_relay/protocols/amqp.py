@@ -24,6 +24,7 @@ encoders, the bounds-checked payload reader) is in :mod:`.amqp_wire`, re-exporte
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from .amqp_wire import (  # noqa: F401  (re-exported: the wire helpers are part of this API)
@@ -86,6 +87,9 @@ from .amqp_wire import (  # noqa: F401  (re-exported: the wire helpers are part 
     method_frame,
     shortstr,
 )
+
+_ACK_HEAD = struct.pack(">HH", *BASIC_ACK)        # a basic.ack method payload starts so
+_ACK_ARGS = struct.Struct(">QB").unpack_from       # delivery tag, bits (multiple)
 
 # ------------------------------------------------------------------ events
 
@@ -264,7 +268,10 @@ class AmqpClient:
     # ------------------------------------------------------------ input
 
     def receive_data(self, data: bytes) -> list:
-        """Feed bytes from the broker; returns the events completed by them."""
+        """Feed bytes from the broker; returns the events completed by them.
+
+        A ``basic.ack`` on an open connection (most of what a publisher receives) is
+        decoded in place; every other frame goes through :meth:`_on_method` & co."""
         if self.state == "closed":
             return []
         buf = self._in
@@ -289,6 +296,12 @@ class AmqpClient:
                     break
                 if buf[end] != FRAME_END:
                     raise AmqpError("bad_frame_end", f"AMQP frame end is {buf[end]:#x}, not 0xce")
+                if (size == 13 and kind == FRAME_METHOD and buf[pos + 7:pos + 11] == _ACK_HEAD
+                        and self.state == "open" and ch not in self._content):
+                    tag, bits = _ACK_ARGS(buf, pos + 11)
+                    events.append(Ack(ch, tag, bool(bits & 1)))
+                    pos = end + 1
+                    continue
                 payload = bytes(buf[pos + 7:end])
                 pos = end + 1
                 if kind == FRAME_METHOD:

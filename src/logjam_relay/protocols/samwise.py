@@ -389,6 +389,18 @@ class PublishMemo:
         self._derive = derive
         self.hits = 0
 
+    def lookup(self, frames: list[bytes], start: int = 0) -> tuple[Publish, object] | None:
+        """The remembered ``(template, derived)`` of the publish ``frames[start:]`` -- its
+        payload is ``frames[-1]``, everything else is the template's -- or None when it
+        is not remembered (then :meth:`parse` it).  Builds no event: the broker outputs
+        need only the derived AMQP parts and the payload."""
+        if len(frames) - start <= 5 or not frames[-1]:
+            return None
+        hit = self._memo.get(tuple(frames[start:-1]))
+        if hit is not None:
+            self.hits += 1
+        return hit
+
     def parse(self, frames: list[bytes]) -> tuple[Request, object]:
         """``(event, derived)``; derived is None for anything but a publish.  Raises
         :class:`SamwiseError` like :func:`parse_request`."""

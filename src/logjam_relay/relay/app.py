@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -15,34 +14,13 @@ from ..config import Settings
 from ..io import zmq_fast, zmq_trio
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
+from . import ingestpass
+from .binding import bind_cause  # noqa: F401  (re-exported)
 from .sequence import SequenceState, StateDirError
-from .stamping import Pipeline
+from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
 
 log = logging.getLogger("logjam_relay.relay")
 rlog = RateLimitedLog(log)
-
-
-_BIND_CAUSES = {
-    errno.EADDRINUSE: "address already in use (is logjam-device or another relay still "
-                      "running?)",
-    errno.EACCES: "permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)",
-    errno.EADDRNOTAVAIL: "address not available on this host (check bind / metrics_ip)",
-    errno.ENODEV: "no such interface (check bind)",
-    errno.EINVAL: "invalid address (check bind)",
-}
-
-
-def bind_cause(endpoint: str, e: OSError) -> str:
-    """The one-line cause of a failed bind, with what usually explains it."""
-    what = _BIND_CAUSES.get(getattr(e, "errno", None))
-    if what is None:
-        what = (getattr(e, "strerror", None) or str(e)).lower()
-    return f"cannot bind {endpoint}: {what}"
-
-
-def safe_label(b: bytes) -> str:
-    """A client-chosen name for a log line: at most 80 bytes, non-printables escaped."""
-    return repr(bytes(b[:80]))[2:-1]
 
 
 def now_ms() -> int:
@@ -323,6 +301,8 @@ class Relay:
         max_event = self.settings.max_event_bytes
         drain = zmq_trio.drain_bytes
         spool = self.spool
+        # without -x: drain + stamp + publish + spool records in one C loop
+        fused = not self.compress_method and ingestpass.available()
         while True:
             if spool is not None and spool.would_block():
                 # policy "block": stop reading; ZeroMQ's HWM pushes back to the clients
@@ -333,6 +313,18 @@ class Relay:
                 self.spool_blocked_seconds += trio.current_time() - t0
             # bounded in messages and in bytes (ingest_max_bytes + one message): only one
             # batch per input socket is in the process at a time
+            if fused:
+                r = self._fast_pass(sock, is_router, limit, max_bytes, max_event)
+                if r is None:
+                    await zmq_trio.wait_for(sock, zmq.POLLIN)
+                    continue
+                if spool is not None or r.leftover:
+                    with trio.CancelScope(shield=True):
+                        await self._fast_pass_finish(sock, is_router, r)
+                elif r.replies:
+                    self.reply_drops += zmq_trio.send_replies(sock, r.replies)
+                await trio.lowlevel.checkpoint()
+                continue
             batch, _, biggest = drain(sock, limit, max_bytes)
             if not batch:
                 await zmq_trio.wait_for(sock, zmq.POLLIN)
@@ -349,7 +341,7 @@ class Relay:
         self.batches += 1
         replies: list[list[bytes]] = []
         if oversize:
-            batch = self._drop_oversize(batch, is_router, replies)
+            batch = p.drop_oversize(batch, is_router, replies, self.settings.max_event_bytes)
         records = None
         if not is_router and not self.compress_method:
             # validate + stamp + publish in one pass (C loop, stamping.py)
@@ -376,40 +368,41 @@ class Relay:
             # with logjam-device, but counted.
             self.reply_drops += zmq_trio.send_replies(sock, replies)
 
-    def _drop_oversize(self, batch: list[list[bytes]], is_router: bool,
-                       replies: list[list[bytes]]) -> list[list[bytes]]:
-        """Take out the messages with a frame over max_event_bytes: never published nor
-        spooled; a ROUTER request (empty frame after the routing id) is answered
-        ``400 Bad Request`` (the only refusal the logjam protocol has), a PULL message is
-        dropped; both counted as invalid with reason ``too_large`` and logged (rate
-        limited).  Called only when the drain saw such a frame."""
-        limit = self.settings.max_event_bytes
-        c = self.pipeline.counters
-        keep = []
-        for frames in batch:
-            big = max(len(f) for f in frames)
-            if big <= limit:
-                keep.append(frames)
-                continue
-            c.invalid += 1
-            c.invalid_by_reason["too_large"] += 1
-            if is_router:
-                c.router += 1
-                if len(frames) > 1 and frames[1] == b"":
-                    first = frames[2] if len(frames) > 2 and len(frames[2]) <= 256 else None
-                    replies.append([frames[0], *L.bad_request_reply(first)])
-                    c.replies_400 += 1
-            else:
-                c.pull += 1
-            app_env = frames[2] if is_router and len(frames) > 2 and frames[1] == b"" \
-                else frames[1] if is_router else frames[0]
-            rlog.warning("too_large", "message of %d bytes over max_event_bytes (%d) from %s "
-                         "on %s: %s", sum(len(f) for f in frames), limit,
-                         safe_label(app_env), "router" if is_router else "pull",
-                         "answered 400" if is_router else "dropped")
-        return keep
+    def _fast_pass(self, sock: zmq.Socket, is_router: bool, limit: int, max_bytes: int,
+                   max_event: int) -> ingestpass.PassResult | None:
+        """One batch through the C loop (relay/ingestpass.py): stamped and published (not
+        yet spooled nor answered); None when the socket had nothing."""
+        p = self.pipeline
+        spool = self.spool
+        r = ingestpass.run(sock, self.pub, p, limit, max_bytes, max_event, now_ms(),
+                           spool.next_seq if spool is not None else -1, is_router)
+        if not r.stamped and not r.leftover:
+            return None
+        if r.stamped:
+            self.batches += 1
+            if p.seq >= self.sequence_state.reserved:
+                self.sequence_state.reserve(p.seq, r.stamped)
+        return r
 
-    async def _spool_write(self, records: list[tuple]) -> bool:
+    async def _fast_pass_finish(self, sock: zmq.Socket, is_router: bool,
+                                r: ingestpass.PassResult) -> None:
+        """Spool what the C loop stamped, then answer it; what it left (a message off the
+        fast path and the rest of the batch) through :meth:`_process`."""
+        spool = self.spool
+        if r.stamped:
+            replies = r.replies
+            if spool is not None and not await self._spool_write(
+                    None, (r.spool, r.stamped, r.spool_seq, r.last_meta)):
+                log.warning("shutdown: %d messages published but not spooled; their "
+                            "replies are withheld", r.stamped)
+                replies = None
+            if replies:
+                self.reply_drops += zmq_trio.send_replies(sock, replies)
+        if r.leftover:
+            await self._process(sock, r.leftover, is_router, r.oversize)
+
+    async def _spool_write(self, records: list[tuple] | None,
+                           encoded: tuple | None = None) -> bool:
         """Append a committed batch; on a write error keep the batch, pause, retry.
         True once the batch is in the spool; False only when shutting down gave up on it.
 
@@ -417,6 +410,8 @@ class Relay:
         (and, with spool_fsync=batch, on disk: the fdatasync runs in a worker thread while
         the event loop goes on).  The caller is shielded from cancellation; during shutdown
         we give up after one more attempt (the batch was published on PUB, not spooled).
+        ``encoded``: ``(data, n, first_seq, last_meta)``, records the C PULL pass encoded,
+        instead of ``records``.
         """
         from ..spool.spool import SpoolWriteError
         spool = self.spool
@@ -425,7 +420,10 @@ class Relay:
         while True:
             try:
                 if not written:
-                    spool.append_batch(records)
+                    if encoded is not None:
+                        spool.append_encoded(*encoded)
+                    else:
+                        spool.append_batch(records)
                     written = True
                 if spool.defer_batch_sync:
                     await spool.sync_async()

@@ -102,6 +102,7 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
         raise settings.startup_error(spool_setting, f"cannot open the spool: {e}",
                                      value=spool_dir) from None
     spool.defer_batch_sync = settings.spool_fsync == "batch"   # fdatasync off the event loop
+    spool.defer_interval_sync = settings.spool_fsync == "interval"      # (Spool.run does it)
     relay.spool = spool
     if archive is not None:
         # segments sealed during the spool's own recovery were not announced: take them now

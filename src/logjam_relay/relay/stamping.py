@@ -21,6 +21,7 @@ import logging
 from collections import Counter
 
 from ..protocols import logjam as L
+from ..ratelimit import RateLimitedLog
 
 
 def tune_gc() -> None:
@@ -64,7 +65,6 @@ def _load_stamp():
 
 
 _stamp = _load_stamp()
-from ..ratelimit import RateLimitedLog
 
 log = RateLimitedLog(logging.getLogger("logjam_relay.ingest"))
 
@@ -107,6 +107,14 @@ _BROKEN_META = frozenset({"meta_size", "meta_tag", "meta_version"})
 _MAX_LABELS = 1000  # bound label cardinality of per-stream counters
 
 
+def safe_label(b: bytes) -> str:
+    """A client-chosen name for a log line: at most 80 bytes, non-printables escaped."""
+    return repr(bytes(b[:80]))[2:-1]
+
+
+_relay_log = RateLimitedLog(logging.getLogger("logjam_relay.relay"))
+
+
 def _label(b: bytes | None) -> str:
     if not b:
         return "unknown-unknown"
@@ -138,6 +146,30 @@ class Pipeline:
 
     # -------------------------------------------------------------- prepare
     def prepare_pull(self, batch: list[list[bytes]]) -> list[tuple]:
+        """Valid data messages of a PULL batch as ``(app_env, topic, body, compression,
+        created_ms_8)`` tuples, in order (the C loop of ``_stamp.c`` for the fast path,
+        :meth:`_slow` for each other message; :meth:`prepare_pull_py` without it)."""
+        if _stamp is None:
+            return self.prepare_pull_py(batch)
+        gs = self.validator.good_streams
+        gt = self.validator.good_topics
+        c = self.counters
+        n = len(batch)
+        acc, i, nbytes, maxb = _stamp.prepare_pull(batch, 0, gs, gt)
+        while i < n:
+            self._slow(batch[i], None, acc)
+            more, i, nb, mb = _stamp.prepare_pull(batch, i + 1, gs, gt)
+            acc += more
+            nbytes += nb
+            if mb > maxb:
+                maxb = mb
+        c.pull += n
+        c.received_bytes += nbytes
+        if maxb > c.received_max_bytes:
+            c.received_max_bytes = maxb
+        return acc
+
+    def prepare_pull_py(self, batch: list[list[bytes]]) -> list[tuple]:
         acc: list[tuple] = []
         append = acc.append
         gs = self.validator.good_streams
@@ -157,7 +189,8 @@ class Pipeline:
             self._slow(frames, None, acc)
         c = self.counters
         c.pull += len(batch)
-        c.received_max_bytes = maxb
+        if maxb > c.received_max_bytes:     # _slow may have seen a larger one
+            c.received_max_bytes = maxb
         c.received_bytes += nbytes
         return acc
 
@@ -165,8 +198,37 @@ class Pipeline:
         """Like :meth:`prepare_pull`; reply frames (with routing id) go to ``replies``.
 
         Replies for accepted requests are appended too: the caller sends them
-        only after the batch was committed (and spooled).
+        only after the batch was committed (and spooled).  The C loop of ``_stamp.c``
+        takes the fast path (:meth:`prepare_router_py` without it).
         """
+        if _stamp is None:
+            return self.prepare_router_py(batch, replies)
+        gs = self.validator.good_streams
+        gt = self.validator.good_topics
+        c = self.counters
+        n = len(batch)
+        n202 = len(replies)
+        acc, i, nbytes, maxb = _stamp.prepare_pull(batch, 0, gs, gt, replies, L.ACCEPTED)
+        n202 = len(replies) - n202
+        while i < n:
+            frames = batch[i]
+            self._slow(frames[1:], frames[0], acc, replies)
+            k = len(replies)
+            more, i, nb, mb = _stamp.prepare_pull(batch, i + 1, gs, gt, replies, L.ACCEPTED)
+            n202 += len(replies) - k
+            acc += more
+            nbytes += nb
+            if mb > maxb:
+                maxb = mb
+        c.router += n
+        c.replies_202 += n202
+        c.received_bytes += nbytes
+        if maxb > c.received_max_bytes:
+            c.received_max_bytes = maxb
+        return acc
+
+    def prepare_router_py(self, batch: list[list[bytes]],
+                          replies: list[list[bytes]]) -> list[tuple]:
         acc: list[tuple] = []
         append = acc.append
         rappend = replies.append
@@ -198,7 +260,8 @@ class Pipeline:
         c = self.counters
         c.router += len(batch)
         c.replies_202 += n202
-        c.received_max_bytes = maxb
+        if maxb > c.received_max_bytes:     # _slow may have seen a larger one
+            c.received_max_bytes = maxb
         c.received_bytes += nbytes
         return acc
 
@@ -252,6 +315,38 @@ class Pipeline:
         log.warning(ev.reason, "invalid message (%s) from %s: %d frames", ev.reason,
                     _label(ev.app_env), len(frames))
 
+    def drop_oversize(self, batch: list[list[bytes]], is_router: bool,
+                      replies: list[list[bytes]], limit: int) -> list[list[bytes]]:
+        """Take out the messages with a frame over max_event_bytes: never published nor
+        spooled; a ROUTER request (empty frame after the routing id) is answered
+        ``400 Bad Request`` (the only refusal the logjam protocol has), a PULL message is
+        dropped; both counted as invalid with reason ``too_large`` and logged (rate
+        limited).  Called only when the drain saw a frame over ``limit``."""
+        c = self.counters
+        keep = []
+        for frames in batch:
+            big = max(len(f) for f in frames)
+            if big <= limit:
+                keep.append(frames)
+                continue
+            c.invalid += 1
+            c.invalid_by_reason["too_large"] += 1
+            if is_router:
+                c.router += 1
+                if len(frames) > 1 and frames[1] == b"":
+                    first = frames[2] if len(frames) > 2 and len(frames[2]) <= 256 else None
+                    replies.append([frames[0], *L.bad_request_reply(first)])
+                    c.replies_400 += 1
+            else:
+                c.pull += 1
+            app_env = frames[2] if is_router and len(frames) > 2 and frames[1] == b"" \
+                else frames[1] if is_router else frames[0]
+            _relay_log.warning("too_large", "message of %d bytes over max_event_bytes (%d) from %s "
+                         "on %s: %s", sum(len(f) for f in frames), limit,
+                         safe_label(app_env), "router" if is_router else "pull",
+                         "answered 400" if is_router else "dropped")
+        return keep
+
     # ----------------------------------------------------------- compression
     def needs_compression(self, acc: list[tuple]) -> list[int]:
         """Indexes of accepted messages whose bodies the relay must compress."""
@@ -286,7 +381,21 @@ class Pipeline:
 
     # ---------------------------------------------------------------- commit
     def commit(self, acc: list[tuple], now_ms: int) -> list[tuple]:
-        """Stamp and publish in order; return the records [app, topic, body, meta] to spool."""
+        """Stamp and publish in order; return the records [app, topic, body, meta] to spool
+        (the C loop of ``_stamp.c`` when acc is plain, else :meth:`commit_py`)."""
+        got = _stamp.commit(acc, self.device, self.seq, now_ms.to_bytes(8, "big")) \
+            if _stamp is not None else None
+        if got is None:
+            return self.commit_py(acc, now_ms)
+        out, seq = got
+        self.publish_batch(out)
+        self.seq = seq
+        n = len(acc)
+        self.counters.received += n
+        self.counters.published += n
+        return out
+
+    def commit_py(self, acc: list[tuple], now_ms: int) -> list[tuple]:
         now8 = now_ms.to_bytes(8, "big")
         prefix = self._prefix
         seq = self.seq

@@ -4,7 +4,8 @@ Flow of a publish: receive a batch of requests -> parse (``protocols.samwise``)
 -> pick the target broker(s) -> ``store.append_batch`` (the spool) -> reply
 ``[0]`` / ``[0, '']``.  The reply therefore means "accepted and in the spool".
 One :class:`~logjam_relay.samwise.output.BrokerOutput` per broker reads its own
-spool reader and publishes the records addressed to it with confirms.
+spool reader and publishes the records addressed to it with confirms; the endpoint
+wakes them after each append (they run no spool watcher of their own).
 
 Spool record (``KIND_SAMWISE``): ``[b"broker-a,broker-b", *request frames as received]``.
 
@@ -41,6 +42,10 @@ USER_ID_MISMATCH = b"user_id must be the broker user"
 SPOOL_ERROR = b"spool error"
 UNKNOWN_BROKER = b"unknown broker"
 CONTROL_REFUSED = b"action not permitted"
+
+
+# the reply to an accepted publish, per protocol version (never mutated: env + reply is new)
+_OK_REPLIES = {v: proto.ok_reply(v) for v in (proto.VERSION_1_0, proto.VERSION_1_1)}
 
 
 class SpoolFull(Exception):
@@ -94,6 +99,17 @@ class Distributor:
     def pick(self, n: int) -> list[str]:
         outs = self.outputs
         k = len(outs)
+        if n == 1:                      # round robin: the first connected from the cursor
+            c = self._cursor
+            for i in range(k):
+                j = c + i
+                if j >= k:
+                    j -= k
+                if outs[j].connected:
+                    self._cursor = j + 1 if j + 1 < k else 0
+                    return [outs[j].name]
+            self._cursor = c + 1 if c + 1 < k else 0
+            return [outs[c].name]
         order = [(self._cursor + i) % k for i in range(k)]
         up = [i for i in order if outs[i].connected]
         down = [i for i in order if not outs[i].connected]
@@ -122,7 +138,8 @@ class SamwiseService:
                          on_delivered=self._on_delivered,
                          handoff=self._hand_off if config.handoff_after > 0 else None,
                          handoff_after=config.handoff_after,
-                         publish_delay=config.publish_delay)
+                         publish_delay=config.publish_delay,
+                         watch_spool=False)      # _handle_batch / _hand_off notify them
             for b in config.brokers
         ]
         self.by_name = {o.name: o for o in self.outputs}
@@ -135,6 +152,7 @@ class SamwiseService:
         self._sock: zmq.Socket | None = None
         self._memo = proto.PublishMemo()           # samcli-like traffic: parse headers once
         self._wait_scope: trio.CancelScope | None = None
+        self._rpc_active = 0                       # rpc tasks that may still send a reply
         # metrics
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.accepted = 0
@@ -172,7 +190,11 @@ class SamwiseService:
 
     async def _serve(self, sock: zmq.Socket, nursery: trio.Nursery) -> None:
         """Reply first, then yield: a REQ client waits for exactly this reply, and the
-        broker outputs' work (publishing, confirms) can wait until it is sent."""
+        broker outputs' work (publishing, confirms) can wait until it is sent.
+
+        One request of a single REQ client costs one drain, one ``zmq.EVENTS`` check and
+        one wait: no cancel scope (unless an rpc task might send on the socket meanwhile,
+        see :meth:`_reply`) and no extra trip through the scheduler."""
         limit = self.config.recv_batch
         drain = zmq_trio.drain
         if self.max_batch_bytes:                   # bounded in bytes too (ingest_max_bytes)
@@ -180,27 +202,39 @@ class SamwiseService:
 
             def drain(sock, limit):
                 return zmq_trio.drain_bytes(sock, limit, max_bytes)[0]
-        batch: list = []
+        fd = sock.FD
+        get = sock.get
+        events, pollin = int(zmq.EVENTS), int(zmq.POLLIN)   # ints: no enum per request
+        wait_readable = trio.lowlevel.wait_readable
+        checkpoint = trio.lowlevel.checkpoint
+        batch = drain(sock, limit)
         while True:
-            if not batch:
-                # a send from another task (an rpc reply) can consume the socket's
-                # edge-triggered FD signal; _reply cancels this wait so it re-drains
-                with trio.CancelScope() as self._wait_scope:
-                    await zmq_trio.wait_for(sock, zmq.POLLIN)
-                self._wait_scope = None
+            if batch:
+                await self._handle_batch(batch, nursery)
+            # EVENTS also re-arms the edge-triggered FD: when it says nothing is pending,
+            # the FD signals the next change, so waiting on it cannot miss a request
+            if get(events) & pollin:
+                if batch:
+                    await checkpoint()             # busy: let the others run too
                 batch = drain(sock, limit)
                 if not batch:
-                    await trio.lowlevel.checkpoint()   # a spurious wake-up: never spin
-                    continue
-            await self._handle_batch(batch, nursery)
+                    await checkpoint()             # never spin
+                continue
+            if self._rpc_active:
+                # an rpc task's reply (another task's send) can consume the socket's
+                # edge-triggered FD signal; _reply cancels this wait so it re-drains
+                with trio.CancelScope() as self._wait_scope:
+                    await wait_readable(fd)
+                self._wait_scope = None
+            else:
+                await wait_readable(fd)            # only this task uses the socket now
             batch = drain(sock, limit)
-            if batch:
-                await trio.lowlevel.checkpoint()       # busy: let the others run too
 
     async def _handle_batch(self, batch: list[list[bytes]], nursery: trio.Nursery) -> None:
         replies: list = []             # (envelope, frames) or (envelope, publish-index)
         records: list[tuple[int, list[bytes]]] = []
         pub_versions: list[tuple[int, list[str]]] = []
+        lookup = self._memo.lookup
         for msg in batch:
             if len(msg) < 2:
                 continue  # ROUTER never delivers fewer than identity + 1 frame
@@ -209,7 +243,10 @@ class SamwiseService:
             else:  # a DEALER without the empty delimiter
                 env, body = msg[:1], msg[1:]
             try:
-                ev = self._memo.parse(body)[0]
+                # a publish whose headers were seen before: the remembered template (its
+                # payload is another request's; only the headers are used here)
+                hit = lookup(body)
+                ev = hit[0] if hit is not None else self._memo.parse(body)[0]
             except proto.SamwiseError as e:
                 self._count(body, e.reason)
                 _rl.warning(e.reason, "samwise: rejected request: %s", e)
@@ -245,6 +282,7 @@ class SamwiseService:
                     _rl.warning("rpc-overloaded", "samwise: too many rpc requests, refused")
                     replies.append((env, proto.error_reply(OVERLOADED)))
                 else:
+                    self._rpc_active += 1
                     nursery.start_soon(self._rpc, env, ev)
             else:  # Control: stop / restart
                 self.requests[(ev.action, "rejected")] += 1
@@ -256,7 +294,7 @@ class SamwiseService:
                 if self._would_block is not None and self._would_block():
                     raise SpoolFull
                 r = self._append(records)
-                if inspect.isawaitable(r):
+                if r is not None and type(r) is not Position and inspect.isawaitable(r):
                     r = await r
                 stored = True
             except SpoolFull:
@@ -268,6 +306,7 @@ class SamwiseService:
             if stored:
                 self.requests[("publish", "accepted")] += len(pub_versions)
                 self.accepted += len(pub_versions)
+                self._notify_outputs()
             else:
                 self.requests[("publish", "spool_error")] += len(pub_versions)
             if stored and isinstance(r, list) and len(r) == len(pub_versions):
@@ -275,14 +314,23 @@ class SamwiseService:
                     if len(targets) > 1 and isinstance(pos, Position):
                         self._copies_left[pos] = set(targets)
         out = []
+        ok = _OK_REPLIES
         for env, rep in replies:
             if isinstance(rep, int):
                 version = pub_versions[rep][0]
-                rep = proto.ok_reply(version) if stored else proto.error_reply(SPOOL_ERROR)
+                rep = (ok.get(version) or proto.ok_reply(version)) if stored \
+                    else proto.error_reply(SPOOL_ERROR)
             out.append(env + rep)
         sock = self._sock
         if out and sock is not None:
             self.replies_dropped += zmq_trio.send_replies(sock, out)
+
+    def _notify_outputs(self) -> None:
+        """Every broker's reader has new records (its own, or others' to step over so its
+        cursor does not pin the spool): wake the feeders (a feeder gathering a batch
+        takes many notifications as one)."""
+        for o in self.outputs:
+            o.notify()
 
     def _check_publish(self, ev: proto.Publish) -> bytes | None:
         if ev.immediate:
@@ -317,6 +365,7 @@ class SamwiseService:
         try:
             await self._rpc_run(env, ev)
         finally:
+            self._rpc_active -= 1
             self.rpc.done()
 
     async def _rpc_run(self, env: list[bytes], ev: proto.Rpc) -> None:
@@ -370,6 +419,7 @@ class SamwiseService:
         r = self._append(records)
         if inspect.isawaitable(r):
             r = await r
+        self._notify_outputs()
         if isinstance(r, list) and len(r) == len(origins):
             for newpos, pos in zip(r, origins, strict=True):
                 if pos in self._copies_left:

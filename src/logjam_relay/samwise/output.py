@@ -68,8 +68,12 @@ class BrokerOutput:
 
     def __init__(self, cfg: BrokerConfig, reader: SpoolReader, *, max_inflight: int = 2000,
                  read_batch: int = 500, on_delivered=None, handoff=None,
-                 handoff_after: float = 10.0, publish_delay: float = 0.0):
+                 handoff_after: float = 10.0, publish_delay: float = 0.0,
+                 watch_spool: bool = True):
         self.cfg = cfg
+        # watch_spool=False: whoever appends records for this broker calls notify()
+        # (the endpoint does, after each append): no watcher task woken per append
+        self.watch_spool = watch_spool
         self.publish_delay = publish_delay
         self.name = cfg.name
         self._bname = cfg.name.encode()
@@ -91,6 +95,7 @@ class BrokerOutput:
         self._window: collections.deque[list] = collections.deque()  # [position, done]
         self._wake = trio.Event()
         self._data_read = trio.Event()
+        self._window_full = False     # the feeder waits for confirms (max_inflight)
         self._memo = proto.PublishMemo(_amqp_parts)   # parse + encode once per header set
         # metrics
         self.results: collections.Counter[str] = collections.Counter()
@@ -109,7 +114,8 @@ class BrokerOutput:
         try:
             async with trio.open_nursery() as n:
                 n.start_soon(self.link.run)
-                n.start_soon(self._watch_spool)
+                if self.watch_spool:
+                    n.start_soon(self._watch_spool)
                 task_status.started()
                 await self._feed()
         finally:
@@ -126,6 +132,10 @@ class BrokerOutput:
             self._data_read = trio.Event()
 
     def _poke(self) -> None:
+        self._wake.set()
+
+    def notify(self) -> None:
+        """New records for this broker are in the spool (``watch_spool=False``)."""
         self._wake.set()
 
     async def _sleep_until_poked(self) -> None:
@@ -150,6 +160,7 @@ class BrokerOutput:
                     await self._sleep_until_poked()
                 continue
             if len(self._pending) >= self.max_inflight:
+                self._window_full = True
                 await self._sleep_until_poked()
                 continue
             recs = reader.read(min(self.read_batch, self.max_inflight - len(self._pending)))
@@ -207,19 +218,26 @@ class BrokerOutput:
         items = []
         now = time.monotonic()
         window = self._window
+        lookup = self._memo.lookup
         for rec in recs:
             entry = [rec.position, True]
             window.append(entry)
             if rec.kind != KIND_SAMWISE or not rec.frames:
                 continue
-            targets, req = split_record(rec.frames)
-            if self._bname not in targets:
-                continue
+            frames = rec.frames
+            if self._bname not in frames[0].split(b","):
+                continue                    # another broker's record
             try:
-                ev, parts = self._memo.parse(req)
-                if not isinstance(ev, proto.Publish):
-                    raise proto.SamwiseError(proto.MALFORMED_PUBLISH, "not a publish")
-                out = Out(self._seq + 1, parts[0], parts[1], parts[2], ev.payload, parts[3],
+                hit = lookup(frames, 1)     # headers seen before: no parse, no event
+                if hit is not None:
+                    parts = hit[1]
+                    payload = frames[-1]
+                else:
+                    ev, parts = self._memo.parse(frames[1:])
+                    if not isinstance(ev, proto.Publish):
+                        raise proto.SamwiseError(proto.MALFORMED_PUBLISH, "not a publish")
+                    payload = ev.payload
+                out = Out(self._seq + 1, parts[0], parts[1], parts[2], payload, parts[3],
                           parts[4], parts[5])
             except (proto.SamwiseError, ValueError) as e:
                 # ValueError: not encodable in AMQP (the endpoint refuses those; a spool
@@ -278,7 +296,11 @@ class BrokerOutput:
     def _on_confirms(self, confirms) -> None:
         now = time.monotonic()
         pending = self._pending
+        delivered = self._on_delivered
         nack = False
+        acks = 0
+        lat_sum = 0.0
+        lat_max = self.confirm_latency_max
         for seq, result in confirms:
             p = pending.pop(seq, None)
             if p is None:
@@ -288,26 +310,34 @@ class BrokerOutput:
                 continue
             entry, t0 = p
             entry[1] = True
-            self.results[result] += 1
             if result == ACK:
+                acks += 1
                 dt = now - t0
-                self.confirm_count += 1
-                self.confirm_latency_sum += dt
-                if dt > self.confirm_latency_max:
-                    self.confirm_latency_max = dt
-                if self._on_delivered is not None:
-                    self._on_delivered(entry[0], self.name)
-            elif result == RETURNED:
+                lat_sum += dt
+                if dt > lat_max:
+                    lat_max = dt
+                if delivered is not None:
+                    delivered(entry[0], self.name)
+                continue
+            self.results[result] += 1
+            if result == RETURNED:
                 _rl.warning("returned", "samwise broker %s: mandatory message returned "
                             "(unroutable)", self.name)
             elif result == NO_EXCHANGE:
                 _rl.error("no-exchange", "samwise broker %s: exchange does not exist, "
                           "message dropped", self.name)
+        if acks:
+            self.results[ACK] += acks
+            self.confirm_count += acks
+            self.confirm_latency_sum += lat_sum
+            self.confirm_latency_max = lat_max
         if nack:
             self.results[NACK] += 1
             self.link.reconnect(self.gen, "basic.nack")
             self._lost()
-        self._poke()
+        elif self._window_full:
+            self._window_full = False
+            self._poke()
 
     # ------------------------------------------------------------------ stats
 

@@ -132,8 +132,9 @@ def decode_header(data: bytes) -> SegmentHeader:
 
 # --------------------------------------------------------------------------- encoding
 
-def encode_logjam_batch(batch: Iterable[Sequence[bytes]], first_seq: int) -> bytes:
-    """Encode 4-frame logjam messages as consecutive records in one bytes object."""
+def encode_logjam_batch_py(batch: Iterable[Sequence[bytes]], first_seq: int) -> bytes:
+    """Encode 4-frame logjam messages as consecutive records in one bytes object
+    (:func:`encode_logjam_batch` in Python: the reference and the fallback)."""
     out: list[bytes] = []
     ap = out.append
     pack_head = _HEAD4.pack
@@ -146,6 +147,22 @@ def encode_logjam_batch(batch: Iterable[Sequence[bytes]], first_seq: int) -> byt
         ap(pack_prefix(len(body), crc32(body)))
         ap(body)
     return join(out)
+
+
+_segenc = _native.load("logjam_relay.spool._segenc")
+_encode_c = _segenc.encode_logjam_batch if _segenc is not None else None
+
+
+def _encode_logjam_batch(batch: Iterable[Sequence[bytes]], first_seq: int) -> bytes:
+    """:func:`encode_logjam_batch_py` in C (``_segenc.c``, the GIL released while it
+    copies and checksums); same bytes.  A batch the C encoder does not take as it is (not
+    a list of 4-tuples/lists of bytes, a sequence number out of range...) goes through
+    the Python encoder, so its result or its exception is the Python one."""
+    data = _encode_c(batch, first_seq)
+    return encode_logjam_batch_py(batch, first_seq) if data is None else data
+
+
+encode_logjam_batch = encode_logjam_batch_py if _encode_c is None else _encode_logjam_batch
 
 
 def encode_records(records: Iterable[tuple[int, Sequence[bytes]]], first_seq: int) -> bytes:

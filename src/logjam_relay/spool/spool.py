@@ -133,6 +133,9 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         # fsync="batch" with defer_batch_sync: appends do not fsync themselves; the owner
         # awaits sync_async() (fdatasync in a worker thread) before it answers.
         self.defer_batch_sync = False
+        # fsync="interval" with defer_interval_sync: neither appends nor tick() fsync; run()
+        # does, every fsync_interval_s, in a worker thread (the event loop goes on).
+        self.defer_interval_sync = False
         self._next_segno = 0
         self._next_seq = 0
         self._bytes = 0
@@ -260,6 +263,23 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         self._last_meta = batch[-1][3]
         return pos
 
+    def append_encoded(self, data: bytes, n: int, first_seq: int,
+                       last_meta: bytes) -> Position | None:
+        """Append ``n`` logjam records already encoded (the relay's C PULL pass) as
+        :func:`segment.encode_logjam_batch` encodes them from spool sequence ``first_seq``.
+        If something was appended since they were numbered (a heartbeat while a failed
+        write waited to be retried), they are numbered again from the spool's next seq."""
+        if not n:
+            return None
+        if first_seq != self._next_seq:
+            recs, _, status = fmt.parse_records(data, 0, len(data), n)
+            if len(recs) != n or status is not None:
+                raise ValueError("append_encoded: data does not hold n logjam records")
+            data = fmt.encode_logjam_batch([r[3] for r in recs], self._next_seq)
+        pos = self._append_bytes(data, n)
+        self._last_meta = last_meta
+        return pos
+
     def append_records(self, records: Sequence[tuple[int, Sequence[bytes]]]) -> Position | None:
         """Append ``(kind, frames)`` records of any kind / frame count with one write."""
         if not records:
@@ -331,7 +351,7 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         self.bytes_appended += len(data)
         self._unsynced = True
         if (self.fsync == "batch" and not self.defer_batch_sync) or (
-                self.fsync == "interval"
+                self.fsync == "interval" and not self.defer_interval_sync
                 and self._mono() - self._last_fsync >= self.fsync_interval_s):
             self.sync()
         ev = self._appended
@@ -417,8 +437,7 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         """Periodic work: interval fsync, roll by age, persist cursors, delete consumed."""
         if self._closed:
             return
-        if self.fsync == "interval" and self._unsynced and \
-                self._mono() - self._last_fsync >= self.fsync_interval_s:
+        if self._interval_sync_due() and not self.defer_interval_sync:
             self.sync()
         act = self._active
         if act is not None and act.count and \
@@ -439,10 +458,18 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         if not self._reserve_ok and self._disk_full is None and now - self._reserve_tried >= 5:
             self._make_reserve()
 
+    def _interval_sync_due(self) -> bool:
+        return self.fsync == "interval" and self._unsynced and \
+            self._mono() - self._last_fsync >= self.fsync_interval_s
+
     async def run(self, period: float = 0.25) -> None:
-        """Call :meth:`tick` every ``period`` seconds (run it in the spool owner's nursery)."""
+        """Call :meth:`tick` every ``period`` seconds (run it in the spool owner's nursery);
+        with ``defer_interval_sync``, the interval fdatasync too, in a worker thread."""
         while True:
             try:
+                if self.defer_interval_sync and not self._closed and \
+                        self._interval_sync_due():
+                    await self.sync_async()
                 self.tick()
             except SpoolWriteError:
                 pass                            # counted and logged (rate-limited)
@@ -455,6 +482,11 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         except KeyError:
             raise KeyError(f"no spool reader {name!r} configured "
                            f"(have {sorted(self.readers)})") from None
+
+    @property
+    def next_seq(self) -> int:
+        """The spool sequence number the next appended record gets."""
+        return self._next_seq
 
     def last_meta(self) -> tuple[int, int, int, int, int, int] | None:
         """``(tag, compression, version, device, created_ms, sequence)`` of the last

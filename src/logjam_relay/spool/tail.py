@@ -28,10 +28,43 @@ import os
 
 import trio
 
+from .. import _native
 from . import segment as fmt
 from .api import Position, Record
 
 MiB = 1 << 20
+
+_tailread = _native.load("logjam_relay.spool._tailread")     # the optional C reads
+
+
+def read_block_py(buf, pos: int, end: int, max_records: int, base: int, segno: int,
+                  skip: bool, parse=None):
+    """The records of ``buf[pos:end]`` as ``Record(Position(segno, offset), kind, frames)``
+    (``_tailread.read`` in Python, the reference): ``(records, pos, next_seq, status,
+    parsed)``.  Parsed and checked by :func:`segment.parse_records` (``status`` as there);
+    ``skip`` passes over the first parsed record; ``pos`` is the buffer offset after the
+    last parsed record, ``next_seq`` its sequence + 1 (-1 if none), ``parsed`` how many
+    were parsed (returned or skipped)."""
+    recs, _, status = (parse or fmt.parse_records)(buf, pos, end, max_records, base)
+    if not recs:
+        return [], pos, -1, status, 0
+    last = recs[-1]
+    tnew = tuple.__new__
+    out = [tnew(Record, (tnew(Position, (segno, r[0])), r[1], r[3]))
+           for r in (recs[1:] if skip else recs)]
+    return out, last[4] - base, last[2] + 1, status, len(recs)
+
+
+def _read_block_c(buf, pos: int, end: int, max_records: int, base: int, segno: int,
+                  skip: bool):
+    """:func:`read_block_py` in C (``_tailread.c``): same records, same statuses."""
+    res = _tailread.read(buf, pos, end, max_records, base, segno, skip, Record, Position)
+    if type(res[3]) is tuple:
+        res = (*res[:3], fmt.SegmentCorrupt(*res[3]), res[4])
+    return res
+
+
+read_block = read_block_py if _tailread is None else _read_block_c
 
 # snapshot entry: (segno, path, limit, sealed, first_seq, holes)
 #   limit: where readers stop (committed end of the active segment, data end of a
@@ -161,7 +194,6 @@ class SegmentTail:
         if self._stuck is not None:
             return out
         segs = self._segs
-        tnew = tuple.__new__
         while len(out) < max_records:
             pos = self._pos
             entry = segs.get(pos.segment)
@@ -214,21 +246,14 @@ class SegmentTail:
             if next_hole is not None and next_hole - base < stop:
                 stop = next_hole - base
             want = max_records - len(out) + (1 if self._skip else 0)
-            recs, _, status = fmt.parse_records(buf, off - base, stop, want, base)
-            if recs:
-                if self._skip:
-                    self._skip = False
-                    first = recs[0]
-                    recs = recs[1:]
-                    if not recs:
-                        self._pos = Position(segno, first[4])
-                        self._seq = first[2] + 1
-                        continue
-                out.extend([tnew(Record, (tnew(Position, (segno, r[0])), r[1], r[3]))
-                            for r in recs])
-                last = recs[-1]
-                self._pos = Position(segno, last[4])
-                self._seq = last[2] + 1
+            recs, bpos, next_seq, status, parsed = read_block(buf, off - base, stop, want,
+                                                              base, segno, self._skip)
+            if parsed:
+                self._skip = False
+                if recs:
+                    out.extend(recs)
+                self._pos = Position(segno, base + bpos)
+                self._seq = next_seq
                 continue
             if status is None:
                 continue

@@ -1,0 +1,127 @@
+"""The Courier output's batch mapping in C (_courierenc.events): the same events, skips,
+rejections and payload groups as the per-record Python mapping, on ordinary, malformed
+and random records."""
+
+import dataclasses
+import random
+import zlib
+
+import pytest
+
+from conftest import require_native
+from logjam_relay.outputs import courier as co
+from logjam_relay.outputs import courier_encode as ce
+from logjam_relay.protocols.logjam import encode_meta
+from logjam_relay.spool.api import KIND_LOGJAM, KIND_SAMWISE, Position, Record
+
+BODY = b'{"action":"a#b","code":200}'
+
+
+def _records():
+    frames = [
+        [b"app-prod", b"logs.x", BODY, encode_meta(0, 7, 1_700_000_000_123, 5)],
+        [b"app-prod", b"logs.x", BODY, encode_meta(0, 7, 1_700_000_000_999, 6)],
+        [b"app-prod", b"logs.x", BODY, encode_meta(0, 7, 1_700_000_001_000, 7)],
+        [b"other-env", b"logs.y", BODY, encode_meta(0, 7, 1_700_000_001_000, 7)],
+        [b"app-prod", b"logs.x", zlib.compress(BODY), encode_meta(1, 7, 1, 1)],
+        [b"app-prod", b"logs.x", b"not json", encode_meta(0, 7, 1, 1)],
+        [b"app-prod", b"logs.x", b"xx", encode_meta(1, 7, 1, 1)],             # bad zlib
+        [b"app-prod", b"logs.x", BODY, b"short"],
+        [b"app-prod", b"logs.x", BODY, encode_meta(0, 7, 2**64 - 1, 1)],      # year > 9999
+        [b"app-prod", b"logs.x", memoryview(BODY), encode_meta(0, 7, 1, 1)],
+        [b"heartbeat", b"tcp://h:1", b"{}", encode_meta(0, 7, 1, 1)],
+        [b"a-b", b"t", b"{}"],
+        [b"app-prod", b"logs.x", b'{"x":"' + b"y" * 300 + b'"}', encode_meta(0, 7, 1, 1)],
+        [b"app-prod", b"logs.x", BODY, encode_meta(0, 7, 1, 1), b"extra frame"],
+        (b"app-prod", b"logs.x", BODY, encode_meta(0, 7, 1, 1)),
+    ]
+    recs = [Record(Position(0, i), KIND_LOGJAM, f) for i, f in enumerate(frames)]
+    recs.append(Record(Position(0, 99), KIND_SAMWISE, [b"b1", b"120", b"publish"]))
+    return recs
+
+
+def _output(limit=200, payload_bytes=4 << 20):
+    cfg = dataclasses.replace(co.parse_url("courier://127.0.0.1:1?tls=off"),
+                              max_event_bytes=limit, max_payload_bytes=payload_bytes,
+                              hostname="relay\u00e9")
+    return co.CourierOutput(cfg, None)
+
+
+def _both(out, records, monkeypatch):
+    got_c = out._map_records(records)
+    with monkeypatch.context() as m:
+        m.setattr(co, "record_events", lambda *a: None)
+        got_py = out._map_records(records)
+    assert got_c == got_py
+    return got_c
+
+
+def test_every_entry_is_what_record_to_event_gives():
+    require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    recs = _records()
+    evs, clean, total, longest = ce.record_events(recs, "relay\u00e9", 200)
+    assert not clean and len(evs) == len(recs)
+    mapped = 0
+    for rec, ev in zip(recs, evs, strict=True):
+        if ev is False:
+            continue
+        mapped += 1
+        assert ev == ce.record_to_event_py(rec, "relay\u00e9", 200), rec
+    assert mapped >= 6
+    assert evs[10] is None and evs[11] is None and evs[-1] is None     # not events
+    assert evs[12] is False                                             # body over the limit
+    good = [e for e in evs if type(e) is bytes]
+    assert total == sum(map(len, good)) and longest == max(map(len, good))
+
+
+@pytest.mark.parametrize("limit,payload", [(200, 4 << 20), (10_000, 4 << 20), (10_000, 300),
+                                           (60, 4 << 20)])
+def test_groups_rejections_and_skips_match_python(limit, payload, monkeypatch):
+    require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    out = _output(limit, payload)
+    recs = _records()
+    _both(out, recs, monkeypatch)
+    clean = [r for r in recs if ce.record_to_event_py(r, "x") is not None
+             and type(r.frames[2]) is bytes and len(r.frames[2]) < 100][:4] * 50
+    groups, rejected, skipped = _both(out, clean, monkeypatch)
+    if limit >= 10_000:                 # all events: one payload, or cut by the byte cap
+        assert not rejected and not skipped
+        assert len(groups) == 1 if payload > 100_000 else len(groups) > 1
+        assert sum(len(g[1]) for g in groups) == len(clean)
+
+
+def test_random_records(monkeypatch):
+    require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    rnd = random.Random(14)
+    out = _output(300, 2000)
+    for _ in range(100):
+        recs = []
+        for i in range(rnd.randrange(1, 40)):
+            meta = encode_meta(rnd.choice((0, 0, 1, 7)), rnd.randrange(2**32),
+                               rnd.randrange(2**45), rnd.randrange(2**64))
+            if rnd.random() < 0.2:
+                meta = rnd.randbytes(rnd.choice((0, 23, 24, 25)))
+            body = rnd.choice((BODY, b"[1,2]", rnd.randbytes(rnd.randrange(0, 30)),
+                               b'"' + b"z" * rnd.randrange(0, 400) + b'"'))
+            frames = [rnd.choice((b"app-prod", b"b-c", b"heartbeat", b"")),
+                      rnd.choice((b"logs.x", b"\xff")), body, meta]
+            frames = frames[:rnd.choice((4, 4, 4, 3, 5))] + ([b"x"] if rnd.random() < 0.1 else [])
+            recs.append(Record(Position(1, i), rnd.choice((KIND_LOGJAM,) * 5 + (KIND_SAMWISE,)),
+                               frames))
+        _both(out, recs, monkeypatch)
+
+
+def test_bad_input_raises_or_is_left_to_python():
+    mod = require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    inflate = ce._inflater(100)
+    evs, clean, _, _ = mod.events([1, (1,), (Position(0, 0), "k", []),
+                                   (Position(0, 0), 2**70, []), (Position(0, 0), 0, 5)],
+                                  KIND_LOGJAM, lambda a, t: b",", inflate, 100)
+    assert evs == [False] * 5 and not clean
+    with pytest.raises(TypeError):
+        mod.events(5, KIND_LOGJAM, lambda a, t: b",", inflate, 100)
+    rec = Record(Position(0, 0), KIND_LOGJAM, [b"a-b", b"t", BODY, encode_meta(0, 1, 1, 1)])
+    with pytest.raises(TypeError):
+        mod.events([rec], KIND_LOGJAM, lambda a, t: "not bytes", inflate, 100)
+    with pytest.raises(ZeroDivisionError):
+        mod.events([rec], KIND_LOGJAM, lambda a, t: 1 / 0, inflate, 100)
