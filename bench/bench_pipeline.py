@@ -142,14 +142,59 @@ def compare(ours: str, plain: str) -> list[str]:
     return problems
 
 
-def timed(cmd: list[str], env: dict) -> float:
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _tree_cpu(root: int, seen: dict) -> None:
+    """CPU seconds (user + system) of every process under ``root``, into ``seen`` by pid."""
+    kids: dict[int, list[int]] = {}
+    cpu = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as fh:
+                st = fh.read()
+        except OSError:
+            continue
+        f = st[st.rindex(")") + 2:].split()
+        kids.setdefault(int(f[1]), []).append(int(p))
+        cpu[int(p)] = (int(f[11]) + int(f[12])) / _TICK
+    stack = [root]
+    while stack:
+        for c in kids.get(stack.pop(), []):
+            seen[c] = cpu[c]
+            stack.append(c)
+
+
+def timed(cmd: list[str], env: dict) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the whole process tree: the driver, its JVM and the
+    Python workers, sampled from /proc every 0.2 s -- the figure a loaded machine disturbs
+    least)."""
+    import threading
     t = time.perf_counter()
-    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: dict[int, float] = {}
+    out: list[bytes] = []
+    th = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)
+    th.start()
+    while p.poll() is None:
+        seen[p.pid] = 0.0
+        if os.path.isdir("/proc"):
+            try:
+                _tree_cpu(p.pid, seen)
+                with open(f"/proc/{p.pid}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
+                seen[p.pid] = (int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])) / _TICK
+            except (OSError, ValueError, IndexError):
+                pass
+        time.sleep(0.2)
     dt = time.perf_counter() - t
-    if r.returncode != 0:
-        sys.stdout.write(r.stdout.decode(errors="replace")[-4000:])
+    th.join()
+    if p.returncode != 0:
+        sys.stdout.write(b"".join(out).decode(errors="replace")[-4000:])
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return dt
+    return dt, sum(seen.values())
 
 
 def main() -> int:
@@ -193,17 +238,26 @@ def main() -> int:
             "--master", a.master, "-q"]
         plain_cmd = [sys.executable, os.path.abspath(__file__), "--master", a.master,
                      "--plain-job", json_dir, os.path.join(base, "plain")]
-        t_ours, t_plain = [], []
+        t_ours, t_plain, c_ours, c_plain = [], [], [], []
+        load0 = os.getloadavg()[0]
         for _ in range(a.repeat_jobs):          # interleaved: same machine conditions
-            t_plain.append(timed(plain_cmd, env))
-            t_ours.append(timed(ours_cmd, env))
+            for cmd, ts, cs in ((plain_cmd, t_plain, c_plain), (ours_cmd, t_ours, c_ours)):
+                w, c = timed(cmd, env)
+                ts.append(w)
+                cs.append(c)
         n = a.records
         tp, to = min(t_plain), min(t_ours)
+        print(f"load average (1 min) before / after the jobs: {load0:.2f} / "
+              f"{os.getloadavg()[0]:.2f}")
         print(f"plain PySpark job (JSON lines): {tp:7.2f} s  {n / tp:12,.0f} rec/s  "
-              f"(runs: {', '.join(f'{x:.2f}' for x in t_plain)})")
+              f"(runs: {', '.join(f'{x:.2f}' for x in t_plain)}; CPU s: "
+              f"{', '.join(f'{x:.1f}' for x in c_plain)})")
         print(f"pipeline stats (archive)      : {to:7.2f} s  {n / to:12,.0f} rec/s  "
-              f"(runs: {', '.join(f'{x:.2f}' for x in t_ours)})")
+              f"(runs: {', '.join(f'{x:.2f}' for x in t_ours)}; CPU s: "
+              f"{', '.join(f'{x:.1f}' for x in c_ours)})")
         print(f"speed-up pipeline / plain job : {tp / to:.2f}x  (target >= 1.5x)")
+        print(f"CPU time plain job / pipeline : {min(c_plain) / min(c_ours):.2f}x  "
+              f"(whole process trees; less disturbed by other load than wall time)")
         problems = compare(os.path.join(base, "ours"), os.path.join(base, "plain"))
         print("tables agree with the plain job" if not problems else
               "TABLES DIFFER: " + "; ".join(problems[:5]), flush=True)

@@ -125,3 +125,30 @@ def test_bad_input_raises_or_is_left_to_python():
         mod.events([rec], KIND_LOGJAM, lambda a, t: "not bytes", inflate, 100)
     with pytest.raises(ZeroDivisionError):
         mod.events([rec], KIND_LOGJAM, lambda a, t: 1 / 0, inflate, 100)
+
+
+def _py_is_json(b: bytes) -> bool:
+    try:
+        ce._json_check(b.decode("utf-8"))
+        return True
+    except (ValueError, RecursionError):
+        return False
+
+
+def test_json_check_on_long_strings_with_specials_at_every_offset():
+    """The C check skips plain runs of strings and ASCII 8 bytes at a time: a quote, a
+    backslash escape, a control character or a UTF-8 sequence at any offset of a long
+    string is still seen (compared with Python's json)."""
+    mod = require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    specials = [b'"', b'\\"', b"\\\\", b"\\u00e9", b"\\x", b"\\", b"\x00", b"\x1f", b"\x7f",
+                b"\xc3\xa9", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80", b"\xc3", b"\xff", b" ", b"\t"]
+    checked = 0
+    for sp in specials:
+        for off in range(0, 20):
+            for tail in (0, 1, 7, 8, 9, 17):
+                s = b"a" * off + sp + b"b" * tail
+                for doc in (b'"' + s + b'"', b'{"k":"' + s + b'","n":1}', b'["' + s + b'"]',
+                            b'"' + s):
+                    assert mod.is_json(doc) == _py_is_json(doc), doc
+                    checked += 1
+    assert checked > 5000

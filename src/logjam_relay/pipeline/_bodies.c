@@ -100,17 +100,19 @@ static int do_zlib(const unsigned char *src, size_t n, size_t limit, out_t *o, z
         /* n may exceed uInt: feed it in pieces */
         size_t in_left = n - (size_t)(zp->next_in - src);
         zp->avail_in = in_left > 0x40000000u ? 0x40000000u : (uInt)in_left;
+        size_t room = want - have;
         zp->next_out = o->p + o->len;
-        zp->avail_out = (uInt)(want - have);
+        zp->avail_out = room > 0x40000000u ? 0x40000000u : (uInt)room;
         int r = inflate(zp, Z_NO_FLUSH);
         o->len = (size_t)(zp->next_out - o->p);
         if (r == Z_STREAM_END) { st = S_OK; break; }
         if (r != Z_OK && r != Z_BUF_ERROR) break;            /* data or memory error */
-        if (zp->avail_out == 0) {                              /* output full: grow */
+        if (o->len - start == want) {                        /* output full: grow */
             if (want >= limit) break;                        /* over the limit */
             want = want * 2 > limit ? limit : want * 2;
             continue;
         }
+        if (zp->avail_out == 0) continue;                    /* a 1 GiB piece is full */
         if ((size_t)(zp->next_in - src) >= n) break;           /* input exhausted: truncated */
     }
     if (st != S_OK) o->len = start;

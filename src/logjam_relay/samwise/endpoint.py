@@ -29,6 +29,7 @@ from ..io import zmq_trio
 from ..protocols import samwise as proto
 from ..ratelimit import RateLimitedLog
 from ..spool.api import KIND_SAMWISE, MemorySource, Position, SpoolReader
+from ..spool.segment import MIN_RECORD
 from .config import SamwiseConfig
 from .output import BrokerOutput, make_record
 from .rpc import NOT_ALLOWED, OVERLOADED, QUEUE_TIMEOUT, RpcOverloaded, RpcRunner
@@ -46,6 +47,23 @@ CONTROL_REFUSED = b"action not permitted"
 
 # the reply to an accepted publish, per protocol version (never mutated: env + reply is new)
 _OK_REPLIES = {v: proto.ok_reply(v) for v in (proto.VERSION_1_0, proto.VERSION_1_1)}
+
+
+def _positions(r, records: list) -> list[Position] | None:
+    """The spool positions of ``records`` appended in one call that returned ``r``: the
+    list itself (:class:`MemoryStore`), or, from the real spool's first position, the
+    following ones (one write, consecutive records: the record layout of
+    docs/spool-format.md).  None when the store did not say."""
+    if isinstance(r, list):
+        return r if len(r) == len(records) else None
+    if not isinstance(r, Position):
+        return None
+    out = []
+    seg, off = r
+    for _kind, frames in records:
+        out.append(Position(seg, off))
+        off += MIN_RECORD + 4 * len(frames) + sum(map(len, frames))
+    return out
 
 
 class SpoolFull(Exception):
@@ -235,6 +253,7 @@ class SamwiseService:
         records: list[tuple[int, list[bytes]]] = []
         pub_versions: list[tuple[int, list[str]]] = []
         lookup = self._memo.lookup
+        multi = False                  # a publish with more than one target broker
         for msg in batch:
             if len(msg) < 2:
                 continue  # ROUTER never delivers fewer than identity + 1 frame
@@ -259,6 +278,8 @@ class SamwiseService:
                     replies.append((env, proto.error_reply(err)))
                     continue
                 targets = self.distributor.pick(ev.copies)
+                if len(targets) > 1:
+                    multi = True
                 records.append((KIND_SAMWISE, make_record(targets, body)))
                 pub_versions.append((ev.version, targets))
                 replies.append((env, len(records) - 1))
@@ -309,10 +330,12 @@ class SamwiseService:
                 self._notify_outputs()
             else:
                 self.requests[("publish", "spool_error")] += len(pub_versions)
-            if stored and isinstance(r, list) and len(r) == len(pub_versions):
-                for (_version, targets), pos in zip(pub_versions, r, strict=True):
-                    if len(targets) > 1 and isinstance(pos, Position):
-                        self._copies_left[pos] = set(targets)
+            if stored and multi:
+                positions = _positions(r, records)
+                if positions is not None:
+                    for (_version, targets), pos in zip(pub_versions, positions, strict=True):
+                        if len(targets) > 1:
+                            self._copies_left[pos] = set(targets)
         out = []
         ok = _OK_REPLIES
         for env, rep in replies:
@@ -420,8 +443,9 @@ class SamwiseService:
         if inspect.isawaitable(r):
             r = await r
         self._notify_outputs()
-        if isinstance(r, list) and len(r) == len(origins):
-            for newpos, pos in zip(r, origins, strict=True):
+        positions = _positions(r, records)
+        if positions is not None:
+            for newpos, pos in zip(positions, origins, strict=True):
                 if pos in self._copies_left:
                     self._handoff_alias[newpos] = (pos, broker)
         return len(records)

@@ -163,18 +163,24 @@ class BrokerOutput:
                 self._window_full = True
                 await self._sleep_until_poked()
                 continue
-            recs = reader.read(min(self.read_batch, self.max_inflight - len(self._pending)))
+            want = min(self.read_batch, self.max_inflight - len(self._pending))
+            # a notification from here on means "read again"; one from before is answered
+            # by this read (no empty read per batch just to find out)
+            self._wake = trio.Event()
+            recs = reader.read(want)
             self._data_read.set()
-            if not recs:
-                await self._sleep_until_poked()
-                if self.publish_delay > 0 and self.connected:
-                    # gather what arrives meanwhile into one batch: one broker write and
-                    # (mostly) one multiple-ack for many requests instead of a round trip
-                    # each, which on a busy machine costs two context switches apiece
-                    await trio.sleep(self.publish_delay)
-                continue
-            self._send(recs)
-            await trio.lowlevel.checkpoint()
+            if recs:
+                self._send(recs)
+                if len(recs) >= want or self._wake.is_set():
+                    await trio.lowlevel.checkpoint()     # there may be more: read on
+                    continue
+            await self._wake.wait()
+            self._wake = trio.Event()
+            if self.publish_delay > 0 and self.connected:
+                # gather what arrives meanwhile into one batch: one broker write and
+                # (mostly) one multiple-ack for many requests instead of a round trip
+                # each, which on a busy machine costs two context switches apiece
+                await trio.sleep(self.publish_delay)
 
     async def _hand_off_backlog(self) -> bool:
         """This broker has been down for ``handoff_after``: re-address the records waiting
