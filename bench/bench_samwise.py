@@ -26,11 +26,11 @@ Each is run against two servers, each in a process of its own:
 
   Calibration (is it samd?): samd's own figures (issue 14, samcli, idle machine) are
   3.7-5.1k / 3.3-5.5k / 5.6-7.1k req/s.  This loop, on the same machines under a load
-  average of 7-12 from other work, ran at 1.8-4.7k / 2.1-3.6k / 4.8-6.9k: at or below
+  average of 5-13 from other work, ran at 1.6-4.7k / 1.7-4.4k / 4.8-7.0k: at or below
   samd's figures, as a busy machine should make it.  A leaner loop (samwise's C batch
-  receive/send and its parse memo, ``--lean-baseline``) ran at 5.6-6.2k / 3.6-4.6k /
-  8.6-9.3k under load 8-10 -- above samd's
-  best on an idle machine -- so it would no longer be samd's rate but a stricter bar;
+  receive/send and its parse memo, ``--lean-baseline``) ran at up to 6.2k / 4.6k / 9.3k
+  under load 8-11 -- with 4 clients above samd's best on an idle machine -- so it would no
+  longer be samd's rate but a stricter bar;
   docs/samwise.md gives samwise's figures against that one too.
 * **samwise endpoint**: ``SamwiseService`` with the real on-disk ``Spool`` (as the relay
   runs it), two ``BrokerOutput``s.

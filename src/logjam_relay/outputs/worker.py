@@ -39,7 +39,9 @@ output finish what is in flight, sends the last acks and exits.
 
 Wire format (both directions): ``<u32 length><u8 type><payload>``.  Tail mode: a
 snapshot is ``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
-``>QQ`` (segment, offset), a damage report ``pickle((segno, offset, seq, reason, msg))``.
+``>QQ`` (segment, offset) or ``>QQQQ`` (segment, offset, record end, seq: the record
+was the last of a block the worker read, so the relay's reader needs no disk read to
+move its cursor), a damage report ``pickle((segno, offset, seq, reason, msg))``.
 Ship mode: a batch of records
 goes as ``pickle((batch_no, kinds, frames))``: the spool positions stay in the relay
 (with the batch, until it is acknowledged) and the worker's records carry the position
@@ -75,11 +77,16 @@ STATS_EVERY = 0.5
 
 _HDR = struct.Struct(">IB")
 _ACK = struct.Struct(">QQ")
+_ACK_KNOWN = struct.Struct(">QQQQ")     # tail mode: segment, offset, record end, seq
 T_CONFIG, T_RECORDS, T_STOP = ord("C"), ord("R"), ord("S")     # relay -> worker
 T_SEGS = ord("G")                                              # relay -> worker (tail mode)
 T_ACK, T_STATS, T_DEAD = ord("A"), ord("T"), ord("D")          # worker -> relay
 T_DAMAGE = ord("X")                                            # worker -> relay (tail mode)
-NOTIFY_EVERY = 0.003         # tail mode: at most one segment snapshot per this many seconds
+# tail mode: at most one segment snapshot per this many seconds.  Each one is a send and
+# a wake-up of the worker: at 3 ms they were ~11 % of the relay's CPU at full rate
+# (bench_durable.py, py-spy); at 10 ms the workers also read larger batches (fewer
+# windows/payloads and acks per event), and an event waits at most 10 ms more.
+NOTIFY_EVERY = 0.010
 IDLE_CHECK = 0.25            # tail mode: snapshot check without appends (seals, deletions)
 
 
@@ -131,6 +138,7 @@ class ProcessOutput:
         self.log_level = log_level if log_level is not None else \
             logging.getLogger("logjam_relay").getEffectiveLevel()
         self._stats: dict = {}
+        self._stats_raw: bytes | None = None    # the worker's last stats, unpickled on demand
         self._inflight = 0
         # batches in the worker, unacknowledged: (batch_no, records) in order
         self._batches: deque[tuple[int, list]] = deque()
@@ -152,6 +160,9 @@ class ProcessOutput:
 
     # -- the output surface ------------------------------------------------------
     def stats(self) -> dict:
+        if self._stats_raw is not None:
+            # the worker sends its stats with every ack: unpickled only when read
+            self._stats, self._stats_raw = pickle.loads(self._stats_raw), None
         d = dict(self._stats)
         d["isolation"] = "process"
         d["worker_pid"] = self.pid or 0
@@ -294,9 +305,13 @@ class ProcessOutput:
         unpack = _ACK.unpack
         async for kind, payload in _read_messages(stream):
             if kind == T_ACK and self.tail:
-                pos = Position(*unpack(payload))
+                if len(payload) == _ACK_KNOWN.size:        # with the record's end and seq
+                    segno, off, end, seq = _ACK_KNOWN.unpack(payload)
+                    pos, known = Position(segno, off), (end, seq)
+                else:
+                    pos, known = Position(*unpack(payload)), None
                 try:
-                    reader.ack(pos)
+                    reader.ack(pos, known)
                 except ValueError as e:          # not a record: a worker bug, never fatal
                     self.bad_acks += 1
                     log.error("output %s: worker ack ignored: %s", self.name, e)
@@ -320,7 +335,7 @@ class ProcessOutput:
                     self._inflight -= freed
                     self._credit.set()
             elif kind == T_STATS:
-                self._stats = pickle.loads(payload)
+                self._stats_raw = payload
             elif kind == T_DEAD:
                 output, reason, frames, rkind, detail, position = pickle.loads(payload)
                 if position is not None and not self.tail:
@@ -461,7 +476,11 @@ async def worker_main(fd: int) -> int:
                     os._exit(0)
 
     messages = _read_messages(stream)
-    kind, payload = await messages.__anext__()
+    try:
+        kind, payload = await messages.__anext__()
+    except StopAsyncIteration:
+        # the relay went away (SIGKILL) before it sent the configuration: nothing to do
+        return 0
     if kind != T_CONFIG:
         raise RuntimeError("output worker: no configuration received")
     name, scheme, url, relay_host, max_event_bytes, with_dead, level, start = \
@@ -476,11 +495,15 @@ async def worker_main(fd: int) -> int:
         st.update(source.stats())
         return _frame(T_STATS, pickle.dumps(st))
 
-    def send_ack(pos) -> None:
+    ack_known = _ACK_KNOWN.pack
+
+    def send_ack(pos, known=None) -> None:
         # the stats go with the ack (one write): once the relay's cursor has moved, its
         # metrics show what moved it (outputs count before they ack); acks come per
-        # window or payload, so this costs little
-        data = _frame(T_ACK, ack(pos[0], pos[1]))
+        # window or payload, so this costs little.  ``known`` (tail mode): the record's
+        # end and seq, so the relay moves its cursor without reading the disk
+        data = _frame(T_ACK, ack(pos[0], pos[1]) if known is None else
+                      ack_known(pos[0], pos[1], known[0], known[1]))
         send_raw(data + stats_frame() if output is not None else data)
 
     if start is not None:               # tail mode: read the segment files here
