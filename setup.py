@@ -32,6 +32,7 @@ setup(ext_modules=[
               optional=True, libraries=["z", "pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
+              depends=["src/logjam_relay/spool/_crc32.h"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record encoder, write side (zlib.h: crc32)
     Extension("logjam_relay.spool._segenc", ["src/logjam_relay/spool/_segenc.c"],

@@ -17,7 +17,9 @@ data source scan against Spark's Parquet scan, in one run.
      cached because it feeds four tables) run as ``python bench_pipeline.py --plain-job``.
    The tables are compared: request_stats, exceptions and topics must be equal figure by
    figure, loss in the columns the plain job has (received, first/last sequence).
-   Target: pipeline >= 1.5x faster.
+   Target: pipeline >= 1.5x faster.  The CPU seconds of each whole process tree (driver, JVM,
+   Python workers; sampled from /proc) are printed too: other load on a shared machine
+   disturbs them far less than the wall times.
 3. Scans (``write.format("noop")``, all columns materialised, best of ``--repeat``) in one
    session: Parquet (the decoded rows written once by Spark) against the data source.
    Target: data source >= 0.5x of Parquet.

@@ -27,6 +27,7 @@ from relay_harness import meta, relay_settings, start_process, stop_process
 
 BODY = b'{"action":"Disk#test","n":%d,"pad":"' + b"x" * 900 + b'"}'
 DISK = "4m"
+WINDOW = 200
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_full_disk_never_deadlocks(tmp_path, small_disk, policy, segments):
     s = relay_settings(tmp_path, heartbeat_interval=3600)
     extra = ["--spool-dir", spool_dir, "--spool-policy", policy,
              "--spool-max-bytes", "1GiB",
-             "--output", f"lumberjack://127.0.0.1:{port}?tls=off&window=200&timeout=5"
+             "--output", f"lumberjack://127.0.0.1:{port}?tls=off&window={WINDOW}&timeout=5"
                          f"&backoff_min=0.05&backoff_max=0.2&name=lj"]
     if segments == "small":
         extra += ["--spool-segment-bytes", "256KiB"]
@@ -182,9 +183,12 @@ def test_full_disk_never_deadlocks(tmp_path, small_disk, policy, segments):
           f"lost counter {lost}")
     assert "errno 28" in logtext and "errno 5)" not in logtext    # ENOSPC, never EIO
     assert "Traceback" not in logtext
-    assert lost == len(missing)
+    # every missing record is counted; the outputs run in worker processes
+    # (output_isolation=process), which may still deliver records of their window that
+    # the relay already counted when it dropped their segment: at most one window more
+    assert len(missing) <= lost <= len(missing) + WINDOW, (lost, len(missing))
     if policy == "block":
-        assert not missing
+        assert not missing and lost == 0
     else:
         # drop_oldest loses only the oldest, and counts every record it dropped
         # (the window the output had read before its segment was dropped may still be

@@ -20,6 +20,7 @@ EXTENSIONS = {
     "spool encoding": "logjam_relay.spool._segenc",
     "spool tail reads": "logjam_relay.spool._tailread",
     "pipeline field extraction": "logjam_relay.pipeline._extract",
+    "pipeline body decoding": "logjam_relay.pipeline._bodies",
     "lumberjack mapping": "logjam_relay.outputs._ljencode",
     "courier mapping": "logjam_relay.outputs._courierenc",
     "recompression": "logjam_relay.relay._recompress",
