@@ -82,9 +82,15 @@ def test_five_sigkills_lose_nothing_and_duplicate_at_most_in_flight(tmp_path):
                         lambda: start_process(s, extra, log_path=log))
                     if rnd == ROUNDS:
                         break
+                    before = (len(lj.events), len(co.events))
                     accepted |= await send_requests(ctx, s, range(n, n + PER_ROUND))
                     n += PER_ROUND
-                    # kill while both outputs still drain (the receivers are behind)
+                    # kill while both outputs drain: each has delivered something since
+                    # this relay started (its worker process is up and sending) and the
+                    # receivers are behind
+                    with trio.fail_after(30):
+                        while len(lj.events) <= before[0] or len(co.events) <= before[1]:
+                            await trio.sleep(0.005)
                     await trio.sleep(0.02 * (rnd % 3))
                     backlog = {"lj": len(accepted - set(lj_numbers(lj))),
                                "co": len(accepted - set(co_numbers(co)))}
