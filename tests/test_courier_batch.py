@@ -152,3 +152,73 @@ def test_json_check_on_long_strings_with_specials_at_every_offset():
                     assert mod.is_json(doc) == _py_is_json(doc), doc
                     checked += 1
     assert checked > 5000
+
+
+# ------------------------------------------- payload framing in C (_courierenc.frame_events)
+
+def test_frame_events_is_the_python_framing_byte_for_byte():
+    from logjam_relay.protocols import courier as cp
+    mod = require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    rng = random.Random(14)
+    cases = [[], [b""], [b"{}"], [BODY] * 1000, [b"x" * 70000, b"", b"y"],
+             [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 600)))
+              for _ in range(200)]]
+    for events in cases:
+        want = cp.encode_events_py(events)
+        assert mod.frame_events(events) == want
+        assert mod.frame_events(tuple(events)) == want
+        assert cp.encode_events(events) == want
+        assert cp.encode_events(iter(events)) == want          # any iterable, as before
+        assert zlib.decompress(cp.encode_payload(b"n" * 16, events)[24:]) == want
+
+
+def test_frame_events_leaves_other_items_to_python():
+    from logjam_relay.protocols import courier as cp
+    mod = require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    # not bytes: the C twin declines (None); encode_events gives what Python gives
+    for events in ([bytearray(b"ab"), b"c"], [b"a", memoryview(b"bc")]):
+        assert mod.frame_events(events) is None
+        assert cp.encode_events(events) == cp.encode_events_py(events)
+    # malformed input never crashes: a non-sequence raises TypeError, junk items decline
+    with pytest.raises(TypeError):
+        mod.frame_events(42)
+    assert mod.frame_events([b"a", None, 3]) is None
+    with pytest.raises(TypeError):
+        cp.encode_events([b"a", None])          # as the Python framing does
+
+
+# ------------------------------- the payload's Adler-32 in C (_courierenc.adler32, SSSE3)
+
+def test_adler32_is_zlibs_on_every_length_and_start_value():
+    """SIMD and scalar versions against zlib.adler32: lengths around the 32-byte steps
+    and the NMAX reduction interval, bytes that maximise the sums (0xFF), start values
+    that are not reduced modulo 65521."""
+    mod = require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    rng = random.Random(32)
+    lengths = list(range(0, 100)) + [5551, 5552, 5553, 11104, 11105, 65536, 300_001, 3 << 20]
+    for n in lengths:
+        for data in (rng.randbytes(n), b"\xff" * n, bytes(n)):
+            for start in (1, 0, 0xFFFFFFFF, 0xFFF0FFF0, rng.randrange(1 << 32)):
+                want = zlib.adler32(data, start)
+                assert mod.adler32(data, start) == want, (n, start)
+                assert mod.adler32_scalar(data, start) == want, (n, start)
+    assert mod.adler32(memoryview(b"abc")) == zlib.adler32(b"abc")
+    with pytest.raises(TypeError):
+        mod.adler32("text")
+    assert mod.adler32(b"x", -1) == zlib.adler32(b"x", -1)    # wraps, as zlib's does
+
+
+def test_zlib_compress_is_zlib_compress_byte_for_byte():
+    """protocols.courier.zlib_compress (raw deflate + zlib's header + the C Adler-32)
+    gives exactly zlib.compress's bytes, at every level, for payload-like and random
+    data; encode_payload's output inflates to the framed events."""
+    from logjam_relay.protocols import courier as cp
+    require_native(ce._courierenc, "logjam_relay.outputs._courierenc")
+    rng = random.Random(7)
+    samples = [b"", b"x", BODY * 3000, rng.randbytes(70_000),
+               cp.encode_events([BODY + b"%d" % i for i in range(1000)])]
+    for level in range(-1, 10):
+        for data in samples:
+            assert cp.zlib_compress(data, level) == zlib.compress(data, level), level
+    msg = cp.encode_payload(b"n" * 16, [BODY] * 10, level=3)
+    assert zlib.decompress(msg[24:]) == cp.encode_events_py([BODY] * 10)

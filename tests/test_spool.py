@@ -366,6 +366,53 @@ async def test_interval_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch)
     sp.close()
 
 
+async def test_interval_cursor_sync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
+    """With defer_interval_sync the cursor logs are fdatasynced by run(), in a worker
+    thread, once per interval and only when an ack wrote to them; tick() does not."""
+    from logjam_relay.spool import reader as reader_mod
+    synced = []
+    real = reader_mod._fdatasync
+
+    def spy(fd):
+        synced.append((trio.lowlevel.in_trio_run(), os.fstat(fd).st_size))
+        real(fd)
+
+    monkeypatch.setattr(reader_mod, "_fdatasync", spy)
+    monkeypatch.setattr(spool_mod, "_fdatasync", lambda fd: None)
+    now = [100.0]
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="interval", fsync_interval_s=1.0,
+               segment_bytes=64 * 1024, monotonic=lambda: now[0])
+    sp.defer_interval_sync = True
+    r = sp.reader("a")
+    sp.append_batch([msg(i) for i in range(10)])
+    recs = r.read(5)
+    r.ack(recs[-1].position)                          # one cursor entry written
+    now[0] += 5
+    sp.tick()
+    assert synced == []                               # due, but not on the event loop
+    log_path = r._log.path
+
+    async def run_once():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sp.run, 0.01)
+                await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+
+    await run_once()
+    assert synced == [(False, os.path.getsize(log_path))] and not r._log.dirty
+    now[0] += 5
+    await run_once()
+    assert len(synced) == 1                           # nothing acked since: no sync
+    r.ack(r.read(5)[-1].position)
+    assert r._log.dirty
+    now[0] += 5
+    await run_once()
+    assert len(synced) == 2 and synced[1][0] is False and not r._log.dirty
+    assert r.cursor_errors == 0
+    sp.close()
+
+
 # ------------------------------------------------------------- accounting and cursors
 
 def test_drop_oldest_accounting_is_exact(tmp_path):

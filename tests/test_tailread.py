@@ -164,7 +164,7 @@ def test_segment_tail_reads_records_larger_than_its_chunk(tmp_path):
     for b in bodies:
         sp.append_records([(0, [b"app", b"topic", b, b"m" * 24])])
     r = sp.reader("t")
-    tail = SegmentTail("t", r._ack_pos, r._ack_seq, lambda p: None, lambda *d: None)
+    tail = SegmentTail("t", r._ack_pos, r._ack_seq, lambda p, known: None, lambda *d: None)
     tail.CHUNK = 64 * 1024
     tail.update(snapshot(sp, 0))
     got = []

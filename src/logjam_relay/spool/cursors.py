@@ -166,6 +166,17 @@ class CursorLog:
         except OSError:
             pass
 
+    def take_sync(self) -> int | None:
+        """For a sync off the event loop: a duplicate of the log's descriptor, which the
+        caller fdatasyncs and closes (a compaction meanwhile is harmless: it fsyncs by
+        itself), with the log marked clean -- an append meanwhile marks it dirty again.
+        None when there is nothing to sync."""
+        if not self.dirty or self._fd is None:
+            return None
+        fd = os.dup(self._fd)
+        self.dirty = False
+        return fd
+
     def sync(self) -> None:
         if self.dirty and self._fd is not None:
             _fdatasync(self._fd)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .spool import Spool, _Seg
 
 MiB = 1 << 20
+_fdatasync = getattr(os, "fdatasync", os.fsync)
 _SERVED_MAX = 4096
 
 
@@ -221,7 +222,11 @@ class SpoolReader:
                 return
             await sp._appended.wait()
 
-    def ack(self, upto: Position) -> None:
+    def ack(self, upto: Position, known: tuple[int, int] | None = None) -> None:
+        """Acknowledge every record up to and including the one at ``upto``.
+        ``known``: ``(end offset, seq)`` of that record as an output's worker process
+        parsed it (tail mode, ``outputs/worker.py``), so no disk read is needed here; it
+        is checked against the segment's bounds, else the record header is read."""
         served = self._served
         hit = served.get(upto)
         if served:
@@ -244,6 +249,9 @@ class SpoolReader:
             return
         if hit is not None:
             end, seq = hit
+        elif known is not None and upto.offset + fmt.MIN_RECORD <= known[0] <= seg.limit \
+                and seg.first_seq <= known[1]:
+            end, seq = known
         else:
             head = os.pread(self._fd_for(seg), fmt.MIN_RECORD, upto.offset)
             if len(head) < fmt.MIN_RECORD:
@@ -315,6 +323,27 @@ class SpoolReader:
         except OSError as e:
             self.cursor_errors += 1
             self._spool._count_error(write_error("syncing cursor", self._log.path, e))
+
+    async def sync_cursor_async(self) -> None:
+        """:meth:`sync_cursor` in a worker thread (``fsync = "interval"`` with
+        ``defer_interval_sync``): an fdatasync no longer stalls the event loop."""
+        log = self._log
+        try:
+            fd = log.take_sync()
+        except OSError as e:
+            self.cursor_errors += 1
+            self._spool._count_error(write_error("syncing cursor", log.path, e))
+            return
+        if fd is None:
+            return
+        try:
+            await trio.to_thread.run_sync(_fdatasync, fd)
+        except OSError as e:
+            log.dirty = True                     # try again next time
+            self.cursor_errors += 1
+            self._spool._count_error(write_error("syncing cursor", log.path, e))
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -447,9 +447,10 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         for r in self.readers.values():
             if now - r._last_persist >= self.cursor_flush_s:
                 r._persist_quiet()
-        # cursor logs: write() on every ack; fdatasync per the fsync policy
-        if self.fsync == "batch" or (self.fsync == "interval" and
-                                     now - self._last_cursor_sync >= self.fsync_interval_s):
+        # cursor logs: write() on every ack; fdatasync per the fsync policy (interval with
+        # defer_interval_sync: run() does it, in a worker thread)
+        if self.fsync == "batch" or (self.fsync == "interval" and not self.defer_interval_sync
+                                     and now - self._last_cursor_sync >= self.fsync_interval_s):
             self._last_cursor_sync = now
             for r in self.readers.values():
                 r.sync_cursor()
@@ -470,6 +471,12 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
                 if self.defer_interval_sync and not self._closed and \
                         self._interval_sync_due():
                     await self.sync_async()
+                if self.defer_interval_sync and self.fsync == "interval" and \
+                        not self._closed and \
+                        self._mono() - self._last_cursor_sync >= self.fsync_interval_s:
+                    self._last_cursor_sync = self._mono()
+                    for r in list(self.readers.values()):
+                        await r.sync_cursor_async()
                 self.tick()
             except SpoolWriteError:
                 pass                            # counted and logged (rate-limited)

@@ -33,6 +33,7 @@ from . import segment as fmt
 from .api import Position, Record
 
 MiB = 1 << 20
+_SERVED_MAX = 4096
 
 _tailread = _native.load("logjam_relay.spool._tailread")     # the optional C reads
 
@@ -110,6 +111,9 @@ class SegmentTail:
     CHUNK = 1 * MiB
 
     def __init__(self, name: str, start: Position, start_seq: int, send_ack, report):
+        """``send_ack(position, known)``: ``known`` is ``(end offset, seq)`` of the
+        acknowledged record when this reader parsed it as the last of a block (the
+        usual case: outputs ack the last record of a read), else None."""
         self.name = name
         self._send_ack = send_ack
         self._report = report
@@ -121,6 +125,8 @@ class SegmentTail:
         self._acked: Position | None = None     # last acknowledged record
         self._acked_seq = -1
         self._skip = False                      # read(): pass over the record at _pos
+        # last record of every block read and not yet acknowledged: Position -> (end, seq)
+        self._served: dict[Position, tuple[int, int]] = {}
         self._stuck: tuple | None = None        # (segno, offset) reported, not yet resolved
         self._event = trio.Event()
         self._fd: int | None = None
@@ -264,6 +270,12 @@ class SegmentTail:
                 self._skip = False
                 if recs:
                     out.extend(recs)
+                    # the end and seq of the block's last record go with its ack: the
+                    # relay then needs no disk read to move the cursor past it
+                    served = self._served
+                    if len(served) >= _SERVED_MAX:
+                        del served[next(iter(served))]
+                    served[recs[-1][0]] = (base + bpos, next_seq - 1)
                 self._pos = Position(segno, base + bpos)
                 self._seq = next_seq
                 continue
@@ -317,12 +329,20 @@ class SegmentTail:
             return
         self._acked = upto
         self.acks += 1
-        self._send_ack(upto)
+        served = self._served
+        known = served.get(upto)
+        while served:                           # forget what is acknowledged (read order)
+            k = next(iter(served))
+            if k > upto:
+                break
+            del served[k]
+        self._send_ack(upto, known)
 
     def rewind(self) -> None:
         """Back to the first unacknowledged record: the last acknowledged one is
         re-parsed and passed over (its end is not kept)."""
         self._buf, self._buf_seg = b"", -1
+        self._served.clear()
         if self._acked is None:
             self._pos, self._seq, self._skip = self._first, self._first_seq, False
         else:
