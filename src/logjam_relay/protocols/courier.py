@@ -154,23 +154,8 @@ def encode_events_py(events) -> bytes:
 # two objects per event (bench_durable.py: ~9 % of a Courier worker's CPU in Python)
 _cenc = _native.load("logjam_relay.outputs._courierenc")
 _frame_events = getattr(_cenc, "frame_events", None)
-_adler32 = getattr(_cenc, "adler32", None)
-# the zlib header (RFC 1950) zlib writes: CMF 0x78 (deflate, 32 KiB window), FLEVEL by
-# level (level 0 is left to zlib: its stored blocks are cut by where its header ends)
-_ZLIB_HEAD = {lvl: b"\x78" + bytes((0x01 if lvl < 2 else 0x5E if lvl < 6 else
-                                    0x9C if lvl == 6 else 0xDA,)) for lvl in range(1, 10)}
-_ZLIB_HEAD[-1] = _ZLIB_HEAD[6]
-
-
-def zlib_compress(data: bytes, level: int) -> bytes:
-    """``zlib.compress(data, level)``, byte for byte, with the trailing Adler-32 from
-    ``_courierenc.adler32`` (SSSE3; zlib's scalar one was ~7 % of a Courier worker's CPU):
-    raw deflate with zlib's defaults between zlib's header and that checksum."""
-    if _adler32 is None or level not in _ZLIB_HEAD:
-        return zlib.compress(data, level)
-    c = zlib.compressobj(level, zlib.DEFLATED, -15)
-    body = c.compress(data)
-    return b"".join((_ZLIB_HEAD[level], body, c.flush(), _adler32(data).to_bytes(4, "big")))
+# zlib.compress with the fast Adler-32 (shared with the Lumberjack writer)
+from .deflate import zlib_compress  # noqa: E402,F401
 
 
 def encode_events(events) -> bytes:

@@ -40,6 +40,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .deflate import zlib_compress
+
 __all__ = [
     "LumberjackError", "Role", "Connection", "NEED_DATA",
     "Window", "Data", "WindowComplete", "Ack", "KeepAlive", "ConnectionClosed",
@@ -183,8 +185,7 @@ def encode_data_frames(events: Sequence[dict | Sequence[tuple]], first_seq: int 
 
 def encode_compressed_frame(frames: bytes, level: int = 3) -> bytes:
     """One ``1C`` frame holding ``frames`` (already-encoded frames), zlib at ``level``."""
-    c = zlib.compressobj(level)
-    payload = c.compress(frames) + c.flush()
+    payload = zlib_compress(frames, level)
     return b"1C" + _u32_pack(len(payload)) + payload
 
 
@@ -197,8 +198,7 @@ def encode_window(data_frames: bytes, count: int, level: int = 0) -> bytes:
         raise ValueError(f"window of {count} events")
     if level <= 0:
         return _HDR_W.pack(b"1W", count) + data_frames
-    c = zlib.compressobj(level)
-    payload = c.compress(data_frames) + c.flush()
+    payload = zlib_compress(data_frames, level)
     return b"".join((_HDR_W.pack(b"1W", count), b"1C", _u32_pack(len(payload)), payload))
 
 
