@@ -43,7 +43,7 @@ def free_port() -> int:
                 continue
         _HANDED_OUT.add(port)
         return port
-    raise RuntimeError("no free TCP port found in %d-%d" % _PORT_RANGE)
+    raise RuntimeError("no free TCP port found in {}-{}".format(*_PORT_RANGE))
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark")
 
-from conftest import require_native
+from conftest import require_native  # noqa: E402
 from logjam_relay.outputs.archive import Archive  # noqa: E402
 from logjam_relay.pipeline import datasource as ds  # noqa: E402
 from logjam_relay.pipeline import sample  # noqa: E402

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from ..protocols.logjam import COMPRESSION_NAMES, MAX_DECOMPRESSED
+from .. import _native
+from ..protocols.logjam import COMPRESSION_NAMES
 from ..spool import segment as fmt
 from .bodies import _bodies_c, batch_bodies, string_array
 from .bodies import decompress_body as _decompress_body
@@ -62,8 +63,6 @@ _COMP_NAMES = pa.array([COMPRESSION_NAMES.get(i, f"unknown-{i}") for i in range(
 _FULL4 = struct.Struct("<IIBBHQIIII")
 _FULL_HEAD = struct.Struct("<IIBBHQ")
 _crc32 = zlib.crc32
-from .. import _native
-
 _segscan = _native.load("logjam_relay.spool._segscan")
 # meta frame bytes 0..3 (tag, compression, version) -> compression, for acceptable metas
 _META_COMP = {bytes((t0, t1, c, 1)): c for (t0, t1) in ((0xCA, 0xBD), (0xBD, 0xCA))

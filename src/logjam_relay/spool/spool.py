@@ -31,9 +31,15 @@ from ..ratelimit import RateLimitedLog
 from . import segment as fmt
 from .api import KIND_LOGJAM, Position, Record  # noqa: F401  (re-exported)
 from .damage import DamageMixin
-from .errors import (HINTS as _HINTS, SpoolError, SpoolLockedError,  # noqa: F401
-                     SpoolWriteError, is_disk_full, reason_of as _reason,
-                     write_error as _write_error)
+from .errors import HINTS as _HINTS  # noqa: F401
+from .errors import (  # noqa: F401  (re-exported)
+    SpoolError,
+    SpoolLockedError,
+    SpoolWriteError,
+    is_disk_full,
+)
+from .errors import reason_of as _reason  # noqa: F401
+from .errors import write_error as _write_error
 from .reader import SpoolReader
 from .recovery import CURSOR_DIR, LOCK_FILE, STATE_FILE, RecoveryMixin, _unlink_quiet  # noqa: F401
 from .sealing import SealMixin
