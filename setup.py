@@ -16,7 +16,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     # (and the relay's ingest pass: drain + stamp + publish + spool records; zlib.h: crc32)
     Extension("logjam_relay.io._zmqfast", ["src/logjam_relay/io/_zmqfast.c"],
-              depends=["src/logjam_relay/spool/_crc32.h"],
+              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # batch recompression (-x zlib|lz4) with the GIL released
     Extension("logjam_relay.relay._recompress", ["src/logjam_relay/relay/_recompress.c"],
@@ -32,15 +32,15 @@ setup(ext_modules=[
               optional=True, libraries=["z", "pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
-              depends=["src/logjam_relay/spool/_crc32.h"],
+              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record encoder, write side (zlib.h: crc32)
     Extension("logjam_relay.spool._segenc", ["src/logjam_relay/spool/_segenc.c"],
-              depends=["src/logjam_relay/spool/_crc32.h"], optional=True, libraries=["z"],
+              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"], optional=True, libraries=["z"],
               extra_compile_args=["-O2", "-std=c11"]),
     # an output worker's reads of the spool segments (spool/tail.py)
     Extension("logjam_relay.spool._tailread", ["src/logjam_relay/spool/_tailread.c"],
-              depends=["src/logjam_relay/spool/_crc32.h"], optional=True, libraries=["z"],
+              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"], optional=True, libraries=["z"],
               extra_compile_args=["-O2", "-std=c11"]),
     # the request fields of logs bodies for the Spark data source (pipeline/extract.py)
     Extension("logjam_relay.pipeline._extract", ["src/logjam_relay/pipeline/_extract.c"],

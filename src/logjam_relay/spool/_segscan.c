@@ -20,20 +20,7 @@
 #include <string.h>
 #include <zlib.h>
 
-#include "_crc32.h"             /* lj_crc32: zlib's CRC-32, folded with PCLMULQDQ on x86-64 */
-
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "little-endian hosts only (the pure-Python walk is used elsewhere)"
-#endif
-
-#define HEADER_MIN 20          /* PREFIX (8) + RECHEAD (12): a record with no frames */
-#define MAX_BODY (1u << 30)
-#define KIND_SEAL 255
-
-static inline uint32_t rd32(const unsigned char *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-static inline uint16_t rd16(const unsigned char *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+#include "_record.h"            /* record framing check, lj_crc32, rd32/rd16 */
 
 typedef struct { int64_t off; uint32_t la, lt; uint64_t hash; } pair_t;
 
@@ -192,32 +179,15 @@ static PyObject *parse_records(PyObject *self, PyObject *args) {
     if (!out) goto done;
     if (end > view.len) end = view.len;
     while (pos < end && PyList_GET_SIZE(out) < max_records) {
-        if (end - pos < HEADER_MIN) { status = PyUnicode_FromString("partial"); break; }
-        uint32_t body_len = rd32(buf + pos), crc = rd32(buf + pos + 4);
-        unsigned kind = buf[pos + 8];
-        uint32_t n = rd16(buf + pos + 10);
-        uint64_t seq;
-        memcpy(&seq, buf + pos + 12, 8);               /* little-endian hosts only (x86, arm) */
-        Py_ssize_t rend = pos + 8 + (Py_ssize_t)body_len;
-        if (body_len < 12 + 4 * n || body_len > MAX_BODY) {
-            status = Py_BuildValue("(sNn)", "bad_length",
-                                   PyUnicode_FromFormat("bad record length %u", body_len),
-                                   base + pos);
-            break;
-        }
-        if (rend > end) { status = PyUnicode_FromString("partial"); break; }
-        if (lj_crc32(buf + pos + 8, body_len) != crc) {
-            status = Py_BuildValue("(s, s, n)", "crc", "record CRC mismatch", base + pos);
-            break;
-        }
+        lj_record r;
+        int rc = lj_record_check(buf, pos, end, &r);
+        if (rc != LJ_REC_OK) { status = lj_record_status(rc, &r, base + pos); break; }
+        unsigned kind = r.kind;
+        uint32_t n = r.n;
+        uint64_t seq = r.seq;
+        Py_ssize_t rend = r.rend;
         const unsigned char *lens = buf + pos + 20;
-        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n, total = 0;
-        for (uint32_t i = 0; i < n; i++) total += rd32(lens + 4 * i);
-        if (p + total != rend) {
-            status = Py_BuildValue("(s, s, n)", "frame_lengths", "frame lengths do not add up",
-                                   base + pos);
-            break;
-        }
+        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n;
         if (kind == KIND_SEAL) { status = PyUnicode_FromString("seal"); break; }
         PyObject *frames = PyList_New(n);
         if (!frames) goto fail;
