@@ -6,6 +6,16 @@ import time
 import pytest
 import trustme
 
+# `pipeline stats` keeps a JVM class-data archive (~200 MB) in $XDG_CACHE_HOME: the suite
+# gets its own, shared by its runs and removed at the end, never the user's ~/.cache
+if not os.environ.get("LOGJAM_RELAY_TEST_CACHE"):
+    import atexit
+    import shutil
+    import tempfile
+    _cache = tempfile.mkdtemp(prefix="logjam-relay-test-cache-")
+    os.environ["LOGJAM_RELAY_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
 
 def require_native(mod, name: str):
     """``mod``, an optional C twin (``name`` its module), or skip the test when it is not

@@ -70,6 +70,7 @@ from .decode import (  # noqa: F401  (re-exported: the decoder's public names)
     _segscan,
     decode_segment,
     decode_segment_py,
+    decode_slice,
     list_segments,
     record_count,
 )
@@ -90,13 +91,7 @@ _SPARK_TYPES = dict(
 
 def _read_partition(part: SegmentSlice, batch_rows: int,
                     columns=None) -> Iterator[pa.RecordBatch]:
-    try:
-        yield from decode_segment(part.path, part.segno, part.start, part.stop, batch_rows,
-                                  columns=columns)
-    except OSError as e:
-        yield _error_batch(part.segno, part.start, "unreadable",
-                           {"path": part.path, "message": str(e)}, DecodeStats(),
-                           columns or BASE_COLUMNS)
+    return decode_slice(part.path, part.segno, part.start, part.stop, batch_rows, columns)
 
 
 def _schema_columns(schema) -> tuple[str, ...] | None:

@@ -132,6 +132,18 @@ def decode_segment(path: str, segno: int, start: int = 0, stop: int | None = Non
     return _decode_segment_c(path, segno, start, stop, batch_rows, stats, columns)
 
 
+def decode_slice(path: str, segno: int, start: int = 0, stop: int | None = None,
+                 batch_rows: int = DEFAULT_BATCH_ROWS,
+                 columns=None) -> Iterator[pa.RecordBatch]:
+    """:func:`decode_segment`, with an unreadable file as one ``unreadable`` error row
+    instead of ``OSError`` (what the Spark readers emit)."""
+    try:
+        yield from decode_segment(path, segno, start, stop, batch_rows, columns=columns)
+    except OSError as e:
+        yield _error_batch(segno, start, "unreadable", {"path": path, "message": str(e)},
+                           DecodeStats(), columns or BASE_COLUMNS)
+
+
 def _columns(columns) -> tuple[str, ...]:
     if columns is None:
         return BASE_COLUMNS

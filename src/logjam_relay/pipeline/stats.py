@@ -152,17 +152,110 @@ def loss_table(spark, state, minutes_by_device=None):
     return _with_minute(spark.createDataFrame(t), "minute_ms").select(*LOSS_COLUMNS)
 
 
+def _percentile_of_sorted(v, n, q: float):
+    """Spark's exact ``percentile`` (linear interpolation) of the ascending array ``v`` of
+    ``n`` values, as a column expression, with the same double arithmetic as
+    ``Percentile.getPercentile``: position (n-1)*q, lower/higher = floor/ceil, and
+    ``(higher - pos) * v[lower] + (pos - lower) * v[higher]`` unless they coincide."""
+    from pyspark.sql import functions as F
+    pos = (n - F.lit(1)).cast("double") * F.lit(q)
+    lo, hi = F.floor(pos), F.ceil(pos)
+    a, b = F.element_at(v, (lo + 1).cast("int")), F.element_at(v, (hi + 1).cast("int"))
+    return F.when(n == 0, F.lit(None).cast("double")) \
+        .when((lo == hi) | (a == b), a) \
+        .otherwise((hi.cast("double") - pos) * a + (pos - lo.cast("double")) * b)
+
+
+def merge_partials(partial):
+    """Spark's half of the aggregate pushdown: merge the reader's partial rows
+    (:mod:`.partial`, one per group and batch) into one row per group, with the columns
+    :func:`aggregate` gives (the request metrics, ``_rows``/``_bad``/... summary counters)
+    plus ``exception`` (the K_EXCEPTION rows' key)."""
+    from pyspark.sql import functions as F
+
+    from .partial import K_EXCEPTION
+    counts = ("apdex_s", "apdex_t", *(f"http_{k}xx" for k in (2, 3, 4, 5)),
+              *(f"severity_{k}" for k in range(6)))
+    g = partial.groupBy("kind", "minute_ms", "app", "env", "name", "exception").agg(
+        F.sum("count").alias("count"), F.sum("tt_n").alias("_tt_n"),
+        F.sum("tt_sum").alias("total_time_sum"), F.max("tt_max").alias("total_time_max"),
+        F.sort_array(F.flatten(F.collect_list("tt_values"))).alias("_v"),
+        *(F.sum(c).alias(c) for c in counts),
+        *(F.sum(c).alias(f"_{c}") for c in ("rows", "bad", "corrupt", "bad_json")))
+    n = F.col("_tt_n")
+    v = F.col("_v")
+    return g.select(
+        "kind", "minute_ms", "app", "env", "name", "exception", "count", "total_time_sum",
+        F.when(n > 0, F.col("total_time_sum") / n.cast("double")).alias("total_time_avg"),
+        "total_time_max",
+        F.array(*(_percentile_of_sorted(v, F.size(v), q) for q in (0.5, 0.95, 0.99)))
+        .alias("_pct"),
+        F.try_divide(F.col("apdex_s") + 0.5 * F.col("apdex_t"), n).alias("apdex"),
+        *(f"http_{k}xx" for k in (2, 3, 4, 5)), *(f"severity_{k}" for k in range(6)),
+        "_rows", "_bad", "_corrupt", "_bad_json",
+        (F.col("kind") == K_EXCEPTION).alias("_is_exc"))
+
+
+def split_merged(agg) -> dict:
+    """The three tables from :func:`merge_partials`' result."""
+    from pyspark.sql import functions as F
+
+    from .partial import K_EXCEPTION, K_REQUEST, K_TOPIC
+    a = _with_minute(agg, "minute_ms")
+    req = a.where(F.col("kind") == K_REQUEST).withColumnRenamed("name", "action") \
+           .withColumn("total_time_p50", F.col("_pct")[0]) \
+           .withColumn("total_time_p95", F.col("_pct")[1]) \
+           .withColumn("total_time_p99", F.col("_pct")[2]).select(*REQUEST_COLUMNS)
+    exc = a.where(F.col("kind") == K_EXCEPTION).select(
+        "date", "minute", "app", "env", F.col("name").alias("action"), "exception", "count")
+    top = a.where(F.col("kind") == K_TOPIC).select(
+        "date", "minute", "app", "env", F.col("name").alias("topic"), "count")
+    return {"request_stats": req, "exceptions": exc, "topics": top}
+
+
+def summary_of_merged(agg) -> dict:
+    """The input summary and the row count of each table, in one (small) job."""
+    from pyspark.sql import functions as F
+
+    from .partial import K_EXCEPTION, K_REQUEST, K_TOPIC
+    r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json")),
+                *(F.count(F.when(F.col("kind") == k, 1)).alias(n) for k, n in (
+                    (K_REQUEST, "request_stats"), (K_EXCEPTION, "exceptions"),
+                    (K_TOPIC, "topics")))).collect()[0]
+    return {"rows_in": r["_rows"] or 0, "bad_records": r["_bad"] or 0,
+            "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0,
+            "counts": {n: r[n] for n in ("request_stats", "exceptions", "topics")}}
+
+
+def partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+    """The reader's partial aggregates (:mod:`.partial`) of an archive as a DataFrame: one
+    Spark task per few slices of the segments, each decoding its slices in a Python worker
+    (``mapInArrow``) and grouping every batch before anything goes to the JVM."""
+    from .partial import PARTIAL_DDL, plan_slices, read_slices
+    slices = plan_slices(input_dir, spark.sparkContext.defaultParallelism)
+    t = float(apdex_ms)
+
+    def read(batches):
+        for b in batches:
+            yield from read_slices(slices, b.column(0).to_pylist(), t)
+
+    n = max(1, len(slices))
+    return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, PARTIAL_DDL)
+
+
 def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
-    """(tables, summary) of an archive directory.  Spark scans the archive once (with the
-    request fields extracted by the data source, no body) and aggregates the request,
-    exception and topic tables in one pass; meanwhile a driver thread walks the segments'
-    meta frames in number order (no decompression) for the loss table, which is
-    sequential per device by definition (:mod:`.loss`)."""
+    """(tables, summary, agg) of an archive directory.  The Python tasks decode slices of
+    the segments and group every decoded batch themselves (aggregate pushdown,
+    :mod:`.partial`: the request fields extracted in C, grouped by Arrow, no body, one row
+    per group to the JVM); Spark merges the partial rows into the request, exception and
+    topic tables in one small aggregation.  Meanwhile a driver thread walks the segments'
+    meta frames in number order (no decompression) for the loss table, which is sequential
+    per device by definition (:mod:`.loss`)."""
     import threading
 
     from .loss import LossState
-    src = spark.read.format("logjam").schema(SCAN_DDL).load(input_dir)
-    agg = aggregate(src, apdex_ms).persist()
+    src = partial_frame(spark, input_dir, apdex_ms)
+    agg = merge_partials(src).persist()
     state = LossState()
     failed: list[BaseException] = []
 
@@ -175,53 +268,71 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
     th = threading.Thread(target=walk, name="loss-walk", daemon=True)
     th.start()
     try:
-        summary = summary_of(agg)       # runs the Spark job
+        summary = summary_of_merged(agg)    # runs the Spark job
     finally:
         th.join()
     if failed:
         agg.unpersist()
         raise failed[0]
-    tables = split(agg)
+    tables = split_merged(agg)
     tables["loss"] = loss_table(spark, state)
     summary["counts"]["loss"] = sum(len(d.rows) for d in state.devices.values())
     return tables, summary, agg
 
 
-def configure(spark) -> None:
+def configure(spark, datasource: bool = True) -> None:
+    """Session settings of the pipeline; ``datasource``: register the ``logjam`` format
+    too (the batch run does not read through it, and registering starts a Python process
+    that looks up data sources)."""
     spark.conf.set("spark.sql.session.timeZone", "UTC")
     spark.conf.set("spark.sql.sources.partitionOverwriteMode", "dynamic")
-    from .datasource import register
-    register(spark)
+    if datasource:
+        from .datasource import register
+        register(spark)
 
 
 def _write_tables(tables: dict, output: str, dates=None, log=print,
                   counts: dict | None = None) -> dict[str, int]:
-    """Write small aggregated tables (one task each, dynamic partition overwrite);
-    ``counts``: their row counts when known (else counted here)."""
+    """Write small aggregated tables (one task each, dynamic partition overwrite), all at
+    once: each write is a short Spark job whose fixed costs (planning, committing) would
+    otherwise add up one after the other; ``counts``: their row counts when known (else
+    counted here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from pyspark.sql import functions as F
-    out = {}
-    for name, df in tables.items():
+
+    def write(name: str, df) -> int:
         if dates is not None:
             df = df.where(F.col("date").isin([_dt.date.fromisoformat(x) for x in dates]))
         df = df.coalesce(1)
+        path = os.path.join(output, name)
         if counts is not None and name in counts:
-            n = counts[name]
-            df.write.mode("overwrite").partitionBy("date").parquet(os.path.join(output, name))
-        else:
-            df = df.persist()
+            df.write.mode("overwrite").partitionBy("date").parquet(path)
+            return counts[name]
+        df = df.persist()
+        try:
             n = df.count()
-            df.write.mode("overwrite").partitionBy("date").parquet(os.path.join(output, name))
+            df.write.mode("overwrite").partitionBy("date").parquet(path)
+        finally:
             df.unpersist()
-        out[name] = n
+        return n
+
+    if len(tables) == 1:
+        done = {name: write(name, df) for name, df in tables.items()}
+    else:
+        with ThreadPoolExecutor(max_workers=len(tables), thread_name_prefix="write") as ex:
+            futures = {name: ex.submit(write, name, df) for name, df in tables.items()}
+            done = {name: f.result() for name, f in futures.items()}
+    for name, n in done.items():
         log(f"  {name}: {n} rows")
-    return out
+    return done
 
 
 def run_batch(spark, input_dir: str, output: str, apdex_ms: float = DEFAULT_APDEX_MS,
               log=print) -> dict:
     """Read the archive, write the four tables (dynamic partition overwrite by date)."""
     t0 = time.perf_counter()
-    configure(spark)
+    configure(spark, datasource=False)
     tables, summary, agg = compute_tables(spark, input_dir, apdex_ms)
     log(f"read {summary['rows_in']} records ({summary['bad_records']} undecodable, "
         f"{summary['corrupt_segments']} corrupt segment regions, {summary['bad_json']} "

@@ -1,0 +1,170 @@
+"""A class-data archive (JDK AppCDS) for the driver JVM of ``pipeline stats``.
+
+A batch run is mostly a JVM starting cold: loading and verifying some 15,000 classes of
+Spark, Hadoop and Scala from the jars takes about half of the JVM's start-up CPU.  The JDK
+can map classes it loaded before from a *class-data sharing* archive instead.  The first
+run writes such an archive at JVM exit (``-XX:ArchiveClassesAtExit``); later runs map it
+(``-XX:SharedArchiveFile``), which halves the driver JVM's start-up.
+
+* Where: ``$XDG_CACHE_HOME/logjam-relay/jvm`` (default ``~/.cache/logjam-relay/jvm``), or
+  ``--jvm-cache DIR``; ``--jvm-cache off`` turns it off.  One archive is kept (about
+  120-200 MB); it is keyed by the Java binary, the Spark jars and the class-path settings,
+  so an upgrade of either writes a new one and removes the old.
+* Safety: the JVM writes the archive to a temporary name; the command waits for the JVM to
+  exit, has a separate ``java -Xshare:on -XX:+VerifySharedSpaces`` check it (with the
+  class path the driver had), and only then renames it into place, recording its size.  A
+  later run uses it only if the size still matches (a truncated archive would crash the
+  JVM); anything unusable is removed and written again.  The JVM ignores an archive whose
+  class path does not match (``-Xshare:auto``), with its CDS log lines off.
+* Anything going wrong here (no home directory, read-only cache, a JVM without CDS) only
+  costs the speed-up: the run itself goes on without an archive.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+
+#: JVM options that keep the JDK's CDS messages off stderr (an archive that does not
+#: match is ignored silently: it only costs the speed-up)
+QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
+#: Spark settings that change the driver's class path (part of the archive's key)
+CLASSPATH_CONF = ("spark.jars", "spark.jars.packages", "spark.driver.extraClassPath")
+
+
+def default_dir(environ=None) -> str | None:
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or (
+        os.path.join(env["HOME"], ".cache") if env.get("HOME") else None)
+    return os.path.join(base, "logjam-relay", "jvm") if base else None
+
+
+def _java(environ=None) -> str | None:
+    env = os.environ if environ is None else environ
+    home = env.get("JAVA_HOME")
+    if home and os.path.exists(os.path.join(home, "bin", "java")):
+        return os.path.join(home, "bin", "java")
+    return shutil.which("java", path=env.get("PATH", os.defpath))
+
+
+def _spark_jars() -> list[str]:
+    import pyspark
+    home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+    return sorted(glob.glob(os.path.join(home, "jars", "*.jar")))
+
+
+class ClassArchive:
+    """The archive of one (Java, Spark jars, class path settings) combination."""
+
+    def __init__(self, cache_dir: str, conf: dict | None = None, environ=None):
+        self.dir = cache_dir
+        self.java = _java(environ)
+        h = hashlib.sha256()
+        for part in self._key_parts(conf or {}):
+            h.update(part.encode() + b"\0")
+        self.key = h.hexdigest()[:20]
+        self.path = os.path.join(cache_dir, f"spark-{self.key}.jsa")
+        self.meta = self.path + ".json"
+        self.tmp = os.path.join(cache_dir, f"spark-{self.key}.{os.getpid()}.tmp")
+        self.writing = False
+
+    def _key_parts(self, conf: dict):
+        if self.java is None:
+            return
+        real = os.path.realpath(self.java)
+        st = os.stat(real)
+        yield f"{real} {st.st_size} {st.st_mtime_ns}"
+        for j in _spark_jars():
+            s = os.stat(j)
+            yield f"{os.path.basename(j)} {s.st_size}"
+        for k in CLASSPATH_CONF:
+            yield f"{k}={conf.get(k, '')}"
+
+    def usable(self) -> bool:
+        """The archive exists, was checked when it was written, and has its size still."""
+        try:
+            with open(self.meta, encoding="utf-8") as fh:
+                size = int(json.load(fh)["size"])
+            return os.path.getsize(self.path) == size
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    def java_options(self) -> str:
+        """JVM options for this run: map the archive, or write one at exit, or nothing."""
+        if self.java is None:
+            return ""
+        if self.usable():
+            return f"-XX:SharedArchiveFile={self.path} {QUIET}"
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            if not os.access(self.dir, os.W_OK):
+                return ""
+        except OSError:
+            return ""
+        self.writing = True
+        return f"-XX:ArchiveClassesAtExit={self.tmp} {QUIET}"
+
+    def finish(self, classpath: str | None, timeout: float = 60.0) -> bool:
+        """After the JVM has exited: check the archive it wrote and put it into place
+        (True), or remove it (False).  Only when this run was writing one."""
+        if not self.writing:
+            return False
+        ok = False
+        try:
+            if classpath and os.path.getsize(self.tmp) > 0:
+                r = subprocess.run(
+                    [self.java, "-cp", classpath, f"-XX:SharedArchiveFile={self.tmp}",
+                     "-Xshare:on", "-XX:+VerifySharedSpaces", "-version"],
+                    capture_output=True, timeout=timeout)
+                ok = r.returncode == 0
+            if ok:
+                size = os.path.getsize(self.tmp)
+                for old in glob.glob(os.path.join(self.dir, "spark-*.jsa*")):
+                    if not old.startswith(self.path):
+                        _remove(old)
+                os.replace(self.tmp, self.path)
+                tmp_meta = self.meta + f".{os.getpid()}"
+                with open(tmp_meta, "w", encoding="utf-8") as fh:
+                    json.dump({"size": size, "java": self.java}, fh)
+                os.replace(tmp_meta, self.meta)
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        finally:
+            _remove(self.tmp)
+        return ok
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:
+    """Close the Spark driver JVM's stdin (it exits on EOF, writing a class archive if
+    asked to) and wait for it; returns the class path it had, or None."""
+    from pyspark import SparkContext
+    gw = SparkContext._gateway
+    proc = getattr(gw, "proc", None) if gw is not None else None
+    classpath = None
+    if gw is not None:
+        try:
+            classpath = gw.jvm.System.getProperty("java.class.path")
+        except Exception:       # noqa: BLE001  (a JVM already gone: nothing to wait for)
+            classpath = None
+    if proc is None:
+        return classpath
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    return classpath

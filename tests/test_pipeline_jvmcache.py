@@ -1,0 +1,98 @@
+"""The driver JVM's class-data archive of ``pipeline stats`` (pipeline/jvmcache.py): written
+by a first run, used by the next, and a damaged one is detected and written again instead
+of crashing the JVM -- through the real console script."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from logjam_relay.pipeline import jvmcache, sample  # noqa: E402
+from logjam_relay.pipeline.java import ensure_java  # noqa: E402
+
+EXE = os.path.join(os.path.dirname(sys.executable), "logjam-relay")
+
+
+def test_key_follows_class_path_settings(tmp_path):
+    a = jvmcache.ClassArchive(str(tmp_path), {})
+    b = jvmcache.ClassArchive(str(tmp_path), {"spark.jars": "/x/extra.jar"})
+    assert a.key != b.key and a.key == jvmcache.ClassArchive(str(tmp_path), {}).key
+
+
+def test_options_write_then_use_and_size_is_checked(tmp_path):
+    os.environ.update(ensure_java())
+    a = jvmcache.ClassArchive(str(tmp_path / "c"), {})
+    opts = a.java_options()
+    assert a.writing and f"-XX:ArchiveClassesAtExit={a.tmp}" in opts and "-Xlog:cds=off" in opts
+    # an archive recorded with another size (truncated, replaced) is not used
+    with open(a.path, "wb") as fh:
+        fh.write(b"x" * 100)
+    with open(a.meta, "w") as fh:
+        json.dump({"size": 200}, fh)
+    assert not a.usable()
+    with open(a.meta, "w") as fh:
+        json.dump({"size": 100}, fh)
+    b = jvmcache.ClassArchive(str(tmp_path / "c"), {})
+    assert b.usable() and b.java_options().startswith(f"-XX:SharedArchiveFile={b.path} ")
+    assert not b.writing
+
+
+def test_unwritable_cache_costs_only_the_speed_up(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        a = jvmcache.ClassArchive(str(d / "sub"), {})
+        if os.geteuid() != 0:       # root writes anyway
+            assert a.java_options() == "" and not a.writing
+    finally:
+        d.chmod(0o700)
+
+
+@pytest.fixture(scope="module")
+def small_archive(tmp_path_factory):
+    d = tmp_path_factory.mktemp("jvmc")
+    sample.write_archive(d / "spool", d / "archive", sample.make_messages(2000, seed=3),
+                         segment_bytes=256 << 10)
+    return str(d / "archive")
+
+
+def _run(archive, out, cache):
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache))
+    r = subprocess.run([EXE, "pipeline", "stats", "--input", archive, "--output", str(out),
+                        "--master", "local[2]"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "SIGBUS" not in r.stderr and "fatal error" not in r.stderr
+    return r.stdout
+
+
+def test_first_run_writes_next_uses_damaged_is_rewritten(small_archive, tmp_path):
+    cache = tmp_path / "cache"
+    jdir = cache / "logjam-relay" / "jvm"
+    out1 = _run(small_archive, tmp_path / "o1", cache)
+    assert "JVM class archive: writing" in out1 and "JVM class archive written" in out1
+    jsa = [p for p in os.listdir(jdir) if p.endswith(".jsa")]
+    assert len(jsa) == 1 and not [p for p in os.listdir(jdir) if p.endswith(".tmp")]
+    path = jdir / jsa[0]
+    size = path.stat().st_size
+    assert size > 10 << 20 and json.loads((jdir / (jsa[0] + ".json")).read_text())["size"] == size
+
+    out2 = _run(small_archive, tmp_path / "o2", cache)
+    assert f"JVM class archive: using {path}" in out2
+    summary = [ln for ln in out1.splitlines() if ln.startswith("summary:")][0]
+    assert summary.split(", time")[0] == \
+        [ln for ln in out2.splitlines() if ln.startswith("summary:")][0].split(", time")[0]
+
+    # truncated (a full disk, a copy cut short): mapping it would crash the JVM with
+    # SIGBUS; the size check notices, the run writes a new one and succeeds
+    path.chmod(0o600)
+    with open(path, "r+b") as fh:
+        fh.truncate(size // 2)
+    out3 = _run(small_archive, tmp_path / "o3", cache)
+    assert "JVM class archive: writing" in out3 and "JVM class archive written" in out3
+    assert path.stat().st_size > size // 2
