@@ -17,7 +17,9 @@ data source scan against Spark's Parquet scan, in one run.
      cached because it feeds four tables) run as ``python bench_pipeline.py --plain-job``.
    The tables are compared: request_stats, exceptions and topics must be equal figure by
    figure, loss in the columns the plain job has (received, first/last sequence).
-   Target: pipeline >= 1.5x faster.  The CPU seconds of each whole process tree (driver, JVM,
+   Target: pipeline >= 1.5x faster.  The first run of the command on a machine writes a
+   class-data archive of its driver JVM (``pipeline/jvmcache.py``; later runs start faster):
+   it is run once before the measured pairs, with its own line.  The CPU seconds of each whole process tree (driver, JVM,
    Python workers; sampled from /proc) are printed too: other load on a shared machine
    disturbs them far less than the wall times.
 3. Scans (``write.format("noop")``, all columns materialised, best of ``--repeat``) in one
@@ -169,10 +171,21 @@ def _tree_cpu(root: int, seen: dict) -> None:
             stack.append(c)
 
 
+def _pid_cpu(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            f = fh.read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / _TICK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def timed(cmd: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the whole process tree: the driver, its JVM and the
-    Python workers, sampled from /proc every 0.2 s -- the figure a loaded machine disturbs
-    least)."""
+    """(wall seconds until the command exits, CPU seconds of its whole process tree: the
+    driver, its JVM and the Python workers -- the figure a loaded machine disturbs least).
+    Each process's own user + system time is sampled from /proc every 0.1 s (children's
+    times are not added in: a reaped child would count twice), and processes that outlive
+    the command (a JVM still shutting down) are followed until they exit."""
     import threading
     t = time.perf_counter()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -181,17 +194,23 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     th = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)
     th.start()
     while p.poll() is None:
-        seen[p.pid] = 0.0
         if os.path.isdir("/proc"):
-            try:
-                _tree_cpu(p.pid, seen)
-                with open(f"/proc/{p.pid}/stat") as fh:
-                    f = fh.read().rsplit(")", 1)[1].split()
-                seen[p.pid] = (int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])) / _TICK
-            except (OSError, ValueError, IndexError):
-                pass
-        time.sleep(0.2)
+            _tree_cpu(p.pid, seen)
+            c = _pid_cpu(p.pid)
+            if c is not None:
+                seen[p.pid] = c
+        time.sleep(0.1)
     dt = time.perf_counter() - t
+    live = [q for q in seen if q != p.pid]
+    deadline = time.monotonic() + 30
+    while live and time.monotonic() < deadline:
+        for q in list(live):
+            c = _pid_cpu(q)
+            if c is None:
+                live.remove(q)
+            else:
+                seen[q] = max(seen[q], c)
+        time.sleep(0.1)
     th.join()
     if p.returncode != 0:
         sys.stdout.write(b"".join(out).decode(errors="replace")[-4000:])
@@ -242,6 +261,10 @@ def main() -> int:
                      "--plain-job", json_dir, os.path.join(base, "plain")]
         t_ours, t_plain, c_ours, c_plain = [], [], [], []
         load0 = os.getloadavg()[0]
+        # the command keeps a class-data archive of its driver JVM (pipeline/jvmcache.py):
+        # the first run on a machine writes it; measure that run apart, then the usual ones
+        env["XDG_CACHE_HOME"] = os.path.join(base, "cache")
+        w1, c1 = timed(ours_cmd, env)
         for _ in range(a.repeat_jobs):          # interleaved: same machine conditions
             for cmd, ts, cs in ((plain_cmd, t_plain, c_plain), (ours_cmd, t_ours, c_ours)):
                 w, c = timed(cmd, env)
@@ -257,7 +280,10 @@ def main() -> int:
         print(f"pipeline stats (archive)      : {to:7.2f} s  {n / to:12,.0f} rec/s  "
               f"(runs: {', '.join(f'{x:.2f}' for x in t_ours)}; CPU s: "
               f"{', '.join(f'{x:.1f}' for x in c_ours)})")
-        print(f"speed-up pipeline / plain job : {tp / to:.2f}x  (target >= 1.5x)")
+        print(f"pipeline stats, first run     : {w1:7.2f} s  (writes the JVM class archive; "
+              f"CPU s: {c1:.1f}; {tp / w1:.2f}x the plain job)")
+        print(f"speed-up pipeline / plain job : {tp / to:.2f}x  (target >= 1.5x; every run "
+              f"after the first)")
         print(f"CPU time plain job / pipeline : {min(c_plain) / min(c_ours):.2f}x  "
               f"(whole process trees; less disturbed by other load than wall time)")
         problems = compare(os.path.join(base, "ours"), os.path.join(base, "plain"))

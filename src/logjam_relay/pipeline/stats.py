@@ -131,17 +131,6 @@ def split(agg) -> dict:
     return {"request_stats": req, "exceptions": exc, "topics": top}
 
 
-def summary_of(agg) -> dict:
-    """The input summary and the row count of each table (``counts``), in one job."""
-    from pyspark.sql import functions as F
-    r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json")),
-                *(F.count(F.when(F.col("kind") == k, 1)).alias(n) for k, n in (
-                    (K_REQUEST, "request_stats"), (K_TOPIC, "topics")))).collect()[0]
-    return {"rows_in": r["_rows"] or 0, "bad_records": r["_bad"] or 0,
-            "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0,
-            "counts": {n: r[n] for n in ("request_stats", "topics")}}
-
-
 LOSS_COLUMNS = ["date", "minute", "device", "received", "missing", "duplicates",
                 "out_of_order", "first_sequence", "last_sequence"]
 
