@@ -44,6 +44,49 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def worker_pids(pid: int) -> list[int]:
+    """The relay's output worker processes (children running outputs.worker)."""
+    out = []
+    for k in os.listdir("/proc"):
+        if not k.isdigit():
+            continue
+        try:
+            with open(f"/proc/{k}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"logjam_relay.outputs.worker" in \
+                    open(f"/proc/{k}/cmdline", "rb").read():
+                out.append(int(k))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+class WorkerPeaks:
+    """Samples the peak RSS (VmHWM) of every output worker the relay runs, restarted ones
+    included, every 0.2 s until stopped: their sum, with the relay's own peak, is an upper
+    bound of the relay's total resident memory."""
+
+    def __init__(self, pid: int):
+        import threading
+        self.pid, self.peaks, self.stop = pid, {}, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            for w in worker_pids(self.pid):
+                try:
+                    self.peaks[w] = max(self.peaks.get(w, 0), proc_status(w)["VmHWM"])
+                except (OSError, KeyError):
+                    pass
+            self.stop.wait(0.2)
+
+    def total(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return sum(self.peaks.values())
+
+
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         return r.read().decode()
@@ -141,17 +184,24 @@ async def test_peak_rss_stays_under_the_documented_ceiling(tmp_path):
             good.send_multipart([b"warm-up", b"logs.warm", b"x" * 1000, meta()])
         await trio.sleep(1.5)
         idle = proc_status(proc.pid)
+        workers = worker_pids(proc.pid)
+        # output_isolation = "process" (the default): one worker process for the output
+        assert len(workers) == memory.output_workers(settings) == 1, workers
+        idle_worker = max(proc_status(w)["VmRSS"] for w in workers)
         proc.send_signal(signal.SIGTERM)
         assert await trio.to_thread.run_sync(proc.wait, 15) == 0
         good.close()
-        ceiling = memory.ceiling(settings, baseline=idle["VmRSS"], input_peers=input_peers)
+        ceiling = memory.ceiling(settings, baseline=idle["VmRSS"], input_peers=input_peers,
+                                 worker_baseline=idle_worker)
         as_limit = idle["VmSize"] + ceiling.total - idle["VmRSS"]
-        print(f"\nidle: VSZ {idle['VmSize'] / MiB:.0f} MiB, RSS {idle['VmRSS'] / MiB:.0f} MiB, "
+        print(f"\nidle: VSZ {idle['VmSize'] / MiB:.0f} MiB, RSS {idle['VmRSS'] / MiB:.0f} MiB "
+              f"(+ worker {idle_worker / MiB:.0f} MiB), "
               f"{idle['Threads']} threads; {ceiling.describe()}; RLIMIT_AS "
               f"{as_limit / MiB:.0f} MiB")
 
         # ---- 2. the same relay under RLIMIT_AS, and the storm
         proc = await trio.to_thread.run_sync(start, settings, extra, log_path, as_limit)
+        peaks = WorkerPeaks(proc.pid)
         try:
             pid = proc.pid
             stalled = sock(ctx, zmq.SUB, settings.pub_port, RCVHWM=1, RCVBUF=4096,
@@ -244,20 +294,24 @@ async def test_peak_rss_stays_under_the_documented_ceiling(tmp_path):
             assert len(after_storm) == 20
             assert proc.poll() is None
             final = proc_status(pid)
+            worker_peak = peaks.total()
             text = scrape(settings.metrics_port)
             print(f"after: RSS {final['VmRSS'] / MiB:.0f} MiB, peak RSS (VmHWM) "
-                  f"{final['VmHWM'] / MiB:.0f} MiB, ceiling {ceiling.total / MiB:.0f} MiB, "
+                  f"{final['VmHWM'] / MiB:.0f} MiB + workers' {worker_peak / MiB:.0f} MiB "
+                  f"({len(peaks.peaks)} worker processes), "
+                  f"ceiling {ceiling.total / MiB:.0f} MiB, "
                   f"subscriptions held {metric(text, 'logjam_relay_subscriptions'):.0f}")
             assert spool_full == 1, "the storm never filled the spool"
             assert all(n > 0 for n in refused.values()), refused
             assert too_large > 0
-            assert final["VmHWM"] < ceiling.total
+            assert worker_peak > 0 and final["VmHWM"] + worker_peak < ceiling.total
             good.close()
             sub.close()
             proc.send_signal(signal.SIGTERM)
             rc = await trio.to_thread.run_sync(proc.wait, 30)
             assert rc == 0, log_path.read_text()[-3000:]
         finally:
+            peaks.stop.set()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

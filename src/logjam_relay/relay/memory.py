@@ -1,4 +1,6 @@
-"""The relay's documented RSS ceiling (docs/operations.md, "Memory").
+"""The relay's documented RSS ceiling (docs/operations.md, "Memory"): the relay process
+and, with ``output_isolation = "process"`` (the default), its output worker processes,
+together.
 
 Every place that can hold data in memory is bounded by a setting; :func:`ceiling` adds
 the bounds up for a given configuration.  ``tests/test_memory_ceiling.py`` runs the real
@@ -44,12 +46,14 @@ class Ceiling:
     pub_queue: int
     output_windows: int
     subscriptions: int
+    output_workers: int
     slack: int
 
     @property
     def total(self) -> int:
         return (self.baseline + self.ingress_queues + self.ingest_batches + self.pub_queue
-                + self.output_windows + self.subscriptions + self.slack)
+                + self.output_windows + self.subscriptions + self.output_workers
+                + self.slack)
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / MiB:.0f}" for k, v in self.__dict__.items())
@@ -74,13 +78,24 @@ def output_window_bytes(settings: Settings) -> int:
     return total
 
 
-def ceiling(settings: Settings, *, baseline: int, input_peers: int,
-            output_bytes: int | None = None) -> Ceiling:
-    """The RSS bound, in bytes, of a relay with ``settings``.
+def output_workers(settings: Settings) -> int:
+    """Output worker processes: one per output with ``output_isolation = "process"``."""
+    if settings.output_isolation != "process":
+        return 0
+    from ..outputs.supervisor import parse_outputs
+    return len(parse_outputs(settings.outputs))
 
-    ``baseline``: the idle RSS measured on the host (Python, libzmq, the C twins);
-    ``input_peers``: ZeroMQ connections on ROUTER + PULL (each has its own queue);
-    ``output_bytes``: what the outputs may hold (default: :func:`output_window_bytes`).
+
+def ceiling(settings: Settings, *, baseline: int, input_peers: int,
+            output_bytes: int | None = None, worker_baseline: int = 0) -> Ceiling:
+    """The RSS bound, in bytes, of a relay with ``settings``: the relay process plus its
+    output worker processes (summed).
+
+    ``baseline``: the idle RSS of the relay process measured on the host (Python, libzmq,
+    the C twins); ``worker_baseline``: the idle RSS of one output worker process (Python,
+    the encoders); ``input_peers``: ZeroMQ connections on ROUTER + PULL (each has its own
+    queue); ``output_bytes``: what the outputs may hold, wherever they run (default:
+    :func:`output_window_bytes`).
     """
     s = settings
     message = s.resolved_zmq_max_msg_bytes() + ENVELOPE_BYTES     # the largest that gets in
@@ -97,6 +112,7 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int,
     sockets = 2 + (1 if s.cmdp_port else 0)           # PUB, stats, CMDP
     subs = sockets * (s.max_subscriptions * (MAX_TOPIC_BYTES + 12) + 4096
                       + SUBSCRIPTION_OVERSHOOT_BYTES) * TRIE_BYTES_PER_TOPIC_BYTE
-    subtotal = baseline + ingress + batches + pub + outputs + subs
+    workers = output_workers(s) * worker_baseline
+    subtotal = baseline + ingress + batches + pub + outputs + subs + workers
     slack = int(subtotal * SLACK_FRACTION) + SLACK_BYTES
-    return Ceiling(baseline, ingress, batches, pub, outputs, subs, slack)
+    return Ceiling(baseline, ingress, batches, pub, outputs, subs, workers, slack)
