@@ -36,8 +36,8 @@ RECORD_DDL = ("app string, env string, topic string, device long, sequence long,
               "started_ms long, total_time double, code int, severity int, "
               "exceptions array<string>, bad_json boolean")
 
-# kinds of the combined aggregation's keys
-K_REQUEST, K_TOPIC, K_OTHER = 0, 2, 3
+# kinds of the combined aggregation's keys (one numbering with the partial rows)
+from .partial import K_EXCEPTION, K_OTHER, K_REQUEST, K_TOPIC  # noqa: E402,F401
 
 # --------------------------------------------------------------------- Spark side
 
@@ -113,22 +113,30 @@ REQUEST_COLUMNS = ["date", "minute", "app", "env", "action", "count", "total_tim
                    *(f"severity_{k}" for k in range(6))]
 
 
+def _request_table(a):
+    from pyspark.sql import functions as F
+    return a.where(F.col("kind") == K_REQUEST).withColumnRenamed("name", "action") \
+        .withColumn("total_time_p50", F.col("_pct")[0]) \
+        .withColumn("total_time_p95", F.col("_pct")[1]) \
+        .withColumn("total_time_p99", F.col("_pct")[2]).select(*REQUEST_COLUMNS)
+
+
+def _topic_table(a):
+    from pyspark.sql import functions as F
+    return a.where(F.col("kind") == K_TOPIC).select(
+        "date", "minute", "app", "env", F.col("name").alias("topic"), "count")
+
+
 def split(agg) -> dict:
     """The three tables from :func:`aggregate`'s result."""
     from pyspark.sql import functions as F
     a = _with_minute(agg, "minute_ms")
-    req = a.where(F.col("kind") == K_REQUEST).withColumnRenamed("name", "action") \
-           .withColumn("total_time_p50", F.col("_pct")[0]) \
-           .withColumn("total_time_p95", F.col("_pct")[1]) \
-           .withColumn("total_time_p99", F.col("_pct")[2]).select(*REQUEST_COLUMNS)
     exc = a.where(F.col("kind") == K_REQUEST).select(
         "date", "minute", "app", "env", F.col("name").alias("action"),
         F.explode("_exceptions").alias("exception")) \
         .groupBy("date", "minute", "app", "env", "action", "exception") \
         .agg(F.count(F.lit(1)).alias("count"))
-    top = a.where(F.col("kind") == K_TOPIC).select(
-        "date", "minute", "app", "env", F.col("name").alias("topic"), "count")
-    return {"request_stats": req, "exceptions": exc, "topics": top}
+    return {"request_stats": _request_table(a), "exceptions": exc, "topics": _topic_table(a)}
 
 
 LOSS_COLUMNS = ["date", "minute", "device", "received", "missing", "duplicates",
@@ -161,8 +169,6 @@ def merge_partials(partial):
     :func:`aggregate` gives (the request metrics, ``_rows``/``_bad``/... summary counters)
     plus ``exception`` (the K_EXCEPTION rows' key)."""
     from pyspark.sql import functions as F
-
-    from .partial import K_EXCEPTION
     counts = ("apdex_s", "apdex_t", *(f"http_{k}xx" for k in (2, 3, 4, 5)),
               *(f"severity_{k}" for k in range(6)))
     g = partial.groupBy("kind", "minute_ms", "app", "env", "name", "exception").agg(
@@ -181,32 +187,21 @@ def merge_partials(partial):
         .alias("_pct"),
         F.try_divide(F.col("apdex_s") + 0.5 * F.col("apdex_t"), n).alias("apdex"),
         *(f"http_{k}xx" for k in (2, 3, 4, 5)), *(f"severity_{k}" for k in range(6)),
-        "_rows", "_bad", "_corrupt", "_bad_json",
-        (F.col("kind") == K_EXCEPTION).alias("_is_exc"))
+        "_rows", "_bad", "_corrupt", "_bad_json")
 
 
 def split_merged(agg) -> dict:
     """The three tables from :func:`merge_partials`' result."""
     from pyspark.sql import functions as F
-
-    from .partial import K_EXCEPTION, K_REQUEST, K_TOPIC
     a = _with_minute(agg, "minute_ms")
-    req = a.where(F.col("kind") == K_REQUEST).withColumnRenamed("name", "action") \
-           .withColumn("total_time_p50", F.col("_pct")[0]) \
-           .withColumn("total_time_p95", F.col("_pct")[1]) \
-           .withColumn("total_time_p99", F.col("_pct")[2]).select(*REQUEST_COLUMNS)
     exc = a.where(F.col("kind") == K_EXCEPTION).select(
         "date", "minute", "app", "env", F.col("name").alias("action"), "exception", "count")
-    top = a.where(F.col("kind") == K_TOPIC).select(
-        "date", "minute", "app", "env", F.col("name").alias("topic"), "count")
-    return {"request_stats": req, "exceptions": exc, "topics": top}
+    return {"request_stats": _request_table(a), "exceptions": exc, "topics": _topic_table(a)}
 
 
 def summary_of_merged(agg) -> dict:
     """The input summary and the row count of each table, in one (small) job."""
     from pyspark.sql import functions as F
-
-    from .partial import K_EXCEPTION, K_REQUEST, K_TOPIC
     r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json")),
                 *(F.count(F.when(F.col("kind") == k, 1)).alias(n) for k, n in (
                     (K_REQUEST, "request_stats"), (K_EXCEPTION, "exceptions"),
