@@ -121,3 +121,34 @@ def test_column_pruning_skips_decompression(tmp_path):
         both_ = pa.Table.from_batches(list(fn(path, segno, 0, None, 64, None,
                                               ("error", "action", "bad_json"))))
         assert both_["error"].equals(full["error"])
+
+
+def test_plan_slices_cover_every_record_once_in_balanced_pieces(tmp_path):
+    from logjam_relay.pipeline import decode, partial, sample
+    sample.write_archive(tmp_path / "spool", tmp_path / "archive",
+                         sample.make_messages(3000, seed=5), segment_bytes=256 << 10)
+    arch = str(tmp_path / "archive")
+    segs = decode.list_segments(arch)
+    counts = {s: decode.record_count(p) for s, p in segs}
+    assert len(segs) >= 3
+    for cores, min_records in ((1, 1), (2, 100), (8, 1), (2, 1 << 20)):
+        sl = partial.plan_slices(arch, cores, min_records=min_records)
+        per_seg: dict = {}
+        for _path, segno, a, z in sl:
+            per_seg.setdefault(segno, []).append((a, z))
+        for segno, parts in per_seg.items():      # contiguous, in order, all records
+            parts.sort()
+            assert parts[0][0] == 0 and parts[-1][1] == counts[segno]
+            assert all(x[1] == y[0] for x, y in zip(parts, parts[1:], strict=False))
+        assert set(per_seg) == set(counts)
+        sizes = [z - a for _, _, a, z in sl]
+        if min_records == 1 << 20:                # never cut below min_records
+            assert len(sl) == len(segs)
+        else:
+            target = max(min_records, -(-sum(counts.values()) // (4 * cores)))
+            assert max(sizes) <= 1.5 * target + 1
+    # the partial rows of all slices hold every record exactly once (the summary count)
+    sl = partial.plan_slices(arch, 2, min_records=100)
+    rows = sum(b.column("rows").to_numpy().sum()
+               for b in partial.read_slices(sl, range(len(sl)), 500.0))
+    assert rows == sum(counts.values())
