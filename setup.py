@@ -26,9 +26,12 @@ setup(ext_modules=[
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Courier output's event mapping (common case)
     Extension("logjam_relay.outputs._courierenc", ["src/logjam_relay/outputs/_courierenc.c"],
+              depends=["src/logjam_relay/spool/_recblock.h",
+                       "src/logjam_relay/outputs/_jsonvalid.h"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Lumberjack output's event mapping
     Extension("logjam_relay.outputs._ljencode", ["src/logjam_relay/outputs/_ljencode.c"],
+              depends=["src/logjam_relay/spool/_recblock.h"],
               optional=True, libraries=["z", "pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
@@ -40,7 +43,8 @@ setup(ext_modules=[
               extra_compile_args=["-O2", "-std=c11"]),
     # an output worker's reads of the spool segments (spool/tail.py)
     Extension("logjam_relay.spool._tailread", ["src/logjam_relay/spool/_tailread.c"],
-              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"], optional=True, libraries=["z"],
+              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h",
+                       "src/logjam_relay/spool/_recblock.h"], optional=True, libraries=["z"],
               extra_compile_args=["-O2", "-std=c11"]),
     # the request fields of logs bodies for the Spark data source (pipeline/extract.py)
     Extension("logjam_relay.pipeline._extract", ["src/logjam_relay/pipeline/_extract.c"],

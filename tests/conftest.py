@@ -80,3 +80,18 @@ def tls_files(tls_ca, tmp_path_factory):
     cli = d / "client.pem"
     client.private_key_and_cert_chain_pem.write_to_path(str(cli))
     return {"ca": str(ca), "server": str(srv), "client": str(cli)}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rate_limits():
+    """Module-level rate-limited logs start each test with a full burst: a test that waits
+    for a warning must not find it spent by an earlier test in the same process."""
+    import sys
+    for mod, names in (("logjam_relay.relay.stamping", ("log", "_relay_log")),
+                       ("logjam_relay.relay.app", ("rlog",))):
+        m = sys.modules.get(mod)
+        for n in names:
+            limiter = getattr(m, n, None) if m is not None else None
+            if limiter is not None and hasattr(limiter, "_windows"):
+                limiter._windows.clear()
+    yield

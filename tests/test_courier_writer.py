@@ -577,3 +577,17 @@ def test_c_courier_mapping_equals_python_on_every_kind_of_record():
 def test_c_json_check_equals_python_on_random_input(blob):
     co = _courierenc_or_skip()
     assert co._courierenc.is_json(blob) == _py_is_json(blob), blob
+
+
+def test_c_json_check_equals_python_around_the_16_byte_scans():
+    """The string and UTF-8 scans step 16 and 8 bytes at a time: a quote, backslash,
+    control or non-ASCII byte at every offset of a long string, on both sides of each
+    step, is found where Python finds it."""
+    co = _courierenc_or_skip()
+    specials = (b'"', b'\\', b'\\n', b'\\u00e9', b'\x00', b'\x1f', b'\x20', b'\x7f', b'\xc3\xa9',
+                b'\xff', b'\xe2\x82', b'\\q')
+    for n in range(0, 40):
+        for sp in specials:
+            for case in (b'"' + b"x" * n + sp + b'x"', b'{"k":"' + b"y" * n + sp + b'"}',
+                         b'"' + b"z" * n + b'"' + sp, b'["' + b"a" * n + b'",' + sp + b"]"):
+                assert co._courierenc.is_json(case) == _py_is_json(case), case

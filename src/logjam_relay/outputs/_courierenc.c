@@ -15,7 +15,8 @@
  * event() for a whole payload's records in one call (see events() below): what the
  * Courier output's mapping loop did per record in Python (kind and heartbeat checks, the
  * body limit, the prefix lookup, the call) is done here; whatever it does not map is
- * marked for the Python mapping, so the bytes are the same either way.
+ * marked for the Python mapping, so the bytes are the same either way.  ``records`` may
+ * be a RecordBlock (spool/_recblock.h: an output worker's reads): read from its buffer.
  *
  * adler32(data[, value]) -> int
  *
@@ -42,157 +43,11 @@
 #define HAVE_SSSE3_ADLER 1
 #endif
 
-#undef isdigit
-#undef isxdigit
-#define isdigit(c) ((c) >= '0' && (c) <= '9')
-#define isxdigit(c) (isdigit(c) || ((c) >= 'a' && (c) <= 'f') || ((c) >= 'A' && (c) <= 'F'))
+#include "../spool/_recblock.h"    /* RecordBlock: a worker's spool reads as one buffer */
 
-#define MAX_DEPTH 500      /* deeper documents are left to Python (it decides by its recursion limit) */
+static PyTypeObject *block_type;    /* NULL without spool/_tailread: no blocks then */
 
-typedef struct { const unsigned char *p, *end; int depth; int unsure; } js_t;
-
-static int utf8_valid(const unsigned char *s, size_t n) {
-    size_t i = 0;
-    while (i < n) {
-        if (n - i >= 8) {               /* ASCII runs, 8 bytes at a time */
-            uint64_t v;
-            memcpy(&v, s + i, 8);
-            if (!(v & 0x8080808080808080ULL)) { i += 8; continue; }
-        }
-        unsigned char c = s[i];
-        if (c < 0x80) { i++; continue; }
-        size_t need;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF) need = 1;
-        else if (c == 0xE0) { need = 2; lo = 0xA0; }
-        else if (c >= 0xE1 && c <= 0xEC) need = 2;
-        else if (c == 0xED) { need = 2; hi = 0x9F; }
-        else if (c >= 0xEE && c <= 0xEF) need = 2;
-        else if (c == 0xF0) { need = 3; lo = 0x90; }
-        else if (c >= 0xF1 && c <= 0xF3) need = 3;
-        else if (c == 0xF4) { need = 3; hi = 0x8F; }
-        else return 0;
-        if (n - i <= need) return 0;
-        if (s[i + 1] < lo || s[i + 1] > hi) return 0;
-        for (size_t k = 2; k <= need; k++)
-            if (s[i + k] < 0x80 || s[i + k] > 0xBF) return 0;
-        i += need + 1;
-    }
-    return 1;
-}
-
-static inline void ws(js_t *j) {
-    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
-}
-
-static int value(js_t *j);
-
-/* 8 bytes at a time (SWAR): whether any byte of v is '"', '\\' or a control character
- * (< 0x20); bytes >= 0x80 are left to utf8_valid, which has already passed */
-#define ONES 0x0101010101010101ULL
-#define HIGHS 0x8080808080808080ULL
-static inline int special8(uint64_t v) {
-    uint64_t q = v ^ (ONES * '"'), b = v ^ (ONES * '\\');
-    return (((q - ONES) & ~q) | ((b - ONES) & ~b) | ((v - ONES * 0x20) & ~v)) & HIGHS ? 1 : 0;
-}
-
-static int string(js_t *j) {          /* at '"' */
-    j->p++;
-    while (j->p < j->end) {
-        while (j->end - j->p >= 8) {   /* skip plain runs */
-            uint64_t v;
-            memcpy(&v, j->p, 8);
-            if (special8(v)) break;
-            j->p += 8;
-        }
-        if (j->p >= j->end) break;
-        unsigned char c = *j->p++;
-        if (c == '"') return 1;
-        if (c < 0x20) return 0;
-        if (c == '\\') {
-            if (j->p >= j->end) return 0;
-            c = *j->p++;
-            if (c == 'u') {
-                for (int k = 0; k < 4; k++, j->p++)
-                    if (j->p >= j->end || !isxdigit(*j->p)) return 0;
-            } else if (!strchr("\"\\/bfnrt", c) || c == 0) {
-                return 0;
-            }
-        }
-    }
-    return 0;
-}
-
-static int number(js_t *j) {
-    if (j->p < j->end && *j->p == '-') j->p++;
-    if (j->p >= j->end) return 0;
-    if (*j->p == '0') j->p++;
-    else if (*j->p >= '1' && *j->p <= '9') { while (j->p < j->end && isdigit(*j->p)) j->p++; }
-    else return 0;
-    if (j->p < j->end && *j->p == '.') {
-        j->p++;
-        if (j->p >= j->end || !isdigit(*j->p)) return 0;
-        while (j->p < j->end && isdigit(*j->p)) j->p++;
-    }
-    if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
-        const unsigned char *save = j->p;
-        j->p++;
-        if (j->p < j->end && (*j->p == '+' || *j->p == '-')) j->p++;
-        if (j->p >= j->end || !isdigit(*j->p)) { j->p = save; return 1; }  /* "1e" = 1 then junk */
-        while (j->p < j->end && isdigit(*j->p)) j->p++;
-    }
-    return 1;
-}
-
-static int literal(js_t *j, const char *w) {
-    size_t n = strlen(w);
-    if ((size_t)(j->end - j->p) < n || memcmp(j->p, w, n) != 0) return 0;
-    j->p += n;
-    return 1;
-}
-
-static int value(js_t *j) {
-    if (j->p >= j->end) return 0;
-    unsigned char c = *j->p;
-    if (c == '{' || c == '[') {
-        if (++j->depth > MAX_DEPTH) { j->unsure = 1; return 0; }
-        unsigned char close = c == '{' ? '}' : ']';
-        j->p++;
-        ws(j);
-        if (j->p < j->end && *j->p == close) { j->p++; j->depth--; return 1; }
-        for (;;) {
-            if (c == '{') {
-                if (j->p >= j->end || *j->p != '"' || !string(j)) return 0;
-                ws(j);
-                if (j->p >= j->end || *j->p != ':') return 0;
-                j->p++;
-                ws(j);
-            }
-            if (!value(j)) return 0;
-            ws(j);
-            if (j->p >= j->end) return 0;
-            if (*j->p == close) { j->p++; j->depth--; return 1; }
-            if (*j->p != ',') return 0;
-            j->p++;
-            ws(j);
-        }
-    }
-    if (c == '"') return string(j);
-    if (c == '-' || isdigit(c)) return number(j);
-    return literal(j, "true") || literal(j, "false") || literal(j, "null");
-}
-
-/* 1 valid, 0 invalid, -1 unsure (too deep: let Python decide) */
-static int json_valid(const unsigned char *s, size_t n) {
-    if (!utf8_valid(s, n)) return 0;
-    js_t j = {s, s + n, 0, 0};
-    ws(&j);
-    int ok = value(&j);
-    if (j.unsure) return -1;
-    if (!ok) return 0;
-    ws(&j);
-    return j.p == j.end;
-}
+#include "_jsonvalid.h"         /* json_valid(): the JSON check */
 
 static inline uint64_t be(const unsigned char *p, int n) {
     uint64_t v = 0;
@@ -211,38 +66,45 @@ static int u64dec(char *out, uint64_t v) {
     return n;
 }   /* secs -1: empty */
 
-/* the event of one record's frames (4 or more, fr[2] and fr[3] checked here): a new
- * reference to the event bytes, Py_None (new reference) when Python must map it, or
- * NULL with an exception set */
-static PyObject *event_one(PyObject **fr, PyObject *prefix, PyObject *decompress, tscache_t *tc) {
-    if (!PyBytes_CheckExact(fr[2]) || !PyBytes_CheckExact(fr[3]) || PyBytes_GET_SIZE(fr[3]) != 24)
-        Py_RETURN_NONE;
-    const unsigned char *m = (const unsigned char *)PyBytes_AS_STRING(fr[3]);
+/* the event of one record: its meta frame ``m`` (``mlen`` bytes) and body (``body``,
+ * ``blen`` bytes; ``body_obj`` the same bytes as an object, or NULL: made here if
+ * ``decompress`` needs one): a new reference to the event bytes, Py_None (new
+ * reference) when Python must map it, or NULL with an exception set */
+static PyObject *event_core(const unsigned char *m, Py_ssize_t mlen, const unsigned char *body,
+                            Py_ssize_t body_len, PyObject *body_obj, PyObject *prefix,
+                            PyObject *decompress, tscache_t *tc) {
+    if (mlen != 24) Py_RETURN_NONE;
     if (!((m[0] == 0xCA && m[1] == 0xBD) || (m[0] == 0xBD && m[1] == 0xCA)) || m[3] != 1)
         Py_RETURN_NONE;
     uint64_t created = be(m + 8, 8);
     if (created / 1000 > 253402300799ULL) Py_RETURN_NONE;       /* past year 9999 */
-    PyObject *raw;
-    if (m[2] == 0) {
-        raw = fr[2];
-        Py_INCREF(raw);
-    } else {
-        raw = PyObject_CallFunction(decompress, "Oi", fr[2], (int)m[2]);
+    PyObject *raw = NULL;           /* the inflated body (new reference), if compressed */
+    const unsigned char *b = body;
+    size_t blen = (size_t)body_len;
+    if (m[2] != 0) {
+        if (body_obj) {
+            raw = PyObject_CallFunction(decompress, "Oi", body_obj, (int)m[2]);
+        } else {
+            PyObject *bo = PyBytes_FromStringAndSize((const char *)body, body_len);
+            if (!bo) return NULL;
+            raw = PyObject_CallFunction(decompress, "Oi", bo, (int)m[2]);
+            Py_DECREF(bo);
+        }
         if (!raw) {
             if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
             PyErr_Clear();
             Py_RETURN_NONE;
         }
-        if (!PyBytes_Check(raw)) { Py_DECREF(raw); Py_RETURN_NONE; }
+        if (!PyBytes_Check(raw)) { Py_XDECREF(raw); Py_RETURN_NONE; }
+        b = (const unsigned char *)PyBytes_AS_STRING(raw);
+        blen = (size_t)PyBytes_GET_SIZE(raw);
     }
-    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(raw);
-    size_t blen = (size_t)PyBytes_GET_SIZE(raw);
-    if (json_valid(b, blen) != 1) { Py_DECREF(raw); Py_RETURN_NONE; }
+    if (json_valid(b, blen) != 1) { Py_XDECREF(raw); Py_RETURN_NONE; }
     int64_t secs = (int64_t)(created / 1000);
     if (tc->secs != secs) {
         time_t t = (time_t)secs;
         struct tm tm;
-        if (!gmtime_r(&t, &tm)) { Py_DECREF(raw); Py_RETURN_NONE; }
+        if (!gmtime_r(&t, &tm)) { Py_XDECREF(raw); Py_RETURN_NONE; }
         snprintf(tc->text, sizeof tc->text, "%04d-%02d-%02dT%02d:%02d:%02d",
                  tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec);
         tc->secs = secs;
@@ -272,15 +134,23 @@ static PyObject *event_one(PyObject **fr, PyObject *prefix, PyObject *decompress
 #undef PUTS
     Py_ssize_t plen = PyBytes_GET_SIZE(prefix);
     PyObject *out = PyBytes_FromStringAndSize(NULL, hl + plen + tl + (Py_ssize_t)blen + 1);
-    if (!out) { Py_DECREF(raw); return NULL; }
+    if (!out) { Py_XDECREF(raw); return NULL; }
     char *o = PyBytes_AS_STRING(out);
     memcpy(o, head, (size_t)hl); o += hl;
     memcpy(o, PyBytes_AS_STRING(prefix), (size_t)plen); o += plen;
     memcpy(o, tail, (size_t)tl); o += tl;
     memcpy(o, b, blen); o += blen;
     *o = '}';
-    Py_DECREF(raw);
+    Py_XDECREF(raw);
     return out;
+}
+
+static PyObject *event_one(PyObject **fr, PyObject *prefix, PyObject *decompress, tscache_t *tc) {
+    if (!PyBytes_CheckExact(fr[2]) || !PyBytes_CheckExact(fr[3]) || PyBytes_GET_SIZE(fr[3]) != 24)
+        Py_RETURN_NONE;
+    return event_core((const unsigned char *)PyBytes_AS_STRING(fr[3]), 24,
+                      (const unsigned char *)PyBytes_AS_STRING(fr[2]), PyBytes_GET_SIZE(fr[2]),
+                      fr[2], prefix, decompress, tc);
 }
 
 static PyObject *event(PyObject *self, PyObject *args) {
@@ -297,6 +167,59 @@ static int same_bytes(PyObject *a, PyObject *b) {
                       memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(a)) == 0);
 }
 
+static int same_mem(PyObject *a, const unsigned char *p, Py_ssize_t n) {
+    return PyBytes_GET_SIZE(a) == n && memcmp(PyBytes_AS_STRING(a), p, (size_t)n) == 0;
+}
+
+/* events() of a RecordBlock: from its buffer, no Python object per record but the event */
+static PyObject *events_block(RecordBlock *blk, int kind_logjam, PyObject *prefix_fn,
+                              PyObject *decompress, Py_ssize_t limit) {
+    Py_ssize_t n = blk->n, total = 0, longest = 0;
+    int clean = 1;
+    PyObject *out = PyList_New(n), *k0 = NULL, *k1 = NULL, *prefix = NULL;
+    tscache_t tc = {-1, ""};
+    rb_view v;
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *ev, *mark;
+        rb_frames(blk, i, &v);
+        if ((long)v.kind != kind_logjam || v.nf < 4) { mark = Py_None; goto marked; }
+        if (v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0) { mark = Py_None; goto marked; }
+        if (v.len[2] > limit) { mark = Py_False; goto marked; }
+        if (!prefix || !same_mem(k0, v.f[0], v.len[0]) || !same_mem(k1, v.f[1], v.len[1])) {
+            PyObject *a = PyBytes_FromStringAndSize((const char *)v.f[0], v.len[0]);
+            PyObject *t = a ? PyBytes_FromStringAndSize((const char *)v.f[1], v.len[1]) : NULL;
+            PyObject *p = t ? PyObject_CallFunctionObjArgs(prefix_fn, a, t, NULL) : NULL;
+            if (!p) { Py_XDECREF(a); Py_XDECREF(t); goto fail; }
+            if (!PyBytes_Check(p)) {
+                Py_DECREF(p); Py_DECREF(a); Py_DECREF(t);
+                PyErr_SetString(PyExc_TypeError, "prefix must return bytes");
+                goto fail;
+            }
+            Py_XSETREF(prefix, p);
+            Py_XSETREF(k0, a);
+            Py_XSETREF(k1, t);
+        }
+        ev = event_core(v.f[3], v.len[3], v.f[2], v.len[2], NULL, prefix, decompress, &tc);
+        if (!ev) goto fail;
+        if (ev == Py_None) { Py_DECREF(ev); mark = Py_False; goto marked; }
+        total += PyBytes_GET_SIZE(ev);
+        if (PyBytes_GET_SIZE(ev) > longest) longest = PyBytes_GET_SIZE(ev);
+        PyList_SET_ITEM(out, i, ev);
+        continue;
+    marked:
+        clean = 0;
+        Py_INCREF(mark);
+        PyList_SET_ITEM(out, i, mark);
+    }
+    Py_XDECREF(k0); Py_XDECREF(k1); Py_XDECREF(prefix);
+    return Py_BuildValue("(Ninn)", out, clean, total, longest);
+fail:
+    Py_DECREF(out);
+    Py_XDECREF(k0); Py_XDECREF(k1); Py_XDECREF(prefix);
+    return NULL;
+}
+
 /* events(records, kind_logjam, prefix, decompress, limit) -> (events, clean, total, longest)
  * One entry per record: the event bytes (what event() gives), None for a record that is
  * not an event (another kind, fewer than 4 frames, a heartbeat: record_to_event's None),
@@ -310,6 +233,8 @@ static PyObject *events(PyObject *self, PyObject *args) {
     Py_ssize_t limit;
     if (!PyArg_ParseTuple(args, "OiOOn", &records, &kind_logjam, &prefix_fn, &decompress, &limit))
         return NULL;
+    if (block_type && Py_TYPE(records) == block_type)
+        return events_block((RecordBlock *)records, kind_logjam, prefix_fn, decompress, limit);
     PyObject *seq = PySequence_Fast(records, "records must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0, longest = 0;
@@ -518,5 +443,12 @@ PyMODINIT_FUNC PyInit__courierenc(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("ssse3")) adler32_impl = adler32_ssse3;
 #endif
-    return PyModule_Create(&module);
+    block_type = rb_import();
+    PyObject *m = PyModule_Create(&module);
+    /* BLOCKS: whether RecordBlocks are mapped from their buffer (tests check it) */
+    if (m && PyModule_AddObjectRef(m, "BLOCKS", block_type ? Py_True : Py_False) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

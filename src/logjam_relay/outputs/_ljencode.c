@@ -11,8 +11,17 @@
  * error), so both paths give byte-identical frames.  ``cache`` maps (app_env, topic) to
  * the encoded app/env/topic pairs; on a miss ``stream_pairs(app_env, topic)`` builds them.
  *
+ * encode_block(block, kind_logjam, tail, cache, stream_pairs, limit) -> (bytes, n) | None
+ *     encode() of a RecordBlock (spool/_recblock.h: an output worker's reads), from its
+ *     buffer: no Python object per record.  Only for the common case, without side
+ *     effects otherwise: None (the caller encodes ``block.tolist()``) when a logjam
+ *     record that is not a heartbeat would go to ``decompress`` or ``fallback`` (not 4
+ *     frames, a meta frame that is not 24 bytes, a compressed body) or has a body over
+ *     ``limit`` bytes (``limit`` < 0: no limit).  Same bytes as encode() otherwise.
+ *
  * scan(records, inline_body_max) -> (body_bytes, heavy) | None
- *     The outputs' look at a batch before mapping it (poison.scan_py), in one pass.
+ *     The outputs' look at a batch before mapping it (poison.scan_py), in one pass
+ *     (a list of records, or a RecordBlock).
  *
  * window_start(frames, count, level, fd) -> WindowJob
  *     The compressed window of protocols.lumberjack.encode_window(frames, count, level)
@@ -34,6 +43,10 @@
 #include <string.h>
 #include <unistd.h>
 #include <zlib.h>
+
+#include "../spool/_recblock.h"    /* RecordBlock: a worker's spool reads as one buffer */
+
+static PyTypeObject *block_type;    /* NULL without spool/_tailread: no blocks then */
 
 typedef struct { char *p; size_t len, cap; } buf_t;
 
@@ -201,6 +214,112 @@ fail:
     return NULL;
 }
 
+/* room for ``more`` bytes after ``len`` in the bytes object *o (capacity *cap): grown by
+ * doubling with _PyBytes_Resize (*o is NULL after a failure, with the exception set) */
+static int reserve_bytes(PyObject **o, size_t *cap, size_t len, size_t more) {
+    if (len + more <= *cap) return 0;
+    size_t nc = *cap ? *cap : 1 << 16;
+    while (nc < len + more) nc *= 2;
+    if (nc > (size_t)PY_SSIZE_T_MAX) { Py_CLEAR(*o); PyErr_NoMemory(); return -1; }
+    if (_PyBytes_Resize(o, (Py_ssize_t)nc) < 0) return -1;
+    *cap = nc;
+    return 0;
+}
+
+static PyObject *encode_block(PyObject *self, PyObject *args) {
+    PyObject *blk_obj, *tail, *cache, *stream_pairs;
+    int kind_logjam;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "OiSO!On", &blk_obj, &kind_logjam, &tail, &PyDict_Type, &cache,
+                          &stream_pairs, &limit))
+        return NULL;
+    if (!block_type || Py_TYPE(blk_obj) != block_type) {
+        PyErr_SetString(PyExc_TypeError, "encode_block() needs a RecordBlock");
+        return NULL;
+    }
+    RecordBlock *blk = (RecordBlock *)blk_obj;
+    rb_view v;
+    const char *tailp = PyBytes_AS_STRING(tail);
+    size_t taillen = (size_t)PyBytes_GET_SIZE(tail);
+    /* the common case only: decided before anything is written or called; and the
+     * frames' size but for the stream pairs (at most 3 bytes per byte of app_env and
+     * topic, each non-UTF-8 byte becoming U+FFFD, plus keys and lengths) */
+    size_t cap = 64;
+    for (Py_ssize_t i = 0; i < blk->n; i++) {
+        rb_frames(blk, i, &v);
+        if ((long)v.kind != kind_logjam) continue;
+        if (v.nf > 0 && v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0) continue;
+        if (v.nf != 4 || v.len[3] != 24 || v.f[3][2] != 0 || (limit >= 0 && v.len[2] > limit))
+            Py_RETURN_NONE;
+        cap += 10 + 8 + (size_t)v.len[2] + 3 * 30 + taillen + 64 + 3 * (size_t)(v.len[0] + v.len[1]);
+    }
+    /* the frames go straight into the bytes object returned (shrunk at the end): no copy
+     * of the window's frames afterwards */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
+    if (!out) return NULL;
+    size_t len = 0;
+    uint32_t seq = 0;
+    const unsigned char *l0 = NULL, *l1 = NULL;     /* the last (app_env, topic) */
+    Py_ssize_t l0len = 0, l1len = 0;
+    PyObject *last_pairs = NULL;
+    for (Py_ssize_t i = 0; i < blk->n; i++) {
+        rb_frames(blk, i, &v);
+        if ((long)v.kind != kind_logjam) continue;
+        if (v.nf > 0 && v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0) continue;
+        seq++;
+        if (!last_pairs || v.len[0] != l0len || v.len[1] != l1len ||
+                memcmp(v.f[0], l0, (size_t)l0len) != 0 || memcmp(v.f[1], l1, (size_t)l1len) != 0) {
+            PyObject *key = Py_BuildValue("(y#y#)", v.f[0], v.len[0], v.f[1], v.len[1]);
+            if (!key) goto fail;
+            PyObject *pairs = PyDict_GetItemWithError(cache, key);     /* borrowed */
+            if (pairs) {
+                Py_INCREF(pairs);
+            } else if (PyErr_Occurred()) {
+                Py_DECREF(key); goto fail;
+            } else {
+                pairs = PyObject_CallObject(stream_pairs, key);
+                if (!pairs || !PyBytes_Check(pairs)) {
+                    Py_XDECREF(pairs);
+                    Py_DECREF(key);
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "stream_pairs must return bytes");
+                    goto fail;
+                }
+            }
+            Py_DECREF(key);
+            Py_XSETREF(last_pairs, pairs);
+            l0 = v.f[0]; l0len = v.len[0];
+            l1 = v.f[1]; l1len = v.len[1];
+        }
+        const unsigned char *meta = v.f[3];
+        char d[24], s[24], c[24];
+        int dl = u64dec(d, ((uint32_t)meta[4] << 24) | ((uint32_t)meta[5] << 16) |
+                           ((uint32_t)meta[6] << 8) | meta[7]);
+        int cl = u64dec(c, be64(meta + 8));
+        int sl = u64dec(s, be64(meta + 16));
+        size_t blen = (size_t)v.len[2], plen = (size_t)PyBytes_GET_SIZE(last_pairs);
+        size_t need = 10 + 8 + 4 + blen + plen + 3 * 22 + dl + sl + cl + taillen;
+        if (reserve_bytes(&out, &cap, len, need) < 0) goto fail;
+        buf_t b = {PyBytes_AS_STRING(out), len, cap};
+        put(&b, "1D", 2);
+        put32(&b, seq);
+        put32(&b, 9);
+        putkv(&b, "line", 4, (const char *)v.f[2], blen);
+        put(&b, PyBytes_AS_STRING(last_pairs), plen);
+        putkv(&b, "device", 6, d, (size_t)dl);
+        putkv(&b, "sequence", 8, s, (size_t)sl);
+        putkv(&b, "created_ms", 10, c, (size_t)cl);
+        put(&b, tailp, taillen);
+        len = b.len;
+    }
+    Py_XDECREF(last_pairs);
+    if (_PyBytes_Resize(&out, (Py_ssize_t)len) < 0) return NULL;
+    return Py_BuildValue("(NI)", out, seq);
+fail:
+    Py_XDECREF(last_pairs);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 /* scan(records, inline_body_max) -> (body_bytes, heavy) | None
  * What the outputs ask of a batch before mapping it, in one pass (poison.scan_py):
  * body_bytes = the summed length of frame 2 of the records with more than 2 frames,
@@ -211,6 +330,21 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     PyObject *records;
     Py_ssize_t inline_max;
     if (!PyArg_ParseTuple(args, "On", &records, &inline_max)) return NULL;
+    if (block_type && Py_TYPE(records) == block_type) {
+        RecordBlock *blk = (RecordBlock *)records;
+        Py_ssize_t total = 0;
+        int heavy = 0;
+        rb_view v;
+        for (Py_ssize_t i = 0; i < blk->n; i++) {
+            rb_frames(blk, i, &v);
+            if (v.nf <= 2) continue;
+            total += v.len[2];
+            if (v.nf > 3 && !heavy &&
+                    (v.len[2] > inline_max || (v.len[3] == 24 && v.f[3][2] != 0)))
+                heavy = 1;
+        }
+        return Py_BuildValue("(nO)", total, heavy ? Py_True : Py_False);
+    }
     if (!PyList_CheckExact(records)) Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(records), total = 0;
     int heavy = 0;
@@ -381,6 +515,8 @@ static PyObject *window_start(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
      "encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback) -> (bytes, n)"},
+    {"encode_block", encode_block, METH_VARARGS,
+     "encode_block(block, kind_logjam, tail, cache, stream_pairs, limit) -> (bytes, n) or None"},
     {"scan", scan, METH_VARARGS,
      "scan(records, inline_body_max) -> (body_bytes, heavy) or None (Python decides)"},
     {"window_start", window_start, METH_VARARGS,
@@ -394,5 +530,12 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__ljencode(void) {
     if (PyType_Ready(&WindowJobType) < 0) return NULL;
-    return PyModule_Create(&module);
+    block_type = rb_import();
+    PyObject *m = PyModule_Create(&module);
+    /* BLOCKS: whether RecordBlocks are mapped from their buffer (tests check it) */
+    if (m && PyModule_AddObjectRef(m, "BLOCKS", block_type ? Py_True : Py_False) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -40,6 +40,7 @@ from .courier_encode import (  # noqa: F401  (re-exported)
     BAD_META_TAG,
     DECOMPRESS_TAG,
     NOT_JSON_TAG,
+    RecordBlock,
     _courierenc,
     _json_check,
     iso_timestamp,
@@ -449,7 +450,9 @@ class CourierOutput:
         if mapped is not None:
             evs, clean, total, longest = mapped
             if clean and longest <= limit and total + 4 * (len(evs) - 1) <= cfg.max_payload_bytes:
-                return [(records[-1].position, evs, list(records))], [], 0
+                # a list is copied (a reader may reuse it); a RecordBlock is read-only
+                return [(records[-1].position, evs,
+                         records if type(records) is RecordBlock else list(records))], [], 0
         else:
             evs = None
         groups = []

@@ -32,6 +32,11 @@ def _reject_constant(name):
 _json_check = json.JSONDecoder(parse_constant=_reject_constant).decode
 
 _courierenc = _native.load("logjam_relay.outputs._courierenc")   # optional C, common case
+_tailread = _native.load("logjam_relay.spool._tailread")
+#: an output worker's reads (spool/tail.py): records as one buffer, which
+#: :func:`record_events` maps from in C; None without the C extensions
+RecordBlock = getattr(_tailread, "RecordBlock", None) if getattr(_courierenc, "BLOCKS", False) \
+    else None
 
 
 _ts_cache: dict[int, bytes] = {}

@@ -383,7 +383,9 @@ class LumberjackOutput:
         n = self.config.window
         records, self._carry = self._carry, []
         if len(records) < n:
-            records += self.source.read(n - len(records))
+            more = self.source.read(n - len(records))
+            # a worker's read may be a RecordBlock (spool/tail.py): kept as it is
+            records = records + list(more) if records else more
         cap = self.window_bytes
         if scan(records)[0] < cap:
             return records

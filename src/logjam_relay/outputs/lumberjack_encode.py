@@ -27,6 +27,11 @@ DEFAULT_MAX_EVENT_BYTES = 10 * 1024 * 1024
 
 _u32 = struct.Struct(">I").pack
 _ljencode = _native.load("logjam_relay.outputs._ljencode")   # the optional C event mapping
+_encode_block = getattr(_ljencode, "encode_block", None)
+_tailread = _native.load("logjam_relay.spool._tailread")
+#: an output worker's reads (spool/tail.py): records as one buffer, mapped from it in C
+_RecordBlock = getattr(_tailread, "RecordBlock", None) if getattr(_ljencode, "BLOCKS", False) \
+    else None
 _hdr_d = struct.Struct(">2sII").pack
 
 
@@ -99,6 +104,12 @@ class EventEncoder:
         """
         if _ljencode is None:
             return self.encode_py(records)
+        if type(records) is _RecordBlock:
+            res = _encode_block(records, KIND_LOGJAM, self._tail, self._stream_cache,
+                                self._stream_pairs, -1)
+            if res is not None:
+                return res
+            records = records.tolist()
         self._too_large.clear()          # ids are only meaningful within one call
         return _ljencode.encode(records, KIND_LOGJAM, self._tail, self._stream_cache,
                                 self._stream_pairs, self._decompress, self._encode_one)
@@ -115,6 +126,15 @@ class EventEncoder:
         """
         self._rejected.clear()
         limit = self.max_event_bytes
+        if type(records) is _RecordBlock:
+            # a worker's read: the common case (plain bodies within the limit, good meta)
+            # mapped from its buffer; anything else as a list (rejections are by identity)
+            if not prescan:
+                res = _encode_block(records, KIND_LOGJAM, self._tail, self._stream_cache,
+                                    self._stream_pairs, limit)
+                if res is not None:
+                    return res[0], res[1], records, []
+            records = records.tolist()
         if prescan:
             big = {id(r.frames) for r in records
                    if r.kind == KIND_LOGJAM and len(r.frames) > 2 and len(r.frames[2]) > limit}

@@ -62,8 +62,11 @@ class Ceiling:
 
 def output_window_bytes(settings: Settings) -> int:
     """Events the outputs may hold at once, each up to max_event_bytes decoded and again
-    encoded (x2): window x pipeline per Lumberjack output, payload x pending per Courier."""
+    encoded (x2): window x pipeline per Lumberjack output, payload x pending per Courier;
+    plus, per output, the two read chunks at the ends of its in-flight records (a worker's
+    records stay in the chunks they were read from, spool/_recblock.h)."""
     from ..outputs.supervisor import parse_outputs
+    from ..spool.tail import SegmentTail
     total = 0
     for spec in parse_outputs(settings.outputs):
         if spec.scheme == "lumberjack":
@@ -74,7 +77,7 @@ def output_window_bytes(settings: Settings) -> int:
             from ..outputs.courier_config import parse_url as parse_courier
             cfg = parse_courier(spec.url)
             events = cfg.payload_size * cfg.max_pending
-        total += 2 * events * settings.max_event_bytes
+        total += 2 * events * settings.max_event_bytes + 2 * SegmentTail.CHUNK
     return total
 
 

@@ -5,7 +5,8 @@
  * folded with carry-less multiplies, 64 bytes a step (the algorithm and constants of
  * Intel's "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", bit-reflected
  * for the zlib polynomial, as in Chromium's zlib crc32_simd.c); the tail (under 16
- * bytes), short buffers and other CPUs use zlib's crc32().  On a record of ~360 bytes
+ * bytes) and short buffers go through a byte table, long buffers on other CPUs through
+ * zlib's crc32().  On a record of ~360 bytes
  * zlib's table walk was ~8 % of the relay's ingest CPU.  tests/test_segenc.py compares
  * the result with zlib.crc32 for every length up to a few KiB and at every alignment.
  */
@@ -109,9 +110,28 @@ static int lj_crc_simd_ok(void) {
 }
 #endif
 
+/* The byte-at-a-time table of the zlib polynomial, for the tails of under 16 bytes left
+ * by the folding: a call into zlib's crc32() for each was ~1.5 % of an output worker's
+ * CPU (crc32_z in perf, one per record).  Filled once (the same values by any thread). */
+#define LJ_CRC_TAIL_MAX 64
+static uint32_t lj_crc_table[256];
+static int lj_crc_table_ready;
+
+static const uint32_t *lj_crc_tab(void) {
+    if (!__atomic_load_n(&lj_crc_table_ready, __ATOMIC_ACQUIRE)) {
+        for (uint32_t n = 0; n < 256; n++) {
+            uint32_t c = n;
+            for (int k = 0; k < 8; k++) c = c & 1 ? 0xedb88320u ^ (c >> 1) : c >> 1;
+            lj_crc_table[n] = c;
+        }
+        __atomic_store_n(&lj_crc_table_ready, 1, __ATOMIC_RELEASE);
+    }
+    return lj_crc_table;
+}
+
 /* zlib's crc32 of buf[0:len] (starting value 0) */
 static uint32_t lj_crc32(const unsigned char *buf, size_t len) {
-    uLong c = crc32(0L, Z_NULL, 0);
+    uLong c = 0;                    /* crc32(0L, Z_NULL, 0) */
 #ifdef LJ_CRC_SIMD_MIN
     if (len >= LJ_CRC_SIMD_MIN && lj_crc_simd_ok()) {
         size_t bulk = len & ~(size_t)15;
@@ -120,6 +140,12 @@ static uint32_t lj_crc32(const unsigned char *buf, size_t len) {
         len -= bulk;
     }
 #endif
+    if (len <= LJ_CRC_TAIL_MAX) {
+        const uint32_t *t = lj_crc_tab();
+        uint32_t x = ~(uint32_t)c;
+        while (len--) x = t[(x ^ *buf++) & 0xff] ^ (x >> 8);
+        return ~x;
+    }
     while (len > 0) {               /* crc32() takes a uInt length */
         uInt step = len > 0x40000000u ? 0x40000000u : (uInt)len;
         c = crc32(c, buf, step);

@@ -14,6 +14,20 @@
  * A frame equal to the same frame of the previous record (app-env, topic: the same for
  * long runs of records) is shared, not copied; bytes objects are immutable, so sharing
  * is invisible to the reader.
+ *
+ * read_into(block, buf, pos, end, max_records, base, segno, skip)
+ *     -> (added, pos, next_seq, status, parsed)
+ *
+ * The same parse and checks, but the records are appended to ``block`` (a RecordBlock,
+ * see _recblock.h): an index entry each, no Python object per record.  A ``bytes`` buffer
+ * is kept by the block, the records stay where they are; any other buffer (mutable) is
+ * copied, once for all the records of the call.  ``added`` is how many were appended;
+ * the rest as read().
+ *
+ * RecordBlock(Record, Position): an empty block; to Python a read-only sequence of
+ * ``Record(Position(segno, offset), kind, frames)`` (built on access, equal to the ones
+ * read() gives; a slice is a list), equal to a list of the same records; ``+`` with a
+ * list or a block gives a list.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,6 +36,7 @@
 #include <zlib.h>
 
 #include "_record.h"            /* record framing check, lj_crc32, rd32/rd16 */
+#include "_recblock.h"          /* RecordBlock: the records as one buffer plus an index */
 
 #define SHARED 2               /* frames 0 and 1 may be shared with the previous record */
 
@@ -132,10 +147,294 @@ done:
     return result;
 }
 
+
+/* ------------------------------------------------------------------- RecordBlock */
+
+static PyTypeObject RecordBlockType;
+
+static void block_dealloc(RecordBlock *b) {
+    for (Py_ssize_t k = 0; k < b->nown; k++) Py_DECREF(b->owners[k]);
+    PyMem_Free(b->owners);
+    PyMem_Free(b->recs);
+    Py_XDECREF(b->rec_type);
+    Py_XDECREF(b->pos_type);
+    Py_TYPE(b)->tp_free((PyObject *)b);
+}
+
+static PyObject *block_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyTypeObject *rec_type, *pos_type;
+    if (kw && PyDict_GET_SIZE(kw)) {
+        PyErr_SetString(PyExc_TypeError, "RecordBlock() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &rec_type, &PyType_Type, &pos_type))
+        return NULL;
+    if (!PyType_IsSubtype(rec_type, &PyTuple_Type) || !PyType_IsSubtype(pos_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "Record and Position must be tuple types");
+        return NULL;
+    }
+    RecordBlock *b = (RecordBlock *)type->tp_alloc(type, 0);
+    if (!b) return NULL;
+    b->recs = NULL; b->n = b->cap = 0;
+    b->owners = NULL; b->nown = b->capown = 0;
+    b->nbytes = 0;
+    Py_INCREF(rec_type); b->rec_type = (PyObject *)rec_type;
+    Py_INCREF(pos_type); b->pos_type = (PyObject *)pos_type;
+    return (PyObject *)b;
+}
+
+static Py_ssize_t block_len(RecordBlock *b) { return b->n; }
+
+/* record i as Record(Position(segno, offset), kind, [frames]) (0 <= i < n) */
+static PyObject *block_record(RecordBlock *b, Py_ssize_t i) {
+    const unsigned char *r = b->recs[i].p;
+    uint32_t n = rd16(r + 10);
+    const unsigned char *lens = r + 20, *p = r + 20 + 4 * (Py_ssize_t)n;
+    PyObject *frames = PyList_New(n);
+    if (!frames) return NULL;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t ln = rd32(lens + 4 * k);
+        PyObject *f = PyBytes_FromStringAndSize((const char *)p, ln);
+        if (!f) { Py_DECREF(frames); return NULL; }
+        PyList_SET_ITEM(frames, k, f);
+        p += ln;
+    }
+    untrack(frames);
+    PyObject *pitems[2] = {PyLong_FromLongLong(b->recs[i].segno),
+                           PyLong_FromLongLong(b->recs[i].offset)};
+    if (!pitems[0] || !pitems[1]) {
+        Py_XDECREF(pitems[0]); Py_XDECREF(pitems[1]); Py_DECREF(frames);
+        return NULL;
+    }
+    PyObject *position = new_tuple((PyTypeObject *)b->pos_type, pitems, 2);
+    if (!position) { Py_DECREF(frames); return NULL; }
+    PyObject *ritems[3] = {position, PyLong_FromUnsignedLong(r[8]), frames};
+    if (!ritems[1]) { Py_DECREF(position); Py_DECREF(frames); return NULL; }
+    return new_tuple((PyTypeObject *)b->rec_type, ritems, 3);
+}
+
+static PyObject *block_item(RecordBlock *b, Py_ssize_t i) {
+    if (i < 0 || i >= b->n) {
+        PyErr_SetString(PyExc_IndexError, "RecordBlock index out of range");
+        return NULL;
+    }
+    return block_record(b, i);
+}
+
+static PyObject *block_list(RecordBlock *b, Py_ssize_t start, Py_ssize_t step, Py_ssize_t len) {
+    PyObject *out = PyList_New(len);
+    if (!out) return NULL;
+    for (Py_ssize_t k = 0, i = start; k < len; k++, i += step) {
+        PyObject *r = block_record(b, i);
+        if (!r) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, k, r);
+    }
+    return out;
+}
+
+static PyObject *block_subscript(RecordBlock *b, PyObject *key) {
+    if (PyIndex_Check(key)) {
+        Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+        if (i == -1 && PyErr_Occurred()) return NULL;
+        if (i < 0) i += b->n;
+        return block_item(b, i);
+    }
+    if (PySlice_Check(key)) {
+        Py_ssize_t start, stop, step;
+        if (PySlice_Unpack(key, &start, &stop, &step) < 0) return NULL;
+        Py_ssize_t len = PySlice_AdjustIndices(b->n, &start, &stop, step);
+        return block_list(b, start, step, len);
+    }
+    return PyErr_Format(PyExc_TypeError, "RecordBlock indices must be integers or slices, "
+                        "not %.200s", Py_TYPE(key)->tp_name);
+}
+
+static PyObject *block_tolist(RecordBlock *b, PyObject *unused) {
+    return block_list(b, 0, 1, b->n);
+}
+
+static PyObject *block_richcompare(PyObject *a, PyObject *o, int op) {
+    if (op != Py_EQ && op != Py_NE) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *la = NULL, *lo = NULL, *res = NULL;
+    la = PyObject_TypeCheck(a, &RecordBlockType) ? block_tolist((RecordBlock *)a, NULL) : (Py_INCREF(a), a);
+    if (!la) return NULL;
+    lo = PyObject_TypeCheck(o, &RecordBlockType) ? block_tolist((RecordBlock *)o, NULL) : (Py_INCREF(o), o);
+    if (!lo) { Py_DECREF(la); return NULL; }
+    if (PyList_Check(la) && PyList_Check(lo)) res = PyObject_RichCompare(la, lo, op);
+    else { res = Py_NotImplemented; Py_INCREF(res); }
+    Py_DECREF(la); Py_DECREF(lo);
+    return res;
+}
+
+/* block + list, list + block, block + block: a list (as for two lists) */
+static PyObject *block_add(PyObject *a, PyObject *o) {
+    PyObject *la, *lo, *res;
+    if (PyObject_TypeCheck(a, &RecordBlockType)) la = block_tolist((RecordBlock *)a, NULL);
+    else if (PyList_Check(a)) { la = a; Py_INCREF(la); }
+    else Py_RETURN_NOTIMPLEMENTED;
+    if (!la) return NULL;
+    if (PyObject_TypeCheck(o, &RecordBlockType)) lo = block_tolist((RecordBlock *)o, NULL);
+    else if (PyList_Check(o)) { lo = o; Py_INCREF(lo); }
+    else { Py_DECREF(la); Py_RETURN_NOTIMPLEMENTED; }
+    if (!lo) { Py_DECREF(la); return NULL; }
+    res = PySequence_Concat(la, lo);
+    Py_DECREF(la); Py_DECREF(lo);
+    return res;
+}
+
+static PyNumberMethods block_as_number = {
+    .nb_add = block_add,
+};
+
+static PyObject *block_repr(RecordBlock *b) {
+    return PyUnicode_FromFormat("<RecordBlock of %zd records, %zd bytes>", b->n, b->nbytes);
+}
+
+static PyObject *block_nbytes(RecordBlock *b, void *unused) {
+    return PyLong_FromSsize_t(b->nbytes);
+}
+
+static PyMethodDef block_methods[] = {
+    {"tolist", (PyCFunction)block_tolist, METH_NOARGS, "the records as a list"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef block_getset[] = {
+    {"nbytes", (getter)block_nbytes, NULL, "bytes of the records (framing included)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods block_as_sequence = {
+    .sq_length = (lenfunc)block_len,
+    .sq_item = (ssizeargfunc)block_item,
+};
+
+static PyMappingMethods block_as_mapping = {
+    .mp_length = (lenfunc)block_len,
+    .mp_subscript = (binaryfunc)block_subscript,
+};
+
+static PyTypeObject RecordBlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "logjam_relay.spool._tailread.RecordBlock",
+    .tp_basicsize = sizeof(RecordBlock),
+    .tp_dealloc = (destructor)block_dealloc,
+    .tp_repr = (reprfunc)block_repr,
+    .tp_as_number = &block_as_number,
+    .tp_as_sequence = &block_as_sequence,
+    .tp_as_mapping = &block_as_mapping,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_SEQUENCE,
+    .tp_doc = "RecordBlock(Record, Position): spool records as one buffer (read-only sequence)",
+    .tp_richcompare = block_richcompare,
+    .tp_methods = block_methods,
+    .tp_getset = block_getset,
+    .tp_new = block_new,
+};
+
+static int block_grow(RecordBlock *b, Py_ssize_t recs) {
+    if (b->n + recs > b->cap) {
+        Py_ssize_t nc = b->cap ? b->cap : 256;
+        while (nc < b->n + recs) nc *= 2;
+        rb_rec *p = PyMem_Realloc(b->recs, (size_t)nc * sizeof(rb_rec));
+        if (!p) { PyErr_NoMemory(); return -1; }
+        b->recs = p;
+        b->cap = nc;
+    }
+    return 0;
+}
+
+/* keep ``o`` (a new reference, stolen) alive as long as the block */
+static int block_own(RecordBlock *b, PyObject *o) {
+    if (b->nown == b->capown) {
+        Py_ssize_t nc = b->capown ? b->capown * 2 : 4;
+        PyObject **p = PyMem_Realloc(b->owners, (size_t)nc * sizeof(PyObject *));
+        if (!p) { Py_DECREF(o); PyErr_NoMemory(); return -1; }
+        b->owners = p;
+        b->capown = nc;
+    }
+    b->owners[b->nown++] = o;
+    return 0;
+}
+
+static PyObject *tail_read_into(PyObject *self, PyObject *args) {
+    RecordBlock *blk;
+    PyObject *bufobj;
+    Py_buffer view;
+    Py_ssize_t pos, end, max_records, base;
+    long long segno;
+    int skip;
+    if (!PyArg_ParseTuple(args, "O!OnnnnLp", &RecordBlockType, &blk, &bufobj, &pos, &end,
+                          &max_records, &base, &segno, &skip))
+        return NULL;
+    if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *buf = view.buf;
+    PyObject *status = NULL, *result = NULL;
+    long long next_seq = -1;
+    Py_ssize_t parsed = 0, added = 0, first = -1, n0 = blk->n;
+    if (pos < 0) pos = 0;
+    if (end > view.len) end = view.len;
+    /* check the records and index them (pointers into buf for now) */
+    while (pos < end && parsed < max_records) {
+        lj_record r;
+        int rc = lj_record_check(buf, pos, end, &r);
+        if (rc != LJ_REC_OK) { status = lj_record_status(rc, &r, base + pos); break; }
+        if (r.kind == KIND_SEAL) { status = PyUnicode_FromString("seal"); break; }
+        parsed++;
+        next_seq = (long long)(r.seq + 1);
+        if (!(skip && parsed == 1)) {
+            if (first < 0) first = pos;
+            if (block_grow(blk, 1) < 0) goto fail;
+            rb_rec *e = &blk->recs[blk->n++];
+            e->segno = segno;
+            e->offset = (int64_t)(base + pos);
+            e->p = buf + pos;
+            added++;
+        }
+        pos = r.rend;
+    }
+    if (!status && PyErr_Occurred()) goto fail;
+    if (added) {
+        Py_ssize_t bytes = pos - first;
+        if (PyBytes_CheckExact(bufobj)) {
+            /* immutable: the records stay in it */
+            if (!(blk->nown && blk->owners[blk->nown - 1] == bufobj)) {
+                Py_INCREF(bufobj);
+                if (block_own(blk, bufobj) < 0) goto fail;
+            }
+        } else {
+            /* a buffer that may change (a reused chunk): the records are copied */
+            PyObject *copy = PyBytes_FromStringAndSize((const char *)buf + first, bytes);
+            if (!copy || block_own(blk, copy) < 0) goto fail;
+            const unsigned char *at = (const unsigned char *)PyBytes_AS_STRING(copy) - first;
+            for (Py_ssize_t k = n0; k < blk->n; k++)
+                blk->recs[k].p = at + (blk->recs[k].p - buf);
+        }
+        blk->nbytes += bytes;
+    }
+    if (!status) {
+        status = Py_None;
+        Py_INCREF(status);
+    }
+    result = Py_BuildValue("(nnLNn)", added, pos, next_seq, status, parsed);
+    PyBuffer_Release(&view);
+    return result;
+fail:
+    blk->n = n0;                    /* nothing appended */
+    Py_XDECREF(status);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+static rb_api block_api = {&RecordBlockType};
+
 static PyMethodDef methods[] = {
     {"read", tail_read, METH_VARARGS,
      "read(buf, pos, end, max_records, base, segno, skip, Record, Position) -> "
      "(records, pos, next_seq, status, parsed)"},
+    {"read_into", tail_read_into, METH_VARARGS,
+     "read_into(block, buf, pos, end, max_records, base, segno, skip) -> "
+     "(added, pos, next_seq, status, parsed)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -143,4 +442,16 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_tailread", "An output worker's spool reads in C.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__tailread(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__tailread(void) {
+    if (PyType_Ready(&RecordBlockType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "RecordBlock", (PyObject *)&RecordBlockType) < 0) goto fail;
+    PyObject *cap = PyCapsule_New(&block_api, RB_CAPSULE, NULL);
+    if (!cap) goto fail;
+    if (PyModule_AddObject(m, "_RECBLOCK_API", cap) < 0) { Py_DECREF(cap); goto fail; }
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -38,7 +38,11 @@ class SpoolReader(Protocol):
     name: str
 
     def read(self, max_records: int) -> list[Record]:
-        """Up to ``max_records`` records from the read position; [] when none. Never blocks."""
+        """Up to ``max_records`` records from the read position; [] when none. Never blocks.
+
+        A list, or (an output worker's :class:`~logjam_relay.spool.tail.SegmentTail`)
+        a read-only sequence of the same records (``RecordBlock``, spool/_recblock.h:
+        indexing and iteration give Records; slices and ``+`` give lists)."""
 
     async def wait(self) -> None:
         """Return when :meth:`read` has something (returns at once if it already has)."""

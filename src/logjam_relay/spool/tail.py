@@ -67,6 +67,19 @@ def _read_block_c(buf, pos: int, end: int, max_records: int, base: int, segno: i
 
 read_block = read_block_py if _tailread is None else _read_block_c
 
+#: the records of a read as one buffer (spool/_recblock.h), or None (lists of Records)
+RecordBlock = getattr(_tailread, "RecordBlock", None)
+
+
+def _read_into_c(block, buf, pos: int, end: int, max_records: int, base: int, segno: int,
+                 skip: bool):
+    """:func:`read_block_py`, the records appended to ``block`` (``_tailread.read_into``):
+    ``(added, pos, next_seq, status, parsed)``."""
+    res = _tailread.read_into(block, buf, pos, end, max_records, base, segno, skip)
+    if type(res[3]) is tuple:
+        res = (*res[:3], fmt.SegmentCorrupt(*res[3]), res[4])
+    return res
+
 # snapshot entry: (segno, path, limit, sealed, first_seq, holes)
 #   limit: where readers stop (committed end of the active segment, data end of a
 #   sealed one, or the first unreadable offset); holes: ((offset, resume, seq), ...)
@@ -133,6 +146,7 @@ class SegmentTail:
         self._fd_seg = -1
         self._buf = b""                         # bytes, or a view of _chunk (C reads)
         self._chunk = bytearray()
+        self._blocks = RecordBlock is not None      # read() gives RecordBlocks
         self._buf_seg = -1
         self._buf_base = 0
         self.records_read = 0
@@ -180,7 +194,10 @@ class SegmentTail:
     def _load(self, entry, off: int, need: int) -> None:
         size = min(max(self.CHUNK, need), entry[2] - off)
         fd = self._fd_for(entry)
-        if _tailread is None:
+        if _tailread is None or self._blocks:
+            # RecordBlocks keep the chunk they were read from, so its records are never
+            # copied: a new bytes object per chunk (allocations this size are served from
+            # the heap in a worker, outputs/worker.py keep_freed_memory: no page faults)
             self._buf = os.pread(fd, size, off)
         else:
             # The C reads copy every frame out of the chunk: one buffer serves them all.
@@ -208,9 +225,21 @@ class SegmentTail:
 
     # -- reader protocol ------------------------------------------------------------
     def read(self, max_records: int) -> list[Record]:
-        out: list[Record] = []
+        """Up to ``max_records`` records: a list, or with the C reads a
+        :data:`RecordBlock` (a read-only sequence of the same records, which the C
+        mappings of the outputs read without a Python object per record)."""
         if self._stuck is not None:
-            return out
+            return []
+        block = RecordBlock(Record, Position) if self._blocks else None
+        out = self._read(max_records, block)
+        n = len(out)
+        if block is not None and n == 0:
+            out = []
+        self.records_read += n
+        return out
+
+    def _read(self, max_records: int, block):
+        out = block if block is not None else []
         segs = self._segs
         while len(out) < max_records:
             pos = self._pos
@@ -264,18 +293,23 @@ class SegmentTail:
             if next_hole is not None and next_hole - base < stop:
                 stop = next_hole - base
             want = max_records - len(out) + (1 if self._skip else 0)
-            recs, bpos, next_seq, status, parsed = read_block(buf, off - base, stop, want,
-                                                              base, segno, self._skip)
+            if block is not None:
+                added, bpos, next_seq, status, parsed = _read_into_c(
+                    block, buf, off - base, stop, want, base, segno, self._skip)
+            else:
+                recs, bpos, next_seq, status, parsed = read_block(
+                    buf, off - base, stop, want, base, segno, self._skip)
+                added = len(recs)
+                out.extend(recs)
             if parsed:
                 self._skip = False
-                if recs:
-                    out.extend(recs)
+                if added:
                     # the end and seq of the block's last record go with its ack: the
                     # relay then needs no disk read to move the cursor past it
                     served = self._served
                     if len(served) >= _SERVED_MAX:
                         del served[next(iter(served))]
-                    served[recs[-1][0]] = (base + bpos, next_seq - 1)
+                    served[out[-1][0]] = (base + bpos, next_seq - 1)
                 self._pos = Position(segno, base + bpos)
                 self._seq = next_seq
                 continue
@@ -302,7 +336,6 @@ class SegmentTail:
                 break
             self._stop_at(segno, off, status.reason, str(status))
             break
-        self.records_read += len(out)
         return out
 
     async def wait(self) -> None:
