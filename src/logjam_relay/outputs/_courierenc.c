@@ -443,12 +443,5 @@ PyMODINIT_FUNC PyInit__courierenc(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("ssse3")) adler32_impl = adler32_ssse3;
 #endif
-    block_type = rb_import();
-    PyObject *m = PyModule_Create(&module);
-    /* BLOCKS: whether RecordBlocks are mapped from their buffer (tests check it) */
-    if (m && PyModule_AddObjectRef(m, "BLOCKS", block_type ? Py_True : Py_False) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return rb_module_create(&module, &block_type);
 }

@@ -530,12 +530,5 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__ljencode(void) {
     if (PyType_Ready(&WindowJobType) < 0) return NULL;
-    block_type = rb_import();
-    PyObject *m = PyModule_Create(&module);
-    /* BLOCKS: whether RecordBlocks are mapped from their buffer (tests check it) */
-    if (m && PyModule_AddObjectRef(m, "BLOCKS", block_type ? Py_True : Py_False) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return rb_module_create(&module, &block_type);
 }

@@ -86,4 +86,16 @@ static inline PyTypeObject *rb_import(void) {
     return api->type;
 }
 
+/* A consumer's module, created with ``BLOCKS`` (True when RecordBlocks are mapped from
+ * their buffer: the tests check it) and the RecordBlock type in *type (or NULL). */
+static inline PyObject *rb_module_create(PyModuleDef *def, PyTypeObject **type) {
+    *type = rb_import();
+    PyObject *m = PyModule_Create(def);
+    if (m && PyModule_AddObjectRef(m, "BLOCKS", *type ? Py_True : Py_False) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+
 #endif
