@@ -44,6 +44,7 @@
 #endif
 
 #include "../spool/_recblock.h"    /* RecordBlock: a worker's spool reads as one buffer */
+#include "_decimal.h"            /* u64dec() */
 
 static PyTypeObject *block_type;    /* NULL without spool/_tailread: no blocks then */
 
@@ -55,16 +56,8 @@ static inline uint64_t be(const unsigned char *p, int n) {
     return v;
 }
 
-typedef struct { int64_t secs; char text[24]; } tscache_t;   /* text: 19 chars + NUL */
-
-/* v in decimal at out (no terminator; room for 20 digits); returns the length */
-static int u64dec(char *out, uint64_t v) {
-    char tmp[20];
-    int n = 0;
-    do { tmp[n++] = (char)('0' + v % 10); v /= 10; } while (v);
-    for (int i = 0; i < n; i++) out[i] = tmp[n - 1 - i];
-    return n;
-}   /* secs -1: empty */
+typedef struct { int64_t secs; char text[24]; } tscache_t;   /* text: 19 chars + NUL;
+                                                               secs -1: empty */
 
 /* the event of one record: its meta frame ``m`` (``mlen`` bytes) and body (``body``,
  * ``blen`` bytes; ``body_obj`` the same bytes as an object, or NULL: made here if

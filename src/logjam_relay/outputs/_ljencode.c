@@ -45,6 +45,7 @@
 #include <zlib.h>
 
 #include "../spool/_recblock.h"    /* RecordBlock: a worker's spool reads as one buffer */
+#include "_decimal.h"            /* u64dec() */
 
 static PyTypeObject *block_type;    /* NULL without spool/_tailread: no blocks then */
 
@@ -73,15 +74,6 @@ static inline uint64_t be64(const unsigned char *p) {
     uint64_t v = 0;
     for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
     return v;
-}
-
-/* v in decimal at out (no terminator; out has room for 20 digits); returns the length */
-static int u64dec(char *out, uint64_t v) {
-    char tmp[20];
-    int n = 0;
-    do { tmp[n++] = (char)('0' + v % 10); v /= 10; } while (v);
-    for (int i = 0; i < n; i++) out[i] = tmp[n - 1 - i];
-    return n;
 }
 
 static PyObject *encode(PyObject *self, PyObject *args) {
