@@ -102,6 +102,12 @@ class Counters:
         self.pull = 0
         self.legacy = 0
 
+    def add_bytes(self, nbytes: int, max_bytes: int) -> None:
+        """A drained batch's body bytes, and its largest body."""
+        self.received_bytes += nbytes
+        if max_bytes > self.received_max_bytes:
+            self.received_max_bytes = max_bytes
+
 
 _BROKEN_META = frozenset({"meta_size", "meta_tag", "meta_version"})
 _MAX_LABELS = 1000  # bound label cardinality of per-stream counters
@@ -164,9 +170,7 @@ class Pipeline:
             if mb > maxb:
                 maxb = mb
         c.pull += n
-        c.received_bytes += nbytes
-        if maxb > c.received_max_bytes:
-            c.received_max_bytes = maxb
+        c.add_bytes(nbytes, maxb)
         return acc
 
     def prepare_pull_py(self, batch: list[list[bytes]]) -> list[tuple]:
@@ -189,9 +193,7 @@ class Pipeline:
             self._slow(frames, None, acc)
         c = self.counters
         c.pull += len(batch)
-        if maxb > c.received_max_bytes:     # _slow may have seen a larger one
-            c.received_max_bytes = maxb
-        c.received_bytes += nbytes
+        c.add_bytes(nbytes, maxb)          # _slow may have seen a larger one
         return acc
 
     def prepare_router(self, batch: list[list[bytes]], replies: list[list[bytes]]) -> list[tuple]:
@@ -222,9 +224,7 @@ class Pipeline:
                 maxb = mb
         c.router += n
         c.replies_202 += n202
-        c.received_bytes += nbytes
-        if maxb > c.received_max_bytes:
-            c.received_max_bytes = maxb
+        c.add_bytes(nbytes, maxb)
         return acc
 
     def prepare_router_py(self, batch: list[list[bytes]],
@@ -260,9 +260,7 @@ class Pipeline:
         c = self.counters
         c.router += len(batch)
         c.replies_202 += n202
-        if maxb > c.received_max_bytes:     # _slow may have seen a larger one
-            c.received_max_bytes = maxb
-        c.received_bytes += nbytes
+        c.add_bytes(nbytes, maxb)          # _slow may have seen a larger one
         return acc
 
     def _slow(self, frames: list[bytes], ident: bytes | None, acc: list[tuple],
@@ -444,9 +442,7 @@ class Pipeline:
             if mb > maxb:
                 maxb = mb
         c.pull += n
-        c.received_bytes += nbytes
-        if maxb > c.received_max_bytes:
-            c.received_max_bytes = maxb
+        c.add_bytes(nbytes, maxb)
         if out:
             self.publish_batch(out)
             self.seq = seq
