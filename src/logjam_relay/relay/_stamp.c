@@ -22,6 +22,22 @@
 #include <stdint.h>
 #include <string.h>
 
+/* 1: a message the fast paths take as is (24-byte meta frame, tag 0xcabd either byte
+ * order, version 1, known stream and topic, bytes body); 0: not (the slow path decides);
+ * -1: error (set lookup) */
+static inline int plain_message(PyObject *a, PyObject *t, PyObject *b, PyObject *m,
+                                PyObject *gs, PyObject *gt) {
+    if (!PyBytes_CheckExact(m) || PyBytes_GET_SIZE(m) != 24) return 0;
+    const unsigned char *mp = (const unsigned char *)PyBytes_AS_STRING(m);
+    if (mp[3] != 1) return 0;
+    if (!((mp[0] == 0xca && mp[1] == 0xbd) || (mp[0] == 0xbd && mp[1] == 0xca))) return 0;
+    int r = PySet_Contains(gs, a);
+    if (r <= 0) return r;
+    r = PySet_Contains(gt, t);
+    if (r <= 0) return r;
+    return PyBytes_CheckExact(b) ? 1 : 0;
+}
+
 static PyObject *stamp_pull(PyObject *self, PyObject *args) {
     PyObject *batch, *gs, *gt, *now8;
     Py_ssize_t start;
@@ -48,17 +64,10 @@ static PyObject *stamp_pull(PyObject *self, PyObject *args) {
         if (!PyList_CheckExact(frames) || PyList_GET_SIZE(frames) != 4) break;
         PyObject *a = PyList_GET_ITEM(frames, 0), *t = PyList_GET_ITEM(frames, 1);
         PyObject *b = PyList_GET_ITEM(frames, 2), *m = PyList_GET_ITEM(frames, 3);
-        if (!PyBytes_CheckExact(m) || PyBytes_GET_SIZE(m) != 24) break;
+        int r = plain_message(a, t, b, m, gs, gt);
+        if (r < 0) goto fail;
+        if (!r) break;
         const unsigned char *mp = (const unsigned char *)PyBytes_AS_STRING(m);
-        if (mp[3] != 1) break;
-        if (!((mp[0] == 0xca && mp[1] == 0xbd) || (mp[0] == 0xbd && mp[1] == 0xca))) break;
-        int r = PySet_Contains(gs, a);
-        if (r < 0) goto fail;
-        if (!r) break;
-        r = PySet_Contains(gt, t);
-        if (r < 0) goto fail;
-        if (!r) break;
-        if (!PyBytes_CheckExact(b)) break;
         seq++;
         PyObject *meta = PyBytes_FromStringAndSize(NULL, 24);
         if (!meta) goto fail;
@@ -137,17 +146,10 @@ static PyObject *prepare_pull(PyObject *self, PyObject *args) {
         }
         PyObject *a = PyList_GET_ITEM(frames, base), *t = PyList_GET_ITEM(frames, base + 1);
         PyObject *b = PyList_GET_ITEM(frames, base + 2), *m = PyList_GET_ITEM(frames, base + 3);
-        if (!PyBytes_CheckExact(m) || PyBytes_GET_SIZE(m) != 24) break;
+        int r = plain_message(a, t, b, m, gs, gt);
+        if (r < 0) goto fail;
+        if (!r) break;
         const unsigned char *mp = (const unsigned char *)PyBytes_AS_STRING(m);
-        if (mp[3] != 1) break;
-        if (!((mp[0] == 0xca && mp[1] == 0xbd) || (mp[0] == 0xbd && mp[1] == 0xca))) break;
-        int r = PySet_Contains(gs, a);
-        if (r < 0) goto fail;
-        if (!r) break;
-        r = PySet_Contains(gt, t);
-        if (r < 0) goto fail;
-        if (!r) break;
-        if (!PyBytes_CheckExact(b)) break;
         PyObject *rec = Py_BuildValue("(OOOiy#)", a, t, b, (int)mp[2], (const char *)mp + 8,
                                       (Py_ssize_t)8);
         if (!rec) goto fail;
