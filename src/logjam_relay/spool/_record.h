@@ -69,4 +69,21 @@ static PyObject *lj_record_status(int code, const lj_record *r, Py_ssize_t at) {
     }
 }
 
+/* One step of a reader's walk: 1 with *r filled for a data record at buf[pos:end); 0 at
+ * the end of what can be read, with *status set: "seal", "partial" or (reason, message,
+ * offset) -- ``base`` is the file offset of buf[0]. */
+static inline int lj_record_next(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end,
+                                 Py_ssize_t base, lj_record *r, PyObject **status) {
+    int rc = lj_record_check(buf, pos, end, r);
+    if (rc != LJ_REC_OK) {
+        *status = lj_record_status(rc, r, base + pos);
+        return 0;
+    }
+    if (r->kind == KIND_SEAL) {
+        *status = PyUnicode_FromString("seal");
+        return 0;
+    }
+    return 1;
+}
+
 #endif

@@ -180,15 +180,13 @@ static PyObject *parse_records(PyObject *self, PyObject *args) {
     if (end > view.len) end = view.len;
     while (pos < end && PyList_GET_SIZE(out) < max_records) {
         lj_record r;
-        int rc = lj_record_check(buf, pos, end, &r);
-        if (rc != LJ_REC_OK) { status = lj_record_status(rc, &r, base + pos); break; }
+        if (!lj_record_next(buf, pos, end, base, &r, &status)) break;
         unsigned kind = r.kind;
         uint32_t n = r.n;
         uint64_t seq = r.seq;
         Py_ssize_t rend = r.rend;
         const unsigned char *lens = buf + pos + 20;
         Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n;
-        if (kind == KIND_SEAL) { status = PyUnicode_FromString("seal"); break; }
         PyObject *frames = PyList_New(n);
         if (!frames) goto fail;
         for (uint32_t i = 0; i < n; i++) {

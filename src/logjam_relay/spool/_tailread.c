@@ -86,15 +86,13 @@ static PyObject *tail_read(PyObject *self, PyObject *args) {
     if (end > view.len) end = view.len;
     while (pos < end && parsed < max_records) {
         lj_record r;
-        int rc = lj_record_check(buf, pos, end, &r);
-        if (rc != LJ_REC_OK) { status = lj_record_status(rc, &r, base + pos); break; }
+        if (!lj_record_next(buf, pos, end, base, &r, &status)) break;
         unsigned kind = r.kind;
         uint32_t n = r.n;
         uint64_t seq = r.seq;
         Py_ssize_t rend = r.rend;
         const unsigned char *lens = buf + pos + 20;
         Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n;
-        if (kind == KIND_SEAL) { status = PyUnicode_FromString("seal"); break; }
         parsed++;
         next_seq = (long long)(seq + 1);
         if (skip && parsed == 1) { pos = rend; continue; }
@@ -377,9 +375,7 @@ static PyObject *tail_read_into(PyObject *self, PyObject *args) {
     /* check the records and index them (pointers into buf for now) */
     while (pos < end && parsed < max_records) {
         lj_record r;
-        int rc = lj_record_check(buf, pos, end, &r);
-        if (rc != LJ_REC_OK) { status = lj_record_status(rc, &r, base + pos); break; }
-        if (r.kind == KIND_SEAL) { status = PyUnicode_FromString("seal"); break; }
+        if (!lj_record_next(buf, pos, end, base, &r, &status)) break;
         parsed++;
         next_seq = (long long)(r.seq + 1);
         if (!(skip && parsed == 1)) {
