@@ -149,11 +149,7 @@ def samd_equivalent(url, endpoint_q, ctl, store_dir, lean=False):
     while True:
         ready = dict(poller.poll())
         if ctl.fileno() in ready:
-            ctl.recv()
-            for p in brokers:
-                p.wait_all()
-            ctl.send({"stored": stored, "confirmed": sum(p.confirmed for p in brokers),
-                      "t_last_confirm": max(p.t_last for p in brokers), "cpu": _cpu()})
+            _report(ctl, brokers, stored)
             return
         while True:
             try:
@@ -185,6 +181,15 @@ def samd_lean(url, endpoint_q, ctl, store_dir):
     samd_equivalent(url, endpoint_q, ctl, store_dir, lean=True)
 
 
+def _report(ctl, brokers, stored: int) -> None:
+    """Answer the controller's stop: wait for every confirm, then the figures."""
+    ctl.recv()
+    for p in brokers:
+        p.wait_all()
+    ctl.send({"stored": stored, "confirmed": sum(p.confirmed for p in brokers),
+              "t_last_confirm": max(p.t_last for p in brokers), "cpu": _cpu()})
+
+
 def _lean_loop(brokers, rep, fd, poller, ctl):
     from logjam_relay.io import zmq_trio
     memo = proto.PublishMemo(lambda ev: (A.shortstr(ev.exchange), A.shortstr(ev.routing_key)))
@@ -193,11 +198,7 @@ def _lean_loop(brokers, rep, fd, poller, ctl):
     while True:
         ready = dict(poller.poll())
         if ctl.fileno() in ready:
-            ctl.recv()
-            for p in brokers:
-                p.wait_all()
-            ctl.send({"stored": stored, "confirmed": sum(p.confirmed for p in brokers),
-                      "t_last_confirm": max(p.t_last for p in brokers), "cpu": _cpu()})
+            _report(ctl, brokers, stored)
             return
         for msg in drain(rep, 500):
             env, body = msg[:2], msg[2:]
