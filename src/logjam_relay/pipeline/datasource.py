@@ -77,6 +77,7 @@ from .decode import (  # noqa: F401  (re-exported: the decoder's public names)
 from .extract import EXTRACT_DDL  # noqa: F401
 
 NAME = "logjam"
+PYTHON_NAME = "logjam_python"        # when the JVM reader is "logjam" (jvmreader.py)
 
 
 class LateSegment(RuntimeError):
@@ -350,6 +351,22 @@ class LogjamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         pass
 
 
+class LogjamPythonDataSource(LogjamDataSource):
+    """This source under the name the JVM reader hands its other reads to (streaming,
+    extracted fields): see :mod:`.jvmreader`."""
+
+    @classmethod
+    def name(cls) -> str:
+        return PYTHON_NAME
+
+
 def register(spark) -> None:
-    """Register the ``logjam`` format with a SparkSession."""
-    spark.dataSource.register(LogjamDataSource)
+    """Register the ``logjam`` format with a SparkSession: when the session's JVM has the
+    JVM reader (:mod:`.jvmreader`, added by ``make_session``), it is ``logjam`` and this
+    source is registered as ``logjam_python`` for what it hands over; else this source is
+    ``logjam``."""
+    from .jvmreader import loaded
+    if loaded(spark):
+        spark.dataSource.register(LogjamPythonDataSource)
+    else:
+        spark.dataSource.register(LogjamDataSource)

@@ -1,0 +1,19 @@
+package logjamrelay.spark;
+
+/** Limits shared with the Python side (tests compare them with logjam_relay's). */
+public final class Constants {
+    private Constants() {}
+
+    /** protocols.logjam.MAX_DECOMPRESSED: the most a body may inflate to. */
+    public static final int MAX_DECOMPRESSED = 64 * 1024 * 1024;
+    /** spool.segment.MAX_BODY: sanity bound on a record's body_len. */
+    public static final long MAX_BODY = 1L << 30;
+    public static final int HEADER_LEN = 40;
+    public static final int MIN_RECORD = 20;
+    public static final int SEAL_RECORD_LEN = 48;
+    public static final int KIND_SEAL = 255;
+    /** decode.DEFAULT_BATCH_ROWS */
+    public static final int DEFAULT_BATCH_ROWS = 32768;
+    /** The name the Python data source is registered under when this one is "logjam". */
+    public static final String PYTHON_NAME = "logjam_python";
+}

@@ -1,0 +1,99 @@
+package logjamrelay.spark;
+
+import java.io.File;
+import java.util.ArrayList;
+import java.util.List;
+
+import org.apache.spark.sql.connector.read.Batch;
+import org.apache.spark.sql.connector.read.InputPartition;
+import org.apache.spark.sql.connector.read.PartitionReaderFactory;
+import org.apache.spark.sql.connector.read.Scan;
+import org.apache.spark.sql.connector.read.streaming.MicroBatchStream;
+import org.apache.spark.sql.types.StructType;
+import org.apache.spark.sql.util.CaseInsensitiveStringMap;
+
+/** A batch scan: one partition per segment, or slices of recordsPerPartition records;
+ *  options as the Python source has them (logjam_relay.pipeline.datasource). */
+final class LogjamScan implements Scan, Batch {
+    private final LogjamTable table;
+    private final CaseInsensitiveStringMap options;
+    private final StructType required;
+
+    LogjamScan(LogjamTable table, CaseInsensitiveStringMap options, StructType required) {
+        this.table = table;
+        this.options = options;
+        this.required = required;
+    }
+
+    public StructType readSchema() {
+        return required;
+    }
+
+    public String description() {
+        return "logjam archive " + options.get("path") + " (JVM reader)";
+    }
+
+    public Batch toBatch() {
+        return this;
+    }
+
+    public MicroBatchStream toMicroBatchStream(String checkpointLocation) {
+        return table.pythonScan(options).toMicroBatchStream(checkpointLocation);
+    }
+
+    static long intOption(CaseInsensitiveStringMap o, String name, long dflt) {
+        String v = o.get(name);
+        if (v == null || v.isEmpty()) return dflt;
+        long n;
+        try {
+            n = Long.parseLong(v.trim());
+        } catch (NumberFormatException e) {
+            throw new IllegalArgumentException("logjam data source: option " + name
+                + " must be an integer, got " + Json.pyStrRepr(v));
+        }
+        if (n < 0)
+            throw new IllegalArgumentException("logjam data source: option " + name
+                + " must be >= 0, got " + n);
+        return n;
+    }
+
+    static String path(CaseInsensitiveStringMap o) {
+        String p = o.get("path");
+        if (p == null || p.isEmpty())
+            throw new IllegalArgumentException("logjam data source: give the archive directory, "
+                + "e.g. spark.read.format('logjam').load('/path/to/archive')");
+        if (p.startsWith("file://")) p = p.substring("file://".length());
+        if (!new File(p).isDirectory())
+            throw new IllegalArgumentException("logjam data source: " + p + " is not a directory");
+        return p;
+    }
+
+    public InputPartition[] planInputPartitions() {
+        String dir = path(options);
+        long per = intOption(options, "recordsPerPartition", 0);
+        List segs = Segments.list(dir);
+        List parts = new ArrayList();
+        for (int i = 0; i < segs.size(); i++) {
+            Object[] s = (Object[]) segs.get(i);
+            long segno = ((Long) s[0]).longValue();
+            String p = (String) s[1];
+            if (per > 0) {
+                long count = Segments.recordCount(p);
+                if (count <= per) parts.add(new LogjamPartition(p, segno, 0, count));
+                else for (long a = 0; a < count; a += per)
+                    parts.add(new LogjamPartition(p, segno, a, Math.min(a + per, count)));
+            } else {
+                parts.add(new LogjamPartition(p, segno, 0, -1));
+            }
+        }
+        InputPartition[] out = new InputPartition[parts.size()];
+        for (int i = 0; i < out.length; i++) out[i] = (InputPartition) parts.get(i);
+        return out;
+    }
+
+    public PartitionReaderFactory createReaderFactory() {
+        long rows = intOption(options, "batchRows", Constants.DEFAULT_BATCH_ROWS);
+        if (rows == 0 || rows > (1 << 24)) rows = Constants.DEFAULT_BATCH_ROWS;
+        return new LogjamReaderFactory(required, LogjamTable.codes(required), (int) rows);
+    }
+}

@@ -1,0 +1,30 @@
+package logjamrelay.spark;
+
+import org.apache.spark.sql.connector.read.Scan;
+import org.apache.spark.sql.connector.read.SupportsPushDownRequiredColumns;
+import org.apache.spark.sql.types.StructType;
+import org.apache.spark.sql.util.CaseInsensitiveStringMap;
+
+/** Column pruning: only the columns a query reads are decoded (no body: no decompression). */
+final class LogjamScanBuilder implements SupportsPushDownRequiredColumns {
+    private final LogjamTable table;
+    private final CaseInsensitiveStringMap options;
+    private StructType required;
+
+    LogjamScanBuilder(LogjamTable table, CaseInsensitiveStringMap options) {
+        this.table = table;
+        this.options = options;
+        this.required = table.schema();
+    }
+
+    public void pruneColumns(StructType requiredSchema) {
+        required = requiredSchema;
+    }
+
+    public Scan build() {
+        // a schema naming columns this reader does not produce (the request fields
+        // extracted from bodies): the Python source reads it all
+        if (LogjamTable.codes(table.schema()) == null) return table.pythonScan(options);
+        return new LogjamScan(table, options, required);
+    }
+}
