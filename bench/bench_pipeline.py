@@ -22,9 +22,12 @@ data source scan against Spark's Parquet scan, in one run.
    it is run once before the measured pairs, with its own line.  The CPU seconds of each whole process tree (driver, JVM,
    Python workers; sampled from /proc) are printed too: other load on a shared machine
    disturbs them far less than the wall times.
-3. Scans (``write.format("noop")``, all columns materialised, best of ``--repeat``) in one
-   session: Parquet (the decoded rows written once by Spark) against the data source.
-   Target: data source >= 0.5x of Parquet.
+3. Scans (``write.format("noop")``, all columns materialised, best of ``--repeat``,
+   interleaved) in one session made by ``make_session``: Parquet (the decoded rows written
+   once by Spark) against ``format("logjam")``, which is the JVM reader there
+   (``pipeline/jvmreader.py``).  Target: data source >= 0.5x of Parquet.  For context, the
+   Python data source (the fallback) and a Python source replaying decoded batches from
+   memory (the ceiling of Spark's Python data source path) are measured too.
 """
 
 from __future__ import annotations
@@ -345,15 +348,28 @@ def main() -> int:
             df.write.format("noop").mode("overwrite").save()
             return time.perf_counter() - t
 
+        from logjam_relay.pipeline.jvmreader import loaded
+        reader = "JVM reader" if loaded(spark) else "Python data source (no JVM reader!)"
         scan(spark.read.parquet(pq))                          # warm up JVM + Python workers
         scan(spark.read.format("logjam").load(archive))
-        t_pq = min(scan(spark.read.parquet(pq)) for _ in range(a.repeat))
-        t_ds = min(scan(spark.read.format("logjam").load(archive)) for _ in range(a.repeat))
+        # interleaved repetitions (same machine conditions), best of each
+        t_pq, t_ds = [], []
+        for _ in range(a.repeat):
+            t_pq.append(scan(spark.read.parquet(pq)))
+            t_ds.append(scan(spark.read.format("logjam").load(archive)))
+        t_pq, t_ds = min(t_pq), min(t_ds)
         r_pq, r_ds = n / t_pq, n / t_ds
         print(f"cores: {cores} ({a.master})")
         print(f"parquet scan      : {t_pq:7.3f} s  {r_pq:12,.0f} rec/s")
-        print(f"logjam data source: {t_ds:7.3f} s  {r_ds:12,.0f} rec/s")
+        print(f"logjam data source: {t_ds:7.3f} s  {r_ds:12,.0f} rec/s  (format(\"logjam\"): "
+              f"{reader})")
         print(f"ratio data source / parquet: {r_ds / r_pq:.3f}x  (target >= 0.5x)")
+        if loaded(spark):
+            scan(spark.read.format("logjam_python").load(archive))
+            t_py = min(scan(spark.read.format("logjam_python").load(archive))
+                       for _ in range(a.repeat))
+            print(f"context: the Python data source (what reads when the JVM reader cannot "
+                  f"be built): {t_py:.3f} s, {t_pq / t_py:.3f}x parquet")
         spark.dataSource.register(_replay_source())
         scan(spark.read.format("bench_replay").load(archive))     # decodes, fills the cache
         t_rp = min(scan(spark.read.format("bench_replay").load(archive))

@@ -296,3 +296,53 @@ def test_stream_on_cluster_killed_and_restarted_exactly_once(cluster, archive, l
     pairs = list(zip(rec["segment"].to_pylist(), rec["record"].to_pylist(), strict=True))
     assert len(pairs) == len(messages) and len(set(pairs)) == len(pairs)
     assert_same(tables(str(out)), local_run)
+
+
+# ------------------------------------------------------------------ the JVM reader
+
+SCAN = """
+import json, sys
+from pyspark.sql import functions as F
+from logjam_relay.pipeline.cli import make_session
+from logjam_relay.pipeline.jvmreader import loaded
+spark = make_session(sys.argv[1], "jvm-reader-on-cluster", ship=False,
+                     extra_conf={"spark.executor.memory": "512m", "spark.cores.max": "2"})
+df = spark.read.format("logjam").load(sys.argv[2])
+plan = df._jdf.queryExecution().executedPlan().toString()
+a = df.agg(F.count("*").alias("rows"), F.sum("sequence").alias("seq"),
+           F.sum(F.length("body")).alias("chars"), F.count("error").alias("errors"),
+           F.countDistinct("app", "env", "topic").alias("pairs")).first()
+print(json.dumps(dict(a.asDict(), loaded=loaded(spark), jvm="JVM reader" in plan,
+                      partitions=df.rdd.getNumPartitions())))
+spark.stop()
+"""
+
+
+def test_jvm_reader_on_cluster_without_the_package(cluster, archive, tmp_path):
+    """``format("logjam")`` in a session from ``make_session`` reads on the cluster's
+    executors through the JVM reader, which ``spark.jars`` ships: no package shipped, and the
+    executors' Python cannot import logjam_relay, so a Python read would fail."""
+    from logjam_relay.pipeline.decode import decode_slice, list_segments
+    script = tmp_path / "scan.py"
+    script.write_text(SCAN)
+    env = base_env(PYSPARK_PYTHON=cluster["python"], XDG_CACHE_HOME=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, str(script), cluster["url"], archive], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = seq = chars = errors = 0
+    pairs = set()
+    nseg = 0
+    for segno, path in list_segments(archive):
+        nseg += 1
+        for b in decode_slice(path, segno):
+            d = b.to_pydict()
+            rows += b.num_rows
+            seq += sum(x for x in d["sequence"] if x is not None)
+            chars += sum(len(x) for x in d["body"] if x is not None)
+            errors += sum(1 for x in d["error"] if x is not None)
+            pairs.update(zip(d["app"], d["env"], d["topic"], strict=True))
+    assert got["loaded"] and got["jvm"], got
+    assert got["partitions"] == nseg > 1
+    assert (got["rows"], got["seq"], got["chars"], got["errors"], got["pairs"]) == \
+        (rows, seq, chars, errors, len([p for p in pairs if None not in p])), got

@@ -225,6 +225,11 @@ final class Bodies {
         int i = off;
         int end = off + n;
         while (i < end) {
+            // ASCII runs 8 bytes at a time (no branch per byte)
+            while (i + 8 <= end && (s[i] | s[i + 1] | s[i + 2] | s[i + 3] | s[i + 4] | s[i + 5]
+                    | s[i + 6] | s[i + 7]) >= 0)
+                i += 8;
+            if (i >= end) break;
             int c = s[i];
             if (c >= 0) { i++; continue; }
             c &= 0xFF;
