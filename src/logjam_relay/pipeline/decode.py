@@ -80,12 +80,12 @@ list_segments = fmt.sealed_segments
 def record_count(path: str) -> int:
     """Data records in a segment: from the seal record (cheap), else by a full scan
     (a damaged or incomplete file: only its valid records count)."""
-    seal = fmt.read_seal(path)
-    if seal is not None:
-        return seal[0]
     try:
+        seal = fmt.read_seal(path)
+        if seal is not None:
+            return seal[0]
         res = fmt.scan_segment(path)
-    except OSError:
+    except OSError:         # unreadable: one slice, which gives the "unreadable" row
         return 0
     # not properly sealed: one extra "record" slot for the reader's error row
     return res.records + 1
@@ -166,8 +166,9 @@ def _decode_segment_c(path: str, segno: int, start: int, stop: int | None,
     try:
         fmt.decode_header(buf[:fmt.HEADER_LEN])
     except fmt.SegmentError as e:
-        yield _error_batch(segno, start, f"corrupt:{e.reason}",
-                           {"offset": 0, "message": str(e)}, st, columns)
+        if start == 0:          # one row for the file, from its first slice
+            yield _error_batch(segno, start, f"corrupt:{e.reason}",
+                               {"offset": 0, "message": str(e)}, st, columns)
         return
     stop_ = (1 << 62) if stop is None else stop
     rows_b, pair_offs, pos, idx, status, skipped = _segscan.scan(buf, fmt.HEADER_LEN,
@@ -252,8 +253,9 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
     try:
         fmt.decode_header(buf[:fmt.HEADER_LEN])
     except fmt.SegmentError as e:
-        yield _error_batch(segno, start, f"corrupt:{e.reason}",
-                           {"offset": 0, "message": str(e)}, st, columns)
+        if start == 0:          # one row for the file, from its first slice
+            yield _error_batch(segno, start, f"corrupt:{e.reason}",
+                               {"offset": 0, "message": str(e)}, st, columns)
         return
 
     mv = memoryview(buf)
@@ -295,6 +297,14 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
                 st.skipped_kinds += 1          # not a logjam record: no row, no index
                 pos = rend
                 continue
+            if n == 4:
+                bad = pos + 36 + la + lt + lb + lm != rend
+            else:
+                lens = struct.unpack_from(f"<{n}I", buf, pos + 20)
+                bad = pos + 20 + 4 * n + sum(lens) != rend
+            if bad:                 # checked before a slice skips the record, too
+                corrupt = ("frame_lengths", pos)
+                break
             if idx < start:
                 idx += 1
                 pos = rend
@@ -303,9 +313,6 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
                 p = pos + 36
                 r = p + la + lt
                 s = r + lb
-                if s + lm != rend:
-                    corrupt = ("frame_lengths", pos)
-                    break
                 key = buf[p:r]
                 k = pair_get(key)
                 if k is None or pair_la[k] != la:
@@ -328,11 +335,7 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
                         errors[i] = "decompress"
             else:
                 # a logjam record must have 4 frames; keep it as an error row
-                lens = struct.unpack_from(f"<{n}I", buf, pos + 20)
                 p = pos + 20 + 4 * n
-                if p + sum(lens) != rend:
-                    corrupt = ("frame_lengths", pos)
-                    break
                 first = buf[p:p + lens[0]] if n else b""
                 ap_pair(_intern_pair(pair_index, pairs, pair_la, first, len(first)))
                 ap_meta(0)

@@ -102,11 +102,11 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             pos = rend;
             continue;
         }
-        if (idx < start) { idx++; pos = rend; continue; }
         const unsigned char *lens = buf + pos + 20;
         Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n, total = 0;
         for (uint32_t i = 0; i < n; i++) total += rd32(lens + 4 * i);
         if (p + total != rend) { status = "frame_lengths"; break; }
+        if (idx < start) { idx++; pos = rend; continue; }       /* checked first, too */
         if (nrows == rcap) {
             Py_ssize_t nc = rcap ? rcap * 2 : 4096;
             int64_t *nr = PyMem_RawRealloc(rows, (size_t)nc * 5 * sizeof(int64_t));

@@ -65,7 +65,8 @@ SEAL_RECORD_LEN = PREFIX_LEN + RECHEAD_LEN + 4 + SEAL_PAYLOAD.size   # 48
 
 OPEN_SUFFIX = ".open"
 SEALED_SUFFIX = ".seg"
-_NAME_RE = re.compile(r"^(\d{20})(\.open|\.seg)$")
+# ASCII digits only, whole name (no Unicode digits, no trailing newline)
+_NAME_RE = re.compile(r"([0-9]{20})(\.open|\.seg)")
 
 crc32 = zlib.crc32
 
@@ -95,7 +96,7 @@ def segment_name(segno: int, sealed: bool) -> str:
 
 def parse_segment_name(name: str) -> tuple[int, bool] | None:
     """``(segno, sealed)`` for a segment file name, ``None`` for anything else."""
-    m = _NAME_RE.match(name)
+    m = _NAME_RE.fullmatch(name)
     if m is None:
         return None
     return int(m.group(1)), m.group(2) == SEALED_SUFFIX

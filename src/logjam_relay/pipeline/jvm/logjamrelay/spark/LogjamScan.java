@@ -44,17 +44,16 @@ final class LogjamScan implements Scan, Batch {
     static long intOption(CaseInsensitiveStringMap o, String name, long dflt) {
         String v = o.get(name);
         if (v == null || v.isEmpty()) return dflt;
-        long n;
-        try {
-            n = Long.parseLong(v.trim());
-        } catch (NumberFormatException e) {
+        // what Python's int() takes: sign, digits with single underscores between, any size
+        String t = v.trim();
+        if (!t.matches("[+-]?[0-9]+(_[0-9]+)*"))
             throw new IllegalArgumentException("logjam data source: option " + name
                 + " must be an integer, got " + Json.pyStrRepr(v));
-        }
-        if (n < 0)
+        java.math.BigInteger n = new java.math.BigInteger(t.replace("_", "").replace("+", ""));
+        if (n.signum() < 0)
             throw new IllegalArgumentException("logjam data source: option " + name
                 + " must be >= 0, got " + n);
-        return n;
+        return n.bitLength() < 63 ? n.longValue() : Long.MAX_VALUE;
     }
 
     static String path(CaseInsensitiveStringMap o) {

@@ -68,14 +68,13 @@ final class SegmentDecoder {
             this.key = key;
             this.la = la;
             this.hash = hash;
-            String ae = new String(key, 0, la, StandardCharsets.UTF_8);
+            String ae = Json.pyDecode(key, 0, la);
             int dash = ae.lastIndexOf('-');
             String a = dash < 0 ? ae : ae.substring(0, dash);
             String e = dash < 0 ? "" : ae.substring(dash + 1);
             this.app = a.getBytes(StandardCharsets.UTF_8);
             this.env = e.getBytes(StandardCharsets.UTF_8);
-            this.topic = new String(key, la, key.length - la, StandardCharsets.UTF_8)
-                .getBytes(StandardCharsets.UTF_8);
+            this.topic = Json.pyDecode(key, la, key.length - la).getBytes(StandardCharsets.UTF_8);
         }
     }
 
@@ -139,8 +138,9 @@ final class SegmentDecoder {
         }
         size = buf.length;
         String[] bad = headerProblem(buf);
-        if (bad != null) {
-            error(start, "corrupt:" + bad[0], "{\"offset\": 0, \"message\": " + Json.str(bad[1]) + "}");
+        if (bad != null) {                      // one row for the file, from its first slice
+            if (start == 0)
+                error(start, "corrupt:" + bad[0], "{\"offset\": 0, \"message\": " + Json.str(bad[1]) + "}");
             return false;
         }
         pos = Constants.HEADER_LEN;
@@ -150,7 +150,7 @@ final class SegmentDecoder {
 
     private boolean unreadable(Throwable e) {
         error(start, "unreadable", "{\"path\": " + Json.str(path) + ", \"message\": "
-            + Json.str(String.valueOf(e)) + "}");
+            + Json.str(Json.osError(e, path)) + "}");
         return false;
     }
 
@@ -232,6 +232,10 @@ final class SegmentDecoder {
                 pos = rend;                     // not a logjam record: no row, no index
                 continue;
             }
+            long sum = 0;                       // frame lengths: checked before a slice
+            if (n == 4) sum = la + lt + lb + lm;  // skips the record, too
+            else for (int k = 0; k < n; k++) sum += u32(b, pos + 20 + 4 * k);
+            if (pos + 20 + 4L * n + sum != rendL) { stopAt("frame_lengths"); break; }
             if (idx < start) {
                 idx++;
                 pos = rend;
@@ -239,18 +243,12 @@ final class SegmentDecoder {
             }
             if (n == 4) {
                 int p = pos + 36;
-                if (p + la + lt + lb + lm != rendL) { stopAt("frame_lengths"); break; }
                 int r = p + (int) la + (int) lt;
                 int s = r + (int) lb;
                 logjamRow(row, b, p, (int) la, (int) lt, r, (int) lb, s, (int) lm);
             } else {
-                long sum = 0;
-                int q = pos + 20;
-                for (int k = 0; k < n; k++) sum += u32(b, q + 4 * k);
-                int p = q + 4 * n;
-                if (p + sum != rendL) { stopAt("frame_lengths"); break; }
-                int l0 = n > 0 ? (int) u32(b, q) : 0;
-                framesRow(row, b, p, l0);
+                int l0 = n > 0 ? (int) u32(b, pos + 20) : 0;
+                framesRow(row, b, pos + 20 + 4 * n, l0);
             }
             row++;
             idx++;
