@@ -734,3 +734,13 @@ def test_register_without_the_jvm_reader(monkeypatch):
     ds.register(Session())
     assert [c.name() for c in got] == ["logjam", "logjam_python"]
     assert real_loaded(object()) is False               # no py4j gateway: no JVM reader
+
+
+def test_segment_too_big_for_the_jvm_reader(spark, healthy):
+    """A segment over the JVM reader's limit (one Java array, 2 GiB; lowered here with
+    ``jvmMaxSegmentBytes``): the Python source reads the whole scan, same rows."""
+    d = healthy[0]
+    small = jvm_df(spark, d, jvmMaxSegmentBytes=100)
+    assert "JVM reader" not in plan(small)
+    assert "JVM reader" in plan(jvm_df(spark, d, jvmMaxSegmentBytes=1 << 30))
+    assert_same_rows(COLS, collect(small), py_rows(d), "over the limit")

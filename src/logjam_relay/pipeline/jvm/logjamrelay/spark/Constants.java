@@ -12,6 +12,8 @@ public final class Constants {
     public static final int MIN_RECORD = 20;
     public static final int SEAL_RECORD_LEN = 48;
     public static final int KIND_SEAL = 255;
+    /** The largest segment file the JVM reader reads (one byte array); bigger: Python. */
+    public static final long MAX_ARRAY = Integer.MAX_VALUE - 64;
     /** decode.DEFAULT_BATCH_ROWS */
     public static final int DEFAULT_BATCH_ROWS = 32768;
     /** The name the Python data source is registered under when this one is "logjam". */

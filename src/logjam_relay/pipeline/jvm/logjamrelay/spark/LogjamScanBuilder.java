@@ -25,6 +25,11 @@ final class LogjamScanBuilder implements SupportsPushDownRequiredColumns {
         // a schema naming columns this reader does not produce (the request fields
         // extracted from bodies): the Python source reads it all
         if (LogjamTable.codes(table.schema()) == null) return table.pythonScan(options);
+        // a segment too big for one Java array (over 2 GiB: spool_segment_bytes has no
+        // upper bound): the Python source reads the whole scan
+        long limit = LogjamScan.intOption(options, "jvmMaxSegmentBytes", Constants.MAX_ARRAY);
+        if (Segments.largest(LogjamScan.path(options)) > Math.min(limit, Constants.MAX_ARRAY))
+            return table.pythonScan(options);
         return new LogjamScan(table, options, required);
     }
 }

@@ -34,6 +34,15 @@ final class Segments {
         return out;
     }
 
+    /** The size of the largest segment file in dir (0 when there is none). */
+    static long largest(String dir) {
+        List segs = list(dir);
+        long max = 0;
+        for (int i = 0; i < segs.size(); i++)
+            max = Math.max(max, new File((String) ((Object[]) segs.get(i))[1]).length());
+        return max;
+    }
+
     private static long u32(byte[] b, int p) {
         return (b[p] & 0xFFL) | ((b[p + 1] & 0xFFL) << 8) | ((b[p + 2] & 0xFFL) << 16)
             | ((b[p + 3] & 0xFFL) << 24);
