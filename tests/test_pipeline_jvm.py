@@ -29,6 +29,7 @@ from logjam_relay.pipeline import decode as dec  # noqa: E402
 from logjam_relay.pipeline import jvmreader, sample  # noqa: E402
 from logjam_relay.protocols.logjam import MAX_DECOMPRESSED, compress  # noqa: E402
 from logjam_relay.spool import segment as fmt  # noqa: E402
+from test_pipeline_bodies import varint as _varint  # noqa: E402  (snappy length prefixes)
 
 NONE, ZLIB, SNAPPY, LZ4 = 0, 1, 2, 3
 COLS = list(dec.BASE_COLUMNS)
@@ -192,15 +193,6 @@ def _z(b: bytes) -> bytes:
 def _l4(b: bytes, m: int | None = None) -> bytes:
     c = compress(b, LZ4)
     return c if m is None else struct.pack(">I", m) + c[4:]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 BAD_UTF8 = [b"\xc3\x28", b"\xc0\x80", b"\xe0\x80\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
