@@ -48,7 +48,7 @@ final class LogjamScan implements Scan, Batch {
         String t = v.trim();
         if (!t.matches("[+-]?[0-9]+(_[0-9]+)*"))
             throw new IllegalArgumentException("logjam data source: option " + name
-                + " must be an integer, got " + Json.pyStrRepr(v));
+                + " must be an integer, got " + PyText.pyStrRepr(v));
         java.math.BigInteger n = new java.math.BigInteger(t.replace("_", "").replace("+", ""));
         if (n.signum() < 0)
             throw new IllegalArgumentException("logjam data source: option " + name

@@ -68,13 +68,13 @@ final class SegmentDecoder {
             this.key = key;
             this.la = la;
             this.hash = hash;
-            String ae = Json.pyDecode(key, 0, la);
+            String ae = PyText.pyDecode(key, 0, la);
             int dash = ae.lastIndexOf('-');
             String a = dash < 0 ? ae : ae.substring(0, dash);
             String e = dash < 0 ? "" : ae.substring(dash + 1);
             this.app = a.getBytes(StandardCharsets.UTF_8);
             this.env = e.getBytes(StandardCharsets.UTF_8);
-            this.topic = Json.pyDecode(key, la, key.length - la).getBytes(StandardCharsets.UTF_8);
+            this.topic = PyText.pyDecode(key, la, key.length - la).getBytes(StandardCharsets.UTF_8);
         }
     }
 
@@ -140,7 +140,7 @@ final class SegmentDecoder {
         String[] bad = headerProblem(buf);
         if (bad != null) {                      // one row for the file, from its first slice
             if (start == 0)
-                error(start, "corrupt:" + bad[0], "{\"offset\": 0, \"message\": " + Json.str(bad[1]) + "}");
+                error(start, "corrupt:" + bad[0], "{\"offset\": 0, \"message\": " + PyText.str(bad[1]) + "}");
             return false;
         }
         pos = Constants.HEADER_LEN;
@@ -149,8 +149,8 @@ final class SegmentDecoder {
     }
 
     private boolean unreadable(Throwable e) {
-        error(start, "unreadable", "{\"path\": " + Json.str(path) + ", \"message\": "
-            + Json.str(Json.osError(e, path)) + "}");
+        error(start, "unreadable", "{\"path\": " + PyText.str(path) + ", \"message\": "
+            + PyText.str(PyText.osError(e, path)) + "}");
         return false;
     }
 
@@ -163,7 +163,7 @@ final class SegmentDecoder {
             if (b[i] != magic[i]) {
                 byte[] m = new byte[8];
                 System.arraycopy(b, 0, m, 0, 8);
-                return new String[] {"bad_magic", "not a spool segment (magic " + Json.pyBytesRepr(m) + ")"};
+                return new String[] {"bad_magic", "not a spool segment (magic " + PyText.pyBytesRepr(m) + ")"};
             }
         }
         CRC32 c = new CRC32();

@@ -2,9 +2,10 @@ package logjamrelay.spark;
 
 import java.nio.charset.StandardCharsets;
 
-/** The bits of Python's json.dumps (ensure_ascii) and bytes repr the error rows need. */
-final class Json {
-    private Json() {}
+/** Python's text conventions the rows must match: json.dumps (ensure_ascii), bytes and str
+ *  repr, bytes.decode("utf-8", "replace"), str(OSError). */
+final class PyText {
+    private PyText() {}
 
     /** json.dumps(s) */
     static String str(String s) {
