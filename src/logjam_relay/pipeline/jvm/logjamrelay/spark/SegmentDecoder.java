@@ -48,8 +48,6 @@ final class SegmentDecoder {
     private long idx;                            // index of the record at pos (kind 0 only)
     private boolean walking;
     private boolean done;
-    private String corrupt;                      // reason the walk stopped on, or null
-    private int corruptAt;
     private String pending;                      // an error row still to emit: error text
     private String pendingBody;
     private long pendingRecord;
@@ -97,10 +95,6 @@ final class SegmentDecoder {
     private static long u32(byte[] b, int p) {
         return (b[p] & 0xFFL) | ((b[p + 1] & 0xFFL) << 8) | ((b[p + 2] & 0xFFL) << 16)
             | ((b[p + 3] & 0xFFL) << 24);
-    }
-
-    private static long u64(byte[] b, int p) {
-        return u32(b, p) | (u32(b, p + 4) << 32);
     }
 
     private static long be64(byte[] b, int p) {
