@@ -346,3 +346,62 @@ def test_jvm_reader_on_cluster_without_the_package(cluster, archive, tmp_path):
     assert got["partitions"] == nseg > 1
     assert (got["rows"], got["seq"], got["chars"], got["errors"], got["pairs"]) == \
         (rows, seq, chars, errors, len([p for p in pairs if None not in p])), got
+
+
+# ------------------------------------------------------------------ spark-submit
+
+SUBMIT_SCAN = """
+import json, sys
+from pyspark.sql import SparkSession
+from logjam_relay.pipeline import jvmreader
+from logjam_relay.pipeline.datasource import register
+spark = SparkSession.builder.getOrCreate()
+register(spark)                               # the Python source, for what the JVM hands on
+df = spark.read.format("logjam").load(sys.argv[1])
+jvm = "JVM reader" in df._jdf.queryExecution().executedPlan().toString()
+rows = df.count()
+q = (spark.readStream.format("logjam").load(sys.argv[1]).writeStream.format("memory")
+     .queryName("streamed").option("checkpointLocation", sys.argv[2])
+     .trigger(availableNow=True).start())
+q.awaitTermination()
+streamed = spark.sql("select count(*) from streamed").first()[0]
+print(json.dumps({"loaded": jvmreader.loaded(spark), "jvm": jvm, "rows": rows,
+                  "streamed": streamed}))
+spark.stop()
+"""
+
+
+def test_spark_submit_documented_forms(archive, local_run, messages, tmp_path):
+    """The spark-submit forms of docs/pipeline.md: ``pipeline package`` + ``submit.py
+    stats`` with a Python that cannot import the installed package (driver and workers get
+    it from the ``--py-files`` zip), and a job of one's own with the JVM reader's jar from
+    ``pipeline jar`` passed as ``--jars`` (batch scan on the JVM, streaming delegated)."""
+    from logjam_relay.pipeline import submit
+    env = base_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    exe = [EXE] if os.path.exists(EXE) else [sys.executable, "-m", "logjam_relay.cli"]
+    zip_path = str(tmp_path / "logjam_relay.zip")
+    subprocess.run([*exe, "pipeline", "package", zip_path], env=env, check=True)
+    jar = subprocess.run([*exe, "pipeline", "jar"], env=env, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    assert jar.endswith(".jar") and os.path.isfile(jar)
+    hide = tmp_path / "python-without-logjam-relay"
+    hide.write_text(HIDE.format(python=sys.executable, src=os.path.realpath(SRC_DIR)))
+    hide.chmod(0o755)
+    env.update(PYSPARK_PYTHON=str(hide), SPARK_HOME=os.path.dirname(pyspark.__file__))
+    spark_submit = [os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit"),
+                    "--master", "local[2]", "--py-files", zip_path]
+    out = run([*spark_submit, submit.__file__, "stats", "--input", archive,
+               "--output", str(tmp_path / "o")], env, tmp_path / "stats.log")
+    assert f"summary: rows in {len(messages)}" in out
+    assert_same(tables(str(tmp_path / "o")), local_run)
+    # streaming: Spark 4.3 plans a Python streaming source in a process of PYSPARK_PYTHON
+    # on the driver's machine that does not get the --py-files (No module named
+    # 'logjam_relay'), so that Python must have the package installed (docs/pipeline.md)
+    script = tmp_path / "scan.py"
+    script.write_text(SUBMIT_SCAN)
+    env["PYSPARK_PYTHON"] = sys.executable
+    out = run([*spark_submit, "--jars", jar, str(script), archive, str(tmp_path / "ckpt")],
+              env, tmp_path / "scan.log")
+    got = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert got == {"loaded": True, "jvm": True, "rows": len(messages),
+                   "streamed": len(messages)}, got
