@@ -1,7 +1,7 @@
 """The JVM reader of the ``logjam`` format: batch scans without a Python worker.
 
 Spark's Python data sources hand every Arrow batch to the JVM, which turns it into rows one
-by one; that path alone caps a scan at about 0.7x of Spark's Parquet scan on these
+by one; that path alone caps a scan at 0.5-0.8x of Spark's Parquet scan on these
 machines, before any decoding.  ``pipeline/jvm/logjamrelay/spark/*.java`` decodes archived
 segments on the JVM straight into columnar batches instead (the JVM twin of
 :mod:`.decode`, as the C twins are of the Python walk; ``tests/test_pipeline_jvm.py``
