@@ -10,6 +10,16 @@ from logjam_relay.protocols.logjam import encode_meta
 from logjam_relay.spool.api import KIND_LOGJAM, Position, Record
 
 
+def clear_cache_while_encoding(c) -> None:
+    """Make encoder ``c`` clear its stream cache on every lookup (while encoding)."""
+    orig = c._stream_pairs
+
+    def pairs_and_clear(app_env, topic):
+        r = orig(app_env, topic)
+        c._stream_cache.clear()
+        return r
+    c._stream_pairs = pairs_and_clear
+
 def test_shared_and_changing_frame_objects():
     require_native(le._ljencode, "logjam_relay.outputs._ljencode")
     a, b = b"shop-prod", b"other-env"
@@ -35,11 +45,5 @@ def test_a_small_pair_cache_is_cleared_and_still_right(monkeypatch):
                    [b"app-%d" % (i % 7), b"t", b"{}", encode_meta(0, 1, 2, 3)]) for i in range(50)]
     c, py = le.EventEncoder("relay"), le.EventEncoder("relay")
     c._stream_cache.clear()
-    orig = c._stream_pairs
-
-    def pairs_and_clear(app_env, topic):          # a cache cleared while encoding
-        r = orig(app_env, topic)
-        c._stream_cache.clear()
-        return r
-    c._stream_pairs = pairs_and_clear
+    clear_cache_while_encoding(c)
     assert c.encode(recs) == py.encode_py(recs)

@@ -50,6 +50,18 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+#: lz4 blocks (with the 4-byte length) no compressor writes -- offset 0, matches into the
+#: last bytes -- that LZ4_decompress_safe still decodes (or refuses) its own way
+ODD_LZ4_BLOCKS = [
+    b"\x00\x00\x00\x18\x80abcdefgh\x00\x00\xc0" + b"x" * 12,
+    b"\x00\x00\x00\x18\x80abcdefgh\x08\x00\xc0" + b"x" * 12,
+    b"\x00\x00\x00\x0c\x80abcdefgh\x08\x00\x00",
+    b"\x00\x00\x00\x0d\x80abcdefgh\x08\x00\x10z",
+    b"\x00\x00\x00\x20\x8fabcdefgh\x08\x00\x05\x00",
+    b"\x00\x00\x00\x14\x4fabcd\x04\x00\x01\x00",
+]
+
+
 def python_rows(buf: bytes, rows: np.ndarray) -> tuple[list, dict]:
     """The Python loop of decode.py: bodies (or None) and errors."""
     mv = memoryview(buf)
@@ -138,13 +150,7 @@ def test_bad_meta_frames_unknown_method_and_garbage():
              (LZ4, b"\x00\x00\x00\x02\x10a"), (LZ4, l4(b"hello world", 12)),
              (LZ4, l4(b"hello world", 10)), (LZ4, l4(b"a" * 100)[:-1]),
              # offset 0 and matches into the last bytes: blocks no compressor writes
-             (LZ4, b"\x00\x00\x00\x18\x80abcdefgh\x00\x00\xc0" + b"x" * 12),
-             (LZ4, b"\x00\x00\x00\x18\x80abcdefgh\x08\x00\xc0" + b"x" * 12),
-             (LZ4, b"\x00\x00\x00\x0c\x80abcdefgh\x08\x00\x00"),
-             (LZ4, b"\x00\x00\x00\x0d\x80abcdefgh\x08\x00\x10z"),
-             (LZ4, b"\x00\x00\x00\x20\x8fabcdefgh\x08\x00\x05\x00"),
-             (LZ4, b"\x00\x00\x00\x14\x4fabcd\x04\x00\x01\x00"),
-             ]
+             *((LZ4, b) for b in ODD_LZ4_BLOCKS)]
     errs = compare(cases)
     assert errs[0] == "meta" and errs[1] == "frames" and errs[2] == "decompress"
 

@@ -29,6 +29,7 @@ from logjam_relay.pipeline import decode as dec  # noqa: E402
 from logjam_relay.pipeline import jvmreader, sample  # noqa: E402
 from logjam_relay.protocols.logjam import MAX_DECOMPRESSED, compress  # noqa: E402
 from logjam_relay.spool import segment as fmt  # noqa: E402
+from test_pipeline_bodies import ODD_LZ4_BLOCKS  # noqa: E402
 from test_pipeline_bodies import varint as _varint  # noqa: E402  (snappy length prefixes)
 
 NONE, ZLIB, SNAPPY, LZ4 = 0, 1, 2, 3
@@ -253,12 +254,7 @@ def odd_records() -> list[tuple[int, list[bytes]]]:
     # no compressor writes (offset 0, matches near the end)
     for c, b in [(ZLIB, _z(b"tail") + b"trailing"), (LZ4, b"\x00\x00\x00\x00\x00"),
                  (LZ4, b"\x00\x00\x00\x01\x10a"),
-                 (LZ4, b"\x00\x00\x00\x18\x80abcdefgh\x00\x00\xc0" + b"x" * 12),
-                 (LZ4, b"\x00\x00\x00\x18\x80abcdefgh\x08\x00\xc0" + b"x" * 12),
-                 (LZ4, b"\x00\x00\x00\x0c\x80abcdefgh\x08\x00\x00"),
-                 (LZ4, b"\x00\x00\x00\x0d\x80abcdefgh\x08\x00\x10z"),
-                 (LZ4, b"\x00\x00\x00\x20\x8fabcdefgh\x08\x00\x05\x00"),
-                 (LZ4, b"\x00\x00\x00\x14\x4fabcd\x04\x00\x01\x00"),
+                 *((LZ4, b) for b in ODD_LZ4_BLOCKS),
                  (SNAPPY, b"\x02\xf0\x01ab\x00")]:
         lj(b, c)
     lj(_z(bytes(MAX_DECOMPRESSED + 1)), ZLIB)          # a zlib bomb: over the limit

@@ -19,6 +19,7 @@ from logjam_relay.protocols.logjam import encode_meta
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool import tail
 from logjam_relay.spool.api import KIND_LOGJAM, Position, Record
+from test_ljencode_shared import clear_cache_while_encoding
 
 
 def _native():
@@ -233,13 +234,7 @@ def test_lumberjack_pairs_cache_on_blocks():
                            b"{}", _ok_meta(rnd)]) for _ in range(300)]
     block, _ = _block(fmt.encode_records(recs, first_seq=1))
     c, py = le.EventEncoder("h"), le.EventEncoder("h")
-    orig = c._stream_pairs
-
-    def pairs_and_clear(app_env, topic):          # a cache cleared while encoding
-        r = orig(app_env, topic)
-        c._stream_cache.clear()
-        return r
-    c._stream_pairs = pairs_and_clear
+    clear_cache_while_encoding(c)
     assert c.encode(block) == py.encode_py(block.tolist())
 
 
