@@ -20,10 +20,6 @@ The package: ``errors`` (ConfigError, StartupError), ``convert`` (value converte
 from __future__ import annotations
 
 from .convert import (  # noqa: F401
-    _DUR,
-    _DUR_MULT,
-    _SIZE,
-    _SIZE_MULT,
     _float,
     _int,
     boolean,

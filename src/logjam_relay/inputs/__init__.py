@@ -55,7 +55,7 @@ _BOOL = {"on": True, "true": True, "yes": True, "1": True,
 def parse_input(url: str, *, max_event_bytes: int | None = None) -> InputSpec:
     """``scheme://host:port?param=value&...`` -> :class:`InputSpec`; ValueError names the
     bad parameter."""
-    from ..config import duration, size
+    from ..units import duration, size
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if not sep or scheme not in DEFAULT_PORTS:

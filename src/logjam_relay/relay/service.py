@@ -133,7 +133,7 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
         relay.outputs.append(OutputSupervisor(
             spec, reader, factory,
             retry_budget=settings.ready_output_down_after or float("inf")))
-    from ..helptext import human_size
+    from ..units import human_size
     log.info("spool %s (%s, max %s, fsync %s) with outputs: %s", spool_dir,
              settings.spool_policy, human_size(settings.spool_max_bytes), settings.spool_fsync,
              ", ".join(s.name for s in specs) or "none configured (archive only)")
