@@ -2,8 +2,9 @@
 
 import pytest
 
-from logjam_relay import config, helptext
+from logjam_relay import config
 from logjam_relay.cli import run_parser
+from logjam_relay.config import helptext
 
 
 def parse(argv):

@@ -16,7 +16,7 @@ import time
 
 from . import __version__
 from .config import ConfigError, StartupError, add_arguments, find_exception, load
-from .helptext import display_value, effective_values
+from .config.helptext import display_value, effective_values
 from .ratelimit import escape_controls
 from .redact import install_log_redaction, redact_exceptions, redact_setting, redact_text
 

@@ -9,7 +9,7 @@ from ..units import duration, size  # noqa: F401  (converters of the table, re-e
 
 # ----------------------------------------------------------------- converters
 
-def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int]:
+def integer(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int]:
     def conv(v: Any) -> int:
         if isinstance(v, bool):
             raise ValueError(f"expected an integer, got {v!r}")
@@ -28,10 +28,10 @@ def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int]:
 
 
 def port(v: Any) -> int:
-    return _int(0, 65535)(v)
+    return integer(0, 65535)(v)
 
 
-def _float(lo: float = 0.0) -> Callable[[Any], float]:
+def number(lo: float = 0.0) -> Callable[[Any], float]:
     def conv(v: Any) -> float:
         try:
             x = float(v)

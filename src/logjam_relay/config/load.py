@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
-from .settings import _BY_NAME, SETTING_FIELDS, Settings
+from .helptext import display_value
+from .settings import BY_NAME, SETTING_FIELDS, Settings
 
 # LOGJAM_RELAY_* variables that are legitimately not settings (read elsewhere); any other
 # LOGJAM_RELAY_* name is a misspelt setting and stops start-up like an unknown TOML key.
@@ -54,7 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every setting's flags to ``parser`` (defaults suppressed: only given flags count)."""
     parser.add_argument("-c", "--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML configuration file (also LOGJAM_RELAY_CONFIG)")
-    from ..helptext import display_value
     for f in SETTING_FIELDS:
         md = f.metadata
         text = md["help"]
@@ -86,9 +86,9 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path}: {e}") from None
         for name, v in _flatten_toml(data, str(path)).items():
-            if name not in _BY_NAME:
+            if name not in BY_NAME:
                 raise ConfigError(f"{name} ({path}): unknown setting"
-                                  f"{_did_you_mean(name, _BY_NAME)}")
+                                  f"{_did_you_mean(name, BY_NAME)}")
             raw[name] = (v, str(path))
 
     for f in SETTING_FIELDS:
@@ -99,13 +99,13 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
     _check_unknown_env(environ)
 
     for name, v in args.items():
-        if name in _BY_NAME and v is not None:
-            flag = _BY_NAME[name].metadata["flags"][-1]
+        if name in BY_NAME and v is not None:
+            flag = BY_NAME[name].metadata["flags"][-1]
             raw[name] = (v, flag)
 
     s = Settings()
     for name, (v, src) in raw.items():
-        conv = _BY_NAME[name].metadata["conv"]
+        conv = BY_NAME[name].metadata["conv"]
         try:
             value = conv(v)
         except ValueError as e:

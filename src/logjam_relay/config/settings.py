@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from .convert import (
-    _float,
-    _int,
     boolean,
     choice,
     duration,
@@ -22,6 +20,8 @@ from .convert import (
     string,
     string_list,
 )
+from .convert import integer as _int  # short names for the rows of the table below
+from .convert import number as _float
 from .errors import StartupError
 
 # ------------------------------------------------------------------- settings
@@ -290,4 +290,4 @@ class Settings:
 
 
 SETTING_FIELDS = [f for f in fields(Settings) if "conv" in f.metadata]
-_BY_NAME = {f.name: f for f in SETTING_FIELDS}
+BY_NAME = {f.name: f for f in SETTING_FIELDS}

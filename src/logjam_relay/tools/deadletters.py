@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from ..helptext import plain
+from ..config.helptext import plain
 
 
 def parser() -> argparse.ArgumentParser:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .units import human_duration, human_size
+from ..units import duration, human_duration, human_size, size
+from .settings import BY_NAME, SETTING_FIELDS
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
@@ -24,8 +25,7 @@ def plain(doc: str | None) -> str:
 def display_value(name: str, value: Any) -> str:
     """A setting's value as an operator reads it: sizes in KiB/MiB/GiB, durations in
     ms/s/min/h/d, lists comma-separated, None as 'off'."""
-    from .config import _BY_NAME, duration, size
-    f = _BY_NAME.get(name)
+    f = BY_NAME.get(name)
     conv = f.metadata["conv"] if f is not None else None
     if value is None:
         return "off"
@@ -43,7 +43,6 @@ def display_value(name: str, value: Any) -> str:
 def effective_values(s) -> list[tuple[str, str, str]]:
     """(name, value as displayed, source) of every setting, with what the relay will really
     use: the resolved state_dir, spool_dir and fqdn rather than their unset defaults."""
-    from .config import SETTING_FIELDS
     out = []
     for f in SETTING_FIELDS:
         name, value = f.name, getattr(s, f.name)
