@@ -15,7 +15,7 @@ import sys
 import time
 
 from . import __version__
-from .config import ConfigError, StartupError, add_arguments, find_exception, load
+from .config import ConfigError, StartupError, add_arguments, find_exception
 from .config.helptext import display_value, effective_values
 from .ratelimit import escape_controls
 from .redact import install_log_redaction, redact_exceptions, redact_setting, redact_text
@@ -171,6 +171,7 @@ def run_parser() -> argparse.ArgumentParser:
 def cmd_run(argv: list[str]) -> int:
     import trio
 
+    from .relay.configure import load
     from .relay.service import serve
 
     args = vars(run_parser().parse_args(argv))

@@ -29,7 +29,6 @@ from .convert import (  # noqa: F401
     number,
     opt_string,
     port,
-    rpc_methods,
     size,
     string,
     string_list,

@@ -83,13 +83,3 @@ def string_list(v: Any) -> list[str]:
     if isinstance(v, (list, tuple)):
         return [string(x) for x in v]
     raise ValueError(f"expected a list of strings, got {v!r}")
-
-
-def rpc_methods(v: Any) -> list[str]:
-    """samwise rpc method names (``exchange.declare``, ``exchange.delete``)."""
-    from ..samwise.config import RPC_METHODS
-    items = [] if v in ("", None) else string_list(v)
-    for m in items:
-        if m not in RPC_METHODS:
-            raise ValueError(f"unknown rpc method {m!r} (known: {', '.join(RPC_METHODS)})")
-    return items

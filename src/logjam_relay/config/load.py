@@ -1,4 +1,7 @@
-"""Loading: defaults < TOML file < environment < command line, then the cross-checks."""
+"""Loading: defaults < TOML file < environment < command line, then the checks between
+settings of the table (ports, sizes).  The values a subsystem owns (output and input URLs,
+samwise brokers, CURVE keys, the web config) are checked by that subsystem's
+``check_settings``, which the composition root runs (``logjam_relay.relay.configure``)."""
 
 from __future__ import annotations
 
@@ -117,38 +120,6 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
     return s
 
 
-def _check_curve(s: Settings) -> None:
-    from ..io import curve
-    src = s.sources.get
-    if not s.curve_secret_key:
-        name = "curve_allow_dir" if s.curve_allow_dir else "curve_plain_endpoints"
-        raise ConfigError(f"{name} ({src(name, 'default')}): needs curve_secret_key")
-    if not s.curve_allow_dir:
-        raise ConfigError("curve_allow_dir (default): required with curve_secret_key (the "
-                          "client public keys allowed to connect)")
-    if not os.path.isdir(s.curve_allow_dir):
-        raise ConfigError(f"curve_allow_dir ({src('curve_allow_dir', 'default')}): "
-                          f"{s.curve_allow_dir} is not a directory")
-    try:
-        curve.load_secret_key(s.curve_secret_key)
-    except curve.CurveKeyError as e:
-        raise ConfigError(f"curve_secret_key ({src('curve_secret_key', 'default')}): {e}") \
-            from None
-    bad = [x for x in s.curve_sockets if x not in curve.SOCKETS]
-    if bad:
-        raise ConfigError(f"curve_sockets ({src('curve_sockets', 'default')}): unknown "
-                          f"socket(s) {', '.join(bad)}; one of {', '.join(curve.SOCKETS)}")
-    try:
-        plain = curve.parse_plain_endpoints(s.curve_plain_endpoints)
-    except ValueError as e:
-        raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints', 'default')})"
-                          f": {e}") from None
-    for name in plain:
-        if name not in s.curve_sockets:
-            raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints')}): "
-                              f"{name} is not in curve_sockets (it is plain already)")
-
-
 def _read_brokers_file(s: Settings) -> None:
     """Append the brokers of ``amqp_brokers_file`` (one NAME=URL a line) to amqp_brokers."""
     if not s.amqp_brokers_file:
@@ -199,33 +170,3 @@ def _check(s: Settings) -> None:
                           f">= 64KiB, got {s.ingest_max_bytes}")
     if not s.pull_port and not s.router_port:
         raise ConfigError("pull_port/router_port: at least one input port must be on")
-    if s.samwise or s.amqp_brokers:
-        from ..samwise.config import SamwiseConfig
-        try:
-            SamwiseConfig.from_args(s.samwise, s.amqp_brokers)
-        except ValueError as e:
-            name = "samwise" if str(e).startswith("--samwise") else "amqp_brokers"
-            raise ConfigError(f"samwise/amqp_brokers: {name} ({s.source_label(name)}): "
-                              f"{e}") from None
-    if s.outputs:
-        from ..outputs.supervisor import parse_outputs
-        try:
-            parse_outputs(s.outputs)
-        except ValueError as e:
-            raise ConfigError(f"outputs ({s.sources.get('outputs', 'default')}): {e}") from None
-    if s.curve_secret_key or s.curve_allow_dir or s.curve_plain_endpoints:
-        _check_curve(s)
-    if s.web_config_file:
-        from ..health.webconfig import WebConfigError
-        from ..health.webconfig import load as load_web_config
-        try:
-            load_web_config(s.web_config_file)
-        except WebConfigError as e:
-            raise ConfigError(f"web_config_file ({s.sources.get('web_config_file', 'default')})"
-                              f": {e}") from None
-    if s.inputs:
-        from ..inputs import parse_inputs
-        try:
-            parse_inputs(s.inputs, max_event_bytes=s.max_event_bytes)
-        except ValueError as e:
-            raise ConfigError(f"inputs ({s.sources.get('inputs', 'default')}): {e}") from None

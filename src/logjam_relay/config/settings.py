@@ -15,7 +15,6 @@ from .convert import (
     duration,
     opt_string,
     port,
-    rpc_methods,
     size,
     string,
     string_list,
@@ -185,7 +184,7 @@ class Settings:
     samwise_rpc_max_queued: int = opt(64, _int(0, 100_000), "samwise rpc: requests waiting "
                                       "for a connection; more are answered 'too many rpc "
                                       "requests'", "--samwise-rpc-max-queued", metavar="N")
-    samwise_rpc_allow: list[str] = opt(["exchange.declare"], rpc_methods, "samwise rpc "
+    samwise_rpc_allow: list[str] = opt(["exchange.declare"], string_list, "samwise rpc "
                                        "methods clients may call (comma-separated; empty = "
                                        "none; exchange.delete only if listed)",
                                        "--samwise-rpc-allow", metavar="METHOD,...")

@@ -12,7 +12,13 @@ See ``docs/inputs.md``.
 
 from __future__ import annotations
 
-from .spec import DEFAULT_PORTS, InputSpec, parse_input, parse_inputs  # noqa: F401
+from .spec import (  # noqa: F401
+    DEFAULT_PORTS,
+    InputSpec,
+    check_settings,
+    parse_input,
+    parse_inputs,
+)
 
 
 def make_input(spec: InputSpec, relay):

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
+from ..config import ConfigError, Settings
 from ..io.net import parse_hostport
 from .mapping import MappingOptions
 
@@ -134,3 +135,11 @@ def parse_inputs(urls: list[str], *, max_event_bytes: int | None = None) -> list
         raise ValueError(f"two inputs are named {', '.join(dup)}; add name=... to one")
     return specs
 
+
+def check_settings(s: Settings) -> None:
+    """The input URLs, parsed at start: a ConfigError names the setting and its source."""
+    if s.inputs:
+        try:
+            parse_inputs(s.inputs, max_event_bytes=s.max_event_bytes)
+        except ValueError as e:
+            raise ConfigError(f"inputs ({s.sources.get('inputs', 'default')}): {e}") from None

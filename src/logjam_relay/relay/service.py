@@ -15,6 +15,7 @@ from ..health.http import HTTPServer
 from ..health.metrics import make_registry, metrics_handler
 from ..redact import redact_text
 from .app import Relay, bind_cause
+from .configure import check_settings
 
 log = logging.getLogger("logjam_relay.service")
 
@@ -301,6 +302,7 @@ def build(settings: Settings) -> Relay:
     """Create a relay with everything the settings ask for attached."""
     from ..redact import install_log_redaction
     install_log_redaction()             # no password in any log line or CMDP LOG record
+    check_settings(settings)            # each subsystem's values (a ConfigError names one)
     relay = Relay(settings)
     # the sequence state first: a second relay on the same state dir stops here, before
     # it touches the spool

@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _settings(args):
-    from ..config import load
+    from ..relay.configure import load  # the relay's own check of its configuration
     cli = {}
     if args.config:
         cli["config"] = args.config
