@@ -24,10 +24,10 @@ from logjam_relay.outputs.courier import (
     parse_url,
     record_to_event,
 )
-from logjam_relay.peers.courier_receiver import CourierReceiver
 from logjam_relay.protocols import courier as P
 from logjam_relay.protocols.logjam import compress, encode_meta
 from logjam_relay.spool.api import KIND_SAMWISE, MemorySource, Position, Record
+from peers.courier_receiver import CourierReceiver
 
 PLAIN = TLSSettings(enabled=False)
 

@@ -15,10 +15,10 @@ from logjam_relay.outputs.lumberjack import (
     LumberjackOutput,
     parse_url,
 )
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.protocols import lumberjack as lj
 from logjam_relay.protocols.logjam import compress, encode_meta
 from logjam_relay.spool.api import KIND_SAMWISE, MemorySource
+from peers.lumberjack_reader import LumberjackReader
 
 FAST = dict(backoff_min=0.01, backoff_max=0.05, relay_host="relay-1")
 
