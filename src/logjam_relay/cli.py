@@ -202,7 +202,7 @@ def cmd_run(argv: list[str]) -> int:
             await nursery.start(serve, settings)
             ready = True
             buffer.go_live()
-            from .relay.stamping import tune_gc
+            from .gc_tuning import tune_gc
             tune_gc()       # start-up done: the garbage collector off the hot path
 
     try:
