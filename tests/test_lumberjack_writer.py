@@ -557,7 +557,7 @@ async def test_stop_and_wait_fallback_is_retried_after_a_while(mock_clock):
 # ------------------------------------------------- the C event mapping (_ljencode.c)
 
 def _c_encoder_or_skip():
-    from logjam_relay.outputs import lumberjack as out
+    from logjam_relay.outputs import lumberjack_encode as out
     require_native(out._ljencode, "logjam_relay.outputs._ljencode")
     return out
 
