@@ -21,12 +21,15 @@ import time
 
 import trio
 
-from logjam_relay.io.net import TLSSettings
-from logjam_relay.outputs.courier import CourierConfig, CourierOutput, record_to_event
-from logjam_relay.peers.courier_receiver import CourierReceiver
-from logjam_relay.protocols import courier as P
-from logjam_relay.protocols.logjam import encode_meta
-from logjam_relay.spool.api import MemorySource
+# the test peers (tests/peers/, not part of the installed package)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from logjam_relay.io.net import TLSSettings  # noqa: E402
+from logjam_relay.outputs.courier import CourierConfig, CourierOutput, record_to_event  # noqa: E402
+from logjam_relay.protocols import courier as P  # noqa: E402
+from logjam_relay.protocols.logjam import encode_meta  # noqa: E402
+from logjam_relay.spool.api import MemorySource  # noqa: E402
+from peers.courier_receiver import CourierReceiver  # noqa: E402
 
 
 def make_source(n: int) -> MemorySource:

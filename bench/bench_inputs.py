@@ -5,7 +5,7 @@
 For each protocol the relay's own writer (LumberjackOutput / CourierOutput, from a
 MemorySource) sends the same logjam records
 
-* ``sink``  : into the in-repo receiver (peers.lumberjack_reader / peers.courier_receiver,
+* ``sink``  : into the test peers (tests/peers/lumberjack_reader.py / courier_receiver.py,
               full decoding, nothing else) in its own process: the baseline;
 * ``input`` : into a real ``logjam-relay`` process with ``--input``: decoding, mapping back
               to logjam messages, stamping, PUB, spool append (fsync interval), then ACK.
@@ -29,6 +29,7 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))   # the test peers
 
 from bench_lumberjack import make_records  # noqa: E402
 from logjam_relay.io.net import TLSSettings  # noqa: E402
@@ -39,8 +40,8 @@ from logjam_relay.spool.api import MemorySource  # noqa: E402
 
 
 def _sink_main(kind, conn):
-    from logjam_relay.peers.courier_receiver import CourierReceiver
-    from logjam_relay.peers.lumberjack_reader import LumberjackReader
+    from peers.courier_receiver import CourierReceiver
+    from peers.lumberjack_reader import LumberjackReader
 
     async def main():
         async with trio.open_nursery() as n:

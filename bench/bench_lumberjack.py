@@ -14,7 +14,7 @@ For every (window, zlib level) it measures, in the same run:
 
 Baseline and writer runs alternate ``--repeat`` times (default 3); medians are printed.
 
-The reader (``peers.lumberjack_reader``, go-lumber behaviour, full decoding of every
+The reader (``tests/peers/lumberjack_reader.py``, go-lumber behaviour, full decoding of every
 event) runs in a separate process, like a real Logstash would.  Events: logjam records
 with a ~100 byte uncompressed JSON body; with the 9 mapped fields the 1D frame
 is ~300 bytes (the size used in the reference measurements).
@@ -36,6 +36,7 @@ import time
 import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))   # the test peers
 
 from logjam_relay.io.net import TLSSettings, connect, server_context  # noqa: E402
 from logjam_relay.outputs.lumberjack import (  # noqa: E402
@@ -43,10 +44,10 @@ from logjam_relay.outputs.lumberjack import (  # noqa: E402
     LumberjackConfig,
     LumberjackOutput,
 )
-from logjam_relay.peers.lumberjack_reader import LumberjackReader  # noqa: E402
 from logjam_relay.protocols import lumberjack as lj  # noqa: E402
 from logjam_relay.protocols.logjam import encode_meta  # noqa: E402
 from logjam_relay.spool.api import MemorySource  # noqa: E402
+from peers.lumberjack_reader import LumberjackReader  # noqa: E402
 
 TARGET = 256_000   # bench_relay.py, PULL -> PUB with the C socket loops, 2 cores (2026-11-21)
 

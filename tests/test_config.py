@@ -2,8 +2,10 @@
 
 import pytest
 
-from logjam_relay import config, helptext
+from logjam_relay import config
 from logjam_relay.cli import run_parser
+from logjam_relay.config import helptext
+from logjam_relay.relay import configure
 
 
 def parse(argv):
@@ -66,7 +68,7 @@ def test_errors_name_the_setting(tmp_path, args, env, toml, message):
         args = ["--config", str(tmp_path / "relay.toml"), *args]
         message = message.replace("relay.toml", str(tmp_path / "relay.toml"))
     with pytest.raises(config.ConfigError) as ei:
-        config.load(parse(args), environ=env)
+        configure.load(parse(args), environ=env)    # with the subsystems' checks
     assert message in str(ei.value)
 
 

@@ -6,8 +6,8 @@ import pytest
 import trio
 
 from logjam_relay.io.net import TLSSettings, connect, server_context
-from logjam_relay.peers.courier_receiver import CourierReceiver
 from logjam_relay.protocols import courier as P
+from peers.courier_receiver import CourierReceiver
 
 NONCE = b"\x11" * 16
 HELO = P.encode_hello(P.Helo())

@@ -24,10 +24,10 @@ from logjam_relay.outputs.courier import (
     parse_url,
     record_to_event,
 )
-from logjam_relay.peers.courier_receiver import CourierReceiver
 from logjam_relay.protocols import courier as P
 from logjam_relay.protocols.logjam import compress, encode_meta
 from logjam_relay.spool.api import KIND_SAMWISE, MemorySource, Position, Record
+from peers.courier_receiver import CourierReceiver
 
 PLAIN = TLSSettings(enabled=False)
 
@@ -497,13 +497,13 @@ async def test_misbehaving_server_closes_and_recovers(nursery, fault, reason):
 # ------------------------------------------------- the C event mapping (_courierenc.c)
 
 def _courierenc_or_skip():
-    from logjam_relay.outputs import courier as co
+    from logjam_relay.outputs import courier_encode as co
     require_native(co._courierenc, "logjam_relay.outputs._courierenc")
     return co
 
 
 def _py_is_json(b: bytes) -> bool:
-    from logjam_relay.outputs.courier import _json_check
+    from logjam_relay.outputs.courier_encode import _json_check
     try:
         _json_check(b.decode("utf-8"))
         return True

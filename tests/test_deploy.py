@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from logjam_relay import config
+from logjam_relay.relay import configure  # config.load and the subsystems' checks
 from relay_harness import relay_settings, start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +87,7 @@ def test_sample_config_commented_examples_load(tmp_path):
     assert {"compress", "fqdn", "state_dir", "spool_dir"} <= uncommented
     f = tmp_path / "relay.toml"
     f.write_text("\n".join(lines) + "\n")
-    s = config.load(config_file=f, environ={})
+    s = configure.load(config_file=f, environ={})
     assert s.compress is not None and s.fqdn and s.state_dir and s.spool_dir
 
 
@@ -120,7 +121,7 @@ def _k8s_settings(tmp_path, environ=None) -> config.Settings:
     by_kind, _ = _k8s_docs()
     f = tmp_path / "relay.toml"
     f.write_text(by_kind["ConfigMap"]["data"]["relay.toml"])
-    return config.load(config_file=f, environ=environ or {})
+    return configure.load(config_file=f, environ=environ or {})
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "latest"])

@@ -46,9 +46,9 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.io.curve import keygen, load_secret_key
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.protocols import lumberjack_server as ljs
 from logjam_relay.protocols import samwise
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, relay_settings, start_process, stop_process
 from test_samwise_rabbitmq import rabbit  # noqa: F401  (fixture: RabbitMQ for the samwise panels)
 

@@ -334,7 +334,7 @@ async def test_full_spool_holds_the_ack_and_sends_keepalives(tmp_path):
     """A full spool (policy block; its only output's receiver is down) holds the window's
     ACK; the input sends 2A 0 keep-alives meanwhile, and the ACK follows once the output's
     receiver is up and the spool drains."""
-    from logjam_relay.peers.lumberjack_reader import LumberjackReader
+    from peers.lumberjack_reader import LumberjackReader
 
     lport, out_port = free_port(), free_port()
     async with running_relay(

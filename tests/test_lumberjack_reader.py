@@ -6,8 +6,8 @@ import pytest
 import trio
 
 from logjam_relay.io.net import TLSSettings, connect, server_context
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.protocols import lumberjack as lj
+from peers.lumberjack_reader import LumberjackReader
 
 
 def W(n):

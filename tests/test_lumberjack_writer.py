@@ -15,10 +15,10 @@ from logjam_relay.outputs.lumberjack import (
     LumberjackOutput,
     parse_url,
 )
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.protocols import lumberjack as lj
 from logjam_relay.protocols.logjam import compress, encode_meta
 from logjam_relay.spool.api import KIND_SAMWISE, MemorySource
+from peers.lumberjack_reader import LumberjackReader
 
 FAST = dict(backoff_min=0.01, backoff_max=0.05, relay_host="relay-1")
 
@@ -557,7 +557,7 @@ async def test_stop_and_wait_fallback_is_retried_after_a_while(mock_clock):
 # ------------------------------------------------- the C event mapping (_ljencode.c)
 
 def _c_encoder_or_skip():
-    from logjam_relay.outputs import lumberjack as out
+    from logjam_relay.outputs import lumberjack_encode as out
     require_native(out._ljencode, "logjam_relay.outputs._ljencode")
     return out
 

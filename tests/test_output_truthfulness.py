@@ -15,7 +15,7 @@ import trio
 from conftest import free_port
 from logjam_relay.outputs import courier, lumberjack
 from logjam_relay.outputs.supervisor import output_name, parse_outputs
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import relay_settings, stop_process
 
 # start(): start_process, and the relay is killed after the test even when it fails

@@ -19,9 +19,9 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.outputs.worker import ProcessOutput, RemoteSource
-from logjam_relay.peers.courier_receiver import CourierReceiver
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.spool.api import Position
+from peers.courier_receiver import CourierReceiver
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, relay_settings, running_relay, send, start_process, stop_process
 
 BODY = b'{"action":"Worker#test","n":%d,"pad":"........................................"}'

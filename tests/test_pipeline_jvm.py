@@ -680,11 +680,11 @@ def test_constants(spark):
 
 
 def test_no_janino_falls_back(monkeypatch, tmp_path, caplog):
-    from logjam_relay.pipeline.jvmcache import _spark_jars
-    jars = [j for j in _spark_jars()
+    from logjam_relay.pipeline.jvmcache import spark_jars
+    jars = [j for j in spark_jars()
             if not os.path.basename(j).startswith(("janino-", "commons-compiler-"))]
     assert jars
-    monkeypatch.setattr(jvmreader, "_spark_jars", lambda: jars)
+    monkeypatch.setattr(jvmreader, "spark_jars", lambda: jars)
     with caplog.at_level(logging.WARNING, logger="logjam_relay.pipeline.jvmreader"):
         assert jvmreader.ensure_jar(cache_dir=str(tmp_path)) is None
     msgs = [r.getMessage() for r in caplog.records if r.name == jvmreader.log.name]

@@ -17,10 +17,10 @@ from logjam_relay.io.net import TLSSettings
 from logjam_relay.limits import BadBody, EventTooLarge, inflate_bounded
 from logjam_relay.outputs.courier import CourierConfig, CourierOutput
 from logjam_relay.outputs.lumberjack import LumberjackConfig, LumberjackOutput
-from logjam_relay.peers.courier_receiver import CourierReceiver
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.protocols.logjam import compress, encode_meta
 from logjam_relay.spool.api import MemorySource
+from peers.courier_receiver import CourierReceiver
+from peers.lumberjack_reader import LumberjackReader
 
 POISON = b"POISON"
 LIMIT = 64 * 1024

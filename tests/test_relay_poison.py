@@ -17,8 +17,8 @@ import trio
 import zmq
 
 from conftest import free_port
-from logjam_relay.peers.courier_receiver import CourierReceiver
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from peers.courier_receiver import CourierReceiver
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, recv, relay_settings, send, start_process, stop_process
 
 _PROCS: list = []

@@ -11,7 +11,7 @@ pytest.importorskip("pyspark")
 
 from conftest import require_native  # noqa: E402
 from logjam_relay.outputs.archive import Archive  # noqa: E402
-from logjam_relay.pipeline import datasource as ds  # noqa: E402
+from logjam_relay.pipeline import decode as ds  # noqa: E402
 from logjam_relay.pipeline import sample  # noqa: E402
 from logjam_relay.spool import segment as fmt  # noqa: E402
 from logjam_relay.spool.api import KIND_SAMWISE  # noqa: E402

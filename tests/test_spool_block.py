@@ -9,7 +9,7 @@ import trio
 
 from conftest import free_port
 from logjam_relay.io import zmq_trio
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, recv, running_relay, send
 
 BODY = b'{"action":"Block#test","n":%d,"pad":"' + b"." * 200 + b'"}'

@@ -21,9 +21,9 @@ import trio
 import zmq
 
 from conftest import free_port
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
 from logjam_relay.spool import cursors as curlog
 from logjam_relay.spool import segment as fmt
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import relay_settings, start_process, stop_process
 from spool_requests import send_requests as _send_requests
 

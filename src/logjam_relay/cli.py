@@ -15,8 +15,8 @@ import sys
 import time
 
 from . import __version__
-from .config import ConfigError, StartupError, add_arguments, find_exception, load
-from .helptext import display_value, effective_values
+from .config import ConfigError, StartupError, add_arguments, find_exception
+from .config.helptext import display_value, effective_values
 from .ratelimit import escape_controls
 from .redact import install_log_redaction, redact_exceptions, redact_setting, redact_text
 
@@ -171,6 +171,7 @@ def run_parser() -> argparse.ArgumentParser:
 def cmd_run(argv: list[str]) -> int:
     import trio
 
+    from .relay.configure import load
     from .relay.service import serve
 
     args = vars(run_parser().parse_args(argv))
@@ -201,7 +202,7 @@ def cmd_run(argv: list[str]) -> int:
             await nursery.start(serve, settings)
             ready = True
             buffer.go_live()
-            from .relay.stamping import tune_gc
+            from .gc_tuning import tune_gc
             tune_gc()       # start-up done: the garbage collector off the hot path
 
     try:

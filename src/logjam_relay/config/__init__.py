@@ -13,25 +13,22 @@ Values are validated at start; an error names the setting and where it came
 from, e.g. ``spool_policy (LOGJAM_RELAY_SPOOL_POLICY): must be one of block,
 drop_oldest, got 'keep'``.
 
-The package: ``errors`` (ConfigError, StartupError), ``convert`` (value converters),
-``settings`` (the ``Settings`` table), ``load`` (sources and cross-checks).
+The package: ``errors`` (ConfigError, StartupError), ``convert`` (value converters; the
+units themselves are ``logjam_relay.units``), ``settings`` (the ``Settings`` table),
+``load`` (sources and the checks between settings), ``helptext`` (values as operators
+read them, for ``--help`` and ``--check-config``).
 """
 
 from __future__ import annotations
 
 from .convert import (  # noqa: F401
-    _DUR,
-    _DUR_MULT,
-    _SIZE,
-    _SIZE_MULT,
-    _float,
-    _int,
     boolean,
     choice,
     duration,
+    integer,
+    number,
     opt_string,
     port,
-    rpc_methods,
     size,
     string,
     string_list,
@@ -44,21 +41,13 @@ from .errors import (  # noqa: F401
 from .load import (  # noqa: F401
     NON_SETTING_ENV,
     NON_SETTING_ENV_PREFIX,
-    _check,
-    _check_curve,
-    _check_unknown_env,
-    _did_you_mean,
-    _env_names,
-    _flatten_toml,
-    _read_brokers_file,
     add_arguments,
     load,
 )
 from .settings import (  # noqa: F401
-    _BY_NAME,
+    BY_NAME,
     SETTING_FIELDS,
     Settings,
-    _default_state_dir,
     default_fqdn,
     opt,
 )

@@ -1,4 +1,7 @@
-"""Loading: defaults < TOML file < environment < command line, then the cross-checks."""
+"""Loading: defaults < TOML file < environment < command line, then the checks between
+settings of the table (ports, sizes).  The values a subsystem owns (output and input URLs,
+samwise brokers, CURVE keys, the web config) are checked by that subsystem's
+``check_settings``, which the composition root runs (``logjam_relay.relay.configure``)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
-from .settings import _BY_NAME, SETTING_FIELDS, Settings
+from .helptext import display_value
+from .settings import BY_NAME, SETTING_FIELDS, Settings
 
 # LOGJAM_RELAY_* variables that are legitimately not settings (read elsewhere); any other
 # LOGJAM_RELAY_* name is a misspelt setting and stops start-up like an unknown TOML key.
@@ -54,7 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every setting's flags to ``parser`` (defaults suppressed: only given flags count)."""
     parser.add_argument("-c", "--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML configuration file (also LOGJAM_RELAY_CONFIG)")
-    from ..helptext import display_value
     for f in SETTING_FIELDS:
         md = f.metadata
         text = md["help"]
@@ -86,9 +89,9 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path}: {e}") from None
         for name, v in _flatten_toml(data, str(path)).items():
-            if name not in _BY_NAME:
+            if name not in BY_NAME:
                 raise ConfigError(f"{name} ({path}): unknown setting"
-                                  f"{_did_you_mean(name, _BY_NAME)}")
+                                  f"{_did_you_mean(name, BY_NAME)}")
             raw[name] = (v, str(path))
 
     for f in SETTING_FIELDS:
@@ -99,13 +102,13 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
     _check_unknown_env(environ)
 
     for name, v in args.items():
-        if name in _BY_NAME and v is not None:
-            flag = _BY_NAME[name].metadata["flags"][-1]
+        if name in BY_NAME and v is not None:
+            flag = BY_NAME[name].metadata["flags"][-1]
             raw[name] = (v, flag)
 
     s = Settings()
     for name, (v, src) in raw.items():
-        conv = _BY_NAME[name].metadata["conv"]
+        conv = BY_NAME[name].metadata["conv"]
         try:
             value = conv(v)
         except ValueError as e:
@@ -115,38 +118,6 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
     _read_brokers_file(s)
     _check(s)
     return s
-
-
-def _check_curve(s: Settings) -> None:
-    from ..io import curve
-    src = s.sources.get
-    if not s.curve_secret_key:
-        name = "curve_allow_dir" if s.curve_allow_dir else "curve_plain_endpoints"
-        raise ConfigError(f"{name} ({src(name, 'default')}): needs curve_secret_key")
-    if not s.curve_allow_dir:
-        raise ConfigError("curve_allow_dir (default): required with curve_secret_key (the "
-                          "client public keys allowed to connect)")
-    if not os.path.isdir(s.curve_allow_dir):
-        raise ConfigError(f"curve_allow_dir ({src('curve_allow_dir', 'default')}): "
-                          f"{s.curve_allow_dir} is not a directory")
-    try:
-        curve.load_secret_key(s.curve_secret_key)
-    except curve.CurveKeyError as e:
-        raise ConfigError(f"curve_secret_key ({src('curve_secret_key', 'default')}): {e}") \
-            from None
-    bad = [x for x in s.curve_sockets if x not in curve.SOCKETS]
-    if bad:
-        raise ConfigError(f"curve_sockets ({src('curve_sockets', 'default')}): unknown "
-                          f"socket(s) {', '.join(bad)}; one of {', '.join(curve.SOCKETS)}")
-    try:
-        plain = curve.parse_plain_endpoints(s.curve_plain_endpoints)
-    except ValueError as e:
-        raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints', 'default')})"
-                          f": {e}") from None
-    for name in plain:
-        if name not in s.curve_sockets:
-            raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints')}): "
-                              f"{name} is not in curve_sockets (it is plain already)")
 
 
 def _read_brokers_file(s: Settings) -> None:
@@ -199,33 +170,3 @@ def _check(s: Settings) -> None:
                           f">= 64KiB, got {s.ingest_max_bytes}")
     if not s.pull_port and not s.router_port:
         raise ConfigError("pull_port/router_port: at least one input port must be on")
-    if s.samwise or s.amqp_brokers:
-        from ..samwise.config import SamwiseConfig
-        try:
-            SamwiseConfig.from_args(s.samwise, s.amqp_brokers)
-        except ValueError as e:
-            name = "samwise" if str(e).startswith("--samwise") else "amqp_brokers"
-            raise ConfigError(f"samwise/amqp_brokers: {name} ({s.source_label(name)}): "
-                              f"{e}") from None
-    if s.outputs:
-        from ..outputs.supervisor import parse_outputs
-        try:
-            parse_outputs(s.outputs)
-        except ValueError as e:
-            raise ConfigError(f"outputs ({s.sources.get('outputs', 'default')}): {e}") from None
-    if s.curve_secret_key or s.curve_allow_dir or s.curve_plain_endpoints:
-        _check_curve(s)
-    if s.web_config_file:
-        from ..health.webconfig import WebConfigError
-        from ..health.webconfig import load as load_web_config
-        try:
-            load_web_config(s.web_config_file)
-        except WebConfigError as e:
-            raise ConfigError(f"web_config_file ({s.sources.get('web_config_file', 'default')})"
-                              f": {e}") from None
-    if s.inputs:
-        from ..inputs import parse_inputs
-        try:
-            parse_inputs(s.inputs, max_event_bytes=s.max_event_bytes)
-        except ValueError as e:
-            raise ConfigError(f"inputs ({s.sources.get('inputs', 'default')}): {e}") from None

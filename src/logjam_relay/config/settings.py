@@ -10,18 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from .convert import (
-    _float,
-    _int,
     boolean,
     choice,
     duration,
     opt_string,
     port,
-    rpc_methods,
     size,
     string,
     string_list,
 )
+from .convert import integer as _int  # short names for the rows of the table below
+from .convert import number as _float
 from .errors import StartupError
 
 # ------------------------------------------------------------------- settings
@@ -185,7 +184,7 @@ class Settings:
     samwise_rpc_max_queued: int = opt(64, _int(0, 100_000), "samwise rpc: requests waiting "
                                       "for a connection; more are answered 'too many rpc "
                                       "requests'", "--samwise-rpc-max-queued", metavar="N")
-    samwise_rpc_allow: list[str] = opt(["exchange.declare"], rpc_methods, "samwise rpc "
+    samwise_rpc_allow: list[str] = opt(["exchange.declare"], string_list, "samwise rpc "
                                        "methods clients may call (comma-separated; empty = "
                                        "none; exchange.delete only if listed)",
                                        "--samwise-rpc-allow", metavar="METHOD,...")
@@ -290,4 +289,4 @@ class Settings:
 
 
 SETTING_FIELDS = [f for f in fields(Settings) if "conv" in f.metadata]
-_BY_NAME = {f.name: f for f in SETTING_FIELDS}
+BY_NAME = {f.name: f for f in SETTING_FIELDS}

@@ -32,6 +32,8 @@ import ssl
 import threading
 from dataclasses import dataclass, field
 
+from ..config import ConfigError, Settings
+
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version",
              "max_version", "cert", "key", "client_allowed_sans"}
 _REFUSED_TLS = {"cipher_suites", "curve_preferences", "prefer_server_cipher_suites"}
@@ -220,3 +222,14 @@ def _tls(path: str, base: str, tls) -> ssl.SSLContext:
     except (ValueError, ssl.SSLError, OSError) as e:
         raise WebConfigError(f"{path}: tls_server_config.{key}: {e}") from None
     return ctx
+
+
+def check_settings(s: Settings) -> None:
+    """``web_config_file``, loaded once at start: a ConfigError names the setting."""
+    if not s.web_config_file:
+        return
+    try:
+        load(s.web_config_file)
+    except WebConfigError as e:
+        raise ConfigError(f"web_config_file ({s.sources.get('web_config_file', 'default')})"
+                          f": {e}") from None

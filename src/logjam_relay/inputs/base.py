@@ -11,7 +11,7 @@ import trio
 
 from ..io.net import server_context
 from ..ratelimit import RateLimitedLog
-from . import InputSpec
+from .spec import InputSpec
 
 log = logging.getLogger("logjam_relay.inputs")
 

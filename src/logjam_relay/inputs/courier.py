@@ -6,7 +6,7 @@ import trio
 
 from ..protocols.courier import Ping
 from ..protocols.courier_server import CourierError, InputConnection, Payload
-from .base import BaseInput, _Closed
+from .base import BaseInput
 from .mapping import json_event
 
 
@@ -45,4 +45,4 @@ class CourierInput(BaseInput):
             elif isinstance(ev, Ping):
                 await stream.send_all(conn.pong())
             else:       # Overloaded: cannot happen (one payload at a time); be safe
-                raise _Closed("overloaded", "too many pending payloads")
+                raise CourierError("overloaded", "too many pending payloads")

@@ -29,6 +29,7 @@ from pathlib import Path
 import zmq
 import zmq.utils.z85
 
+from ..config import ConfigError, Settings
 from ..ratelimit import RateLimitedLog
 
 log = logging.getLogger("logjam_relay.curve")
@@ -83,6 +84,40 @@ def parse_plain_endpoints(items: list[str]) -> dict[str, list[str]]:
                              f"{', '.join(SOCKETS)}")
         out.setdefault(name, []).append(ep.strip())
     return out
+
+
+def check_settings(s: Settings) -> None:
+    """The CURVE settings, checked at start: a ConfigError names the setting and its source."""
+    if not (s.curve_secret_key or s.curve_allow_dir or s.curve_plain_endpoints):
+        return
+    src = s.sources.get
+    if not s.curve_secret_key:
+        name = "curve_allow_dir" if s.curve_allow_dir else "curve_plain_endpoints"
+        raise ConfigError(f"{name} ({src(name, 'default')}): needs curve_secret_key")
+    if not s.curve_allow_dir:
+        raise ConfigError("curve_allow_dir (default): required with curve_secret_key (the "
+                          "client public keys allowed to connect)")
+    if not os.path.isdir(s.curve_allow_dir):
+        raise ConfigError(f"curve_allow_dir ({src('curve_allow_dir', 'default')}): "
+                          f"{s.curve_allow_dir} is not a directory")
+    try:
+        load_secret_key(s.curve_secret_key)
+    except CurveKeyError as e:
+        raise ConfigError(f"curve_secret_key ({src('curve_secret_key', 'default')}): {e}") \
+            from None
+    bad = [x for x in s.curve_sockets if x not in SOCKETS]
+    if bad:
+        raise ConfigError(f"curve_sockets ({src('curve_sockets', 'default')}): unknown "
+                          f"socket(s) {', '.join(bad)}; one of {', '.join(SOCKETS)}")
+    try:
+        plain = parse_plain_endpoints(s.curve_plain_endpoints)
+    except ValueError as e:
+        raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints', 'default')})"
+                          f": {e}") from None
+    for name in plain:
+        if name not in s.curve_sockets:
+            raise ConfigError(f"curve_plain_endpoints ({src('curve_plain_endpoints')}): "
+                              f"{name} is not in curve_sockets (it is plain already)")
 
 
 def keygen(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""TCP/TLS helpers shared by the upstream writers and the in-repo peers."""
+"""TCP/TLS helpers shared by the upstream writers, the inputs and the test peers (tests/peers/)."""
 
 from __future__ import annotations
 

@@ -41,8 +41,6 @@ from .courier_encode import (  # noqa: F401  (re-exported)
     DECOMPRESS_TAG,
     NOT_JSON_TAG,
     RecordBlock,
-    _courierenc,
-    _json_check,
     iso_timestamp,
     record_events,
     record_to_event,

@@ -48,7 +48,6 @@ from .lumberjack_config import DEFAULT_PORT, LumberjackConfig, parse_url  # noqa
 from .lumberjack_encode import (  # noqa: F401  (re-exported)
     DEFAULT_MAX_EVENT_BYTES,
     EventEncoder,
-    _ljencode,
     compress_window,
 )
 from .poison import (

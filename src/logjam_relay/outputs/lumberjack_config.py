@@ -102,7 +102,7 @@ def parse_url(url: str, **overrides) -> LumberjackConfig:
         if k in ("window", "compression", "pipeline"):
             kw[k] = _num(k, v, int)
         elif k == "window_bytes":
-            from ..config import size
+            from ..units import size
             try:
                 kw[k] = size(v)
             except ValueError as e:

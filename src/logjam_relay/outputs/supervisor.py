@@ -22,6 +22,8 @@ from urllib.parse import parse_qs
 
 import trio
 
+from ..config import ConfigError, Settings
+
 log = logging.getLogger("logjam_relay.outputs")
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -69,6 +71,15 @@ def parse_outputs(urls: list[str]) -> list[OutputSpec]:
         seen.add(name)
         specs.append(OutputSpec(name, scheme, url))
     return specs
+
+
+def check_settings(s: Settings) -> None:
+    """The output URLs, parsed at start: a ConfigError names the setting and its source."""
+    if s.outputs:
+        try:
+            parse_outputs(s.outputs)
+        except ValueError as e:
+            raise ConfigError(f"outputs ({s.sources.get('outputs', 'default')}): {e}") from None
 
 
 def make_output(spec: OutputSpec, reader, relay_host: str, *, dead_letters=None,

@@ -522,7 +522,7 @@ async def worker_main(fd: int) -> int:
         # a thread of its own (which cost a thread start and two wake-ups per window, and
         # the worker sat idle meanwhile; bench_durable.py: less CPU per event, more ev/s)
         output.thread_compress_min = float("inf")
-    from ..relay.stamping import tune_gc
+    from ..gc_tuning import tune_gc
     tune_gc()
 
     async def receive(cancel_scope):

@@ -23,6 +23,8 @@ from .. import _native
 from ..protocols.logjam import MAX_DECOMPRESSED
 
 _bodies_c = _native.load("logjam_relay.pipeline._bodies")
+#: :func:`batch_bodies` can run (the C twin ``_bodies.c`` is built)
+BATCH_BODIES_IN_C = _bodies_c is not None
 try:
     import cramjam  # what python-snappy calls; skips a Python wrapper
     _snappy_raw = cramjam.snappy.decompress_raw

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from ..config import duration
+from ..units import duration
 from .java import JavaNotFound, ensure_java
 
 

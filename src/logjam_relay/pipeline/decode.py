@@ -24,7 +24,7 @@ import pyarrow as pa
 from .. import _native
 from ..protocols.logjam import COMPRESSION_NAMES
 from ..spool import segment as fmt
-from .bodies import _bodies_c, batch_bodies, string_array
+from .bodies import BATCH_BODIES_IN_C, batch_bodies, string_array
 from .bodies import decompress_body as _decompress_body
 from .extract import EXTRACT_FIELDS, extract_fields
 
@@ -193,7 +193,7 @@ def _decode_segment_c(path: str, segno: int, start: int, stop: int | None,
                     errors[i] = "meta" if codes_np[i] == -1 else "frames"
                 yield _build(cols, pairs, npbuf, segno, st, columns, False)
                 continue
-            if _bodies_c is not None:       # decompression + UTF-8 check in C
+            if BATCH_BODIES_IN_C:           # decompression + UTF-8 check in C
                 cols.body_col = batch_bodies(buf, rows_b, first, n, errors)
                 yield _build(cols, pairs, npbuf, segno, st, columns)
                 continue

@@ -43,7 +43,7 @@ def default_dir(environ=None) -> str | None:
     return os.path.join(base, "logjam-relay", "jvm") if base else None
 
 
-def _java(environ=None) -> str | None:
+def find_java(environ=None) -> str | None:
     env = os.environ if environ is None else environ
     home = env.get("JAVA_HOME")
     if home and os.path.exists(os.path.join(home, "bin", "java")):
@@ -51,7 +51,7 @@ def _java(environ=None) -> str | None:
     return shutil.which("java", path=env.get("PATH", os.defpath))
 
 
-def _spark_jars() -> list[str]:
+def spark_jars() -> list[str]:
     import pyspark
     home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
     return sorted(glob.glob(os.path.join(home, "jars", "*.jar")))
@@ -62,7 +62,7 @@ class ClassArchive:
 
     def __init__(self, cache_dir: str, conf: dict | None = None, environ=None):
         self.dir = cache_dir
-        self.java = _java(environ)
+        self.java = find_java(environ)
         h = hashlib.sha256()
         for part in self._key_parts(conf or {}):
             h.update(part.encode() + b"\0")
@@ -78,7 +78,7 @@ class ClassArchive:
         real = os.path.realpath(self.java)
         st = os.stat(real)
         yield f"{real} {st.st_size} {st.st_mtime_ns}"
-        for j in _spark_jars():
+        for j in spark_jars():
             s = os.stat(j)
             yield f"{os.path.basename(j)} {s.st_size}"
         for k in CLASSPATH_CONF:

@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 import zipfile
 
-from .jvmcache import _java, _spark_jars, default_dir
+from .jvmcache import default_dir, find_java, spark_jars
 
 log = logging.getLogger("logjam_relay.pipeline.jvmreader")
 
@@ -64,8 +64,8 @@ def _key(jars: list[str]) -> str:
 
 def build(dest: str, jars: list[str] | None = None, java: str | None = None) -> str:
     """Compile the sources into the jar ``dest`` (atomically); BuildError on failure."""
-    jars = _spark_jars() if jars is None else jars
-    java = java or _java()
+    jars = spark_jars() if jars is None else jars
+    java = java or find_java()
     compiler = [j for j in jars if os.path.basename(j).startswith(("janino-", "commons-compiler-"))]
     if java is None:
         raise BuildError("no java found")
@@ -98,7 +98,7 @@ def build(dest: str, jars: list[str] | None = None, java: str | None = None) -> 
 def build_jar(cache_dir: str | None = None) -> str:
     """The reader's jar in the cache (built when missing); BuildError when it cannot be."""
     try:
-        jars = _spark_jars()
+        jars = spark_jars()
         d = cache_dir or default_dir()
         if d is None or not _writable(d):
             d = os.path.join(tempfile.gettempdir(), f"logjam-relay-{os.getuid()}", "jvm")

@@ -28,9 +28,6 @@ import struct
 from dataclasses import dataclass
 
 from .amqp_wire import (  # noqa: F401  (re-exported: the wire helpers are part of this API)
-    _H,
-    _HEARTBEAT,
-    _I,
     BASIC,
     BASIC_ACK,
     BASIC_NACK,
@@ -71,14 +68,16 @@ from .amqp_wire import (  # noqa: F401  (re-exported: the wire helpers are part 
     FRAME_HEARTBEAT,
     FRAME_METHOD,
     FRAME_MIN_SIZE,
+    HEARTBEAT_FRAME,
     MAX_RETURNED_BODY,
     NO_PROPERTIES,
     NOT_FOUND,
     PROTOCOL_HEADER,
     REPLY_SUCCESS,
+    U16,
+    U32,
     AmqpError,
-    _Reader,
-    _unpack_frame_hdr,
+    PayloadReader,
     encode_properties,
     encode_publish,
     encode_table,
@@ -86,6 +85,7 @@ from .amqp_wire import (  # noqa: F401  (re-exported: the wire helpers are part 
     longstr,
     method_frame,
     shortstr,
+    unpack_frame_header,
 )
 
 _ACK_HEAD = struct.pack(">HH", *BASIC_ACK)        # a basic.ack method payload starts so
@@ -226,13 +226,13 @@ class AmqpClient:
         return out
 
     def heartbeat(self) -> None:
-        self._out.append(_HEARTBEAT)
+        self._out.append(HEARTBEAT_FRAME)
 
     def open_channel(self, ch: int) -> None:
         self._method(ch, CHANNEL_OPEN, b"\x00")
 
     def close_channel(self, ch: int, code: int = REPLY_SUCCESS, text: str = "") -> None:
-        self._method(ch, CHANNEL_CLOSE, _H.pack(code) + shortstr(text[:255]) + b"\x00" * 4)
+        self._method(ch, CHANNEL_CLOSE, U16.pack(code) + shortstr(text[:255]) + b"\x00" * 4)
 
     def confirm_select(self, ch: int) -> None:
         self._method(ch, CONFIRM_SELECT, b"\x00")
@@ -257,7 +257,7 @@ class AmqpClient:
         if self.state in ("closing", "closed"):
             return
         if self.state == "open":
-            self._method(0, CONNECTION_CLOSE, _H.pack(code) + shortstr(text[:255]) + b"\x00" * 4)
+            self._method(0, CONNECTION_CLOSE, U16.pack(code) + shortstr(text[:255]) + b"\x00" * 4)
             self.state = "closing"
         else:
             self.state = "closed"
@@ -287,7 +287,7 @@ class AmqpClient:
                 raise AmqpError("protocol_version",
                                 f"broker wants another AMQP version: {bytes(buf[:8])!r}")
             while n - pos >= 7:
-                kind, ch, size = _unpack_frame_hdr(buf, pos)
+                kind, ch, size = unpack_frame_header(buf, pos)
                 if size > self.frame_max:
                     raise AmqpError("frame_too_large",
                                     f"AMQP frame of {size} bytes exceeds frame_max {self.frame_max}")
@@ -327,7 +327,7 @@ class AmqpClient:
     def _on_method(self, ch: int, payload: bytes, events: list) -> None:
         if ch in self._content:
             raise AmqpError("unexpected_method", "AMQP method frame inside a content body")
-        r = _Reader(payload)
+        r = PayloadReader(payload)
         m = (r.short(), r.short())
         if self.state == "handshake":
             self._handshake(ch, m, r, events)
@@ -372,7 +372,7 @@ class AmqpClient:
         else:
             raise AmqpError("unexpected_method", f"unexpected AMQP method {m[0]}.{m[1]}")
 
-    def _handshake(self, ch: int, m, r: _Reader, events: list) -> None:
+    def _handshake(self, ch: int, m, r: PayloadReader, events: list) -> None:
         if ch != 0:
             raise AmqpError("unexpected_method", "AMQP handshake method on a channel")
         if m == CONNECTION_START and not self._got_start:
@@ -397,7 +397,7 @@ class AmqpClient:
                 raise AmqpError("bad_tune", f"broker frame_max {fmax} is below {FRAME_MIN_SIZE}")
             hb = min(hb, self.want_heartbeat) if hb and self.want_heartbeat else 0
             self.channel_max, self.frame_max, self.heartbeat_interval = cmax, fmax, hb
-            self._method(0, CONNECTION_TUNE_OK, _H.pack(cmax) + _I.pack(fmax) + _H.pack(hb))
+            self._method(0, CONNECTION_TUNE_OK, U16.pack(cmax) + U32.pack(fmax) + U16.pack(hb))
             self._method(0, CONNECTION_OPEN, shortstr(self.vhost) + b"\x00\x00")
         elif m == CONNECTION_OPEN_OK and self.channel_max:
             self.state = "open"
@@ -417,7 +417,7 @@ class AmqpClient:
         c = self._content.get(ch)
         if c is None or c[1] is not None:
             raise AmqpError("unexpected_content", "AMQP content header without a basic.return")
-        r = _Reader(payload)
+        r = PayloadReader(payload)
         cls, _weight, size = r.short(), r.short(), r.longlong()
         if cls != BASIC:
             raise AmqpError("unexpected_content", f"AMQP content header of class {cls}")

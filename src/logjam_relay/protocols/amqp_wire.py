@@ -59,14 +59,14 @@ class AmqpError(Exception):
 # ------------------------------------------------------------------ encoding
 
 _pack_frame_hdr = struct.Struct(">BHI").pack
-_unpack_frame_hdr = struct.Struct(">BHI").unpack_from
+unpack_frame_header = struct.Struct(">BHI").unpack_from
 _HH = struct.Struct(">HH")
-_H = struct.Struct(">H")
-_I = struct.Struct(">I")
+U16 = struct.Struct(">H")
+U32 = struct.Struct(">I")
 _Q = struct.Struct(">Q")
 _PUBLISH_PREFIX = _HH.pack(*BASIC_PUBLISH) + b"\x00\x00"   # reserved-1 (ticket)
 _CONTENT_PREFIX = _HH.pack(BASIC, 0)                       # class, weight
-_HEARTBEAT = bytes([FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, FRAME_END])
+HEARTBEAT_FRAME = bytes([FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, FRAME_END])
 
 
 def shortstr(s: str | bytes) -> bytes:
@@ -79,7 +79,7 @@ def shortstr(s: str | bytes) -> bytes:
 def longstr(b: str | bytes) -> bytes:
     if isinstance(b, str):
         b = b.encode()
-    return _I.pack(len(b)) + b
+    return U32.pack(len(b)) + b
 
 
 def _field_value(v) -> bytes:
@@ -104,7 +104,7 @@ def encode_table(t: dict | None) -> bytes:
     if not t:
         return b"\x00\x00\x00\x00"
     body = b"".join(shortstr(k) + _field_value(v) for k, v in t.items())
-    return _I.pack(len(body)) + body
+    return U32.pack(len(body)) + body
 
 
 # basic properties: (flag bit, name, kind)
@@ -139,7 +139,7 @@ def encode_properties(**props) -> bytes:
             out.append(_Q.pack(int(v)))
     if props:
         raise ValueError(f"unknown AMQP basic properties: {', '.join(sorted(props))}")
-    return _H.pack(flags) + b"".join(out)
+    return U16.pack(flags) + b"".join(out)
 
 
 def frame(kind: int, channel: int, payload: bytes) -> bytes:
@@ -174,7 +174,7 @@ def encode_publish(channel: int, exchange: bytes, routing_key: bytes, body: byte
 
 # ------------------------------------------------------------------ decoding
 
-class _Reader:
+class PayloadReader:
     """Cursor over one method/header payload; every read checks the bounds."""
 
     __slots__ = ("b", "i")
@@ -194,10 +194,10 @@ class _Reader:
         return self.take(1)[0]
 
     def short(self) -> int:
-        return _H.unpack(self.take(2))[0]
+        return U16.unpack(self.take(2))[0]
 
     def long(self) -> int:
-        return _I.unpack(self.take(4))[0]
+        return U32.unpack(self.take(4))[0]
 
     def longlong(self) -> int:
         return _Q.unpack(self.take(8))[0]
@@ -210,7 +210,7 @@ class _Reader:
 
     def table(self, depth: int = 0) -> dict:
         raw = self.longstr()
-        r = _Reader(raw)
+        r = PayloadReader(raw)
         out = {}
         while r.i < len(raw):
             k = r.shortstr()
@@ -233,7 +233,7 @@ class _Reader:
             return self.table(depth + 1)
         if t == b"A":
             raw = self.longstr()
-            r = _Reader(raw)
+            r = PayloadReader(raw)
             items = []
             while r.i < len(raw):
                 items.append(r.value(depth + 1))

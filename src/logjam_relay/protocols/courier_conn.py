@@ -5,7 +5,8 @@
 * :class:`ServerConnection` - receiver state machine (handshake as the Go receiver or the
   Ruby receivers, partial-ACKN timer, pending-payload limit, ``????`` for unknown types).
 
-Everything here is re-exported by :mod:`logjam_relay.protocols.courier`.
+Everything here is re-exported by :mod:`logjam_relay.protocols.courier`; the framing it
+builds on is :mod:`.courier_frame`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .courier import (  # the framing layer
+from .courier_frame import (  # the framing layer
     FLAG_EVNT,
     HELO,
     MAX_HANDSHAKE_GO,

@@ -15,6 +15,7 @@ from ..health.http import HTTPServer
 from ..health.metrics import make_registry, metrics_handler
 from ..redact import redact_text
 from .app import Relay, bind_cause
+from .configure import check_settings
 
 log = logging.getLogger("logjam_relay.service")
 
@@ -133,7 +134,7 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
         relay.outputs.append(OutputSupervisor(
             spec, reader, factory,
             retry_budget=settings.ready_output_down_after or float("inf")))
-    from ..helptext import human_size
+    from ..units import human_size
     log.info("spool %s (%s, max %s, fsync %s) with outputs: %s", spool_dir,
              settings.spool_policy, human_size(settings.spool_max_bytes), settings.spool_fsync,
              ", ".join(s.name for s in specs) or "none configured (archive only)")
@@ -301,6 +302,7 @@ def build(settings: Settings) -> Relay:
     """Create a relay with everything the settings ask for attached."""
     from ..redact import install_log_redaction
     install_log_redaction()             # no password in any log line or CMDP LOG record
+    check_settings(settings)            # each subsystem's values (a ConfigError names one)
     relay = Relay(settings)
     # the sequence state first: a second relay on the same state dir stops here, before
     # it touches the spool

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote, urlsplit
 
+from ..config import ConfigError, Settings
+
 RPC_METHODS = ("exchange.declare", "exchange.delete")
 _BROKER_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}\Z")
 
@@ -180,3 +182,21 @@ def _parse_broker(arg: str) -> BrokerConfig:
         password=password,
         vhost=vhost, tls=tls,
     )
+
+
+def check_settings(s: Settings) -> None:
+    """The samwise settings, checked at start: the rpc methods clients may call (checked
+    whether samwise is on or not), the endpoints and the brokers.  A ConfigError names the
+    setting and its source."""
+    for m in s.samwise_rpc_allow:
+        if m not in RPC_METHODS:
+            src = s.sources.get("samwise_rpc_allow", "default")
+            raise ConfigError(f"samwise_rpc_allow ({src}): unknown rpc method {m!r} "
+                              f"(known: {', '.join(RPC_METHODS)})")
+    if s.samwise or s.amqp_brokers:
+        try:
+            SamwiseConfig.from_args(s.samwise, s.amqp_brokers)
+        except ValueError as e:
+            name = "samwise" if str(e).startswith("--samwise") else "amqp_brokers"
+            raise ConfigError(f"samwise/amqp_brokers: {name} ({s.source_label(name)}): "
+                              f"{e}") from None

@@ -224,7 +224,7 @@ class Link:
                         await self._session(gen)
                     reason = self._down_reason or "session ended"
                 except _SESSION_ERRORS as e:
-                    reason = _reason(e, self._conn is not None and self._conn.client.state)
+                    reason = down_reason(e, self._conn is not None and self._conn.client.state)
                     if isinstance(e, A.AmqpError):
                         self.amqp_errors[e.reason] += 1
                 finally:
@@ -505,7 +505,7 @@ def _first_leaf(eg: BaseExceptionGroup, types) -> BaseException | None:
     return None
 
 
-def _reason(e: BaseException, state) -> str:
+def down_reason(e: BaseException, state) -> str:
     if isinstance(e, trio.TooSlowError):
         return "connect failed: timeout"
     if isinstance(e, OSError):

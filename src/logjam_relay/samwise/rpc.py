@@ -24,7 +24,7 @@ import trio
 from ..protocols import amqp as A
 from ..protocols import samwise as proto
 from .config import BrokerConfig
-from .link import Conn, LinkDown, _reason
+from .link import Conn, LinkDown, down_reason
 
 RPC_METHODS = (proto.EXCHANGE_DECLARE, proto.EXCHANGE_DELETE)
 DEFAULT_ALLOW = (proto.EXCHANGE_DECLARE,)
@@ -111,7 +111,7 @@ async def rpc_once(cfg: BrokerConfig, method: str, exchange: str, exchange_type:
         return str(e)
     except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
             A.AmqpError, ValueError) as e:
-        return _reason(e, conn.client.state).replace("connect failed", "cannot connect")
+        return down_reason(e, conn.client.state).replace("connect failed", "cannot connect")
     finally:
         left = deadline - trio.current_time()
         await conn.aclose(graceful=max(0.0, min(0.5, left)) if math.isfinite(left) else 0.5)

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from ..helptext import plain
+from ..config.helptext import plain
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _settings(args):
-    from ..config import load
+    from ..relay.configure import load  # the relay's own check of its configuration
     cli = {}
     if args.config:
         cli["config"] = args.config

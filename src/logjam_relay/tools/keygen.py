@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true",
                    help="replace an existing key pair of that name")
     a = p.parse_args(argv)
-    from ..io.curve import _read_key, keygen
+    from ..io.curve import keygen, load_secret_key
     try:
         pub, sec = keygen(a.directory, a.name, force=a.force)
     except FileExistsError as e:
@@ -34,6 +34,6 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         print(f"logjam-relay keygen: {a.directory}: {e.strerror}", file=sys.stderr)
         return 2
-    print(f"public key {_read_key(pub, 'public').decode()}: {pub}")
+    print(f"public key {load_secret_key(sec)[0].decode()}: {pub}")
     print(f"secret key (keep private, mode 0600): {sec}")
     return 0

@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from ..helptext import plain
+from ..config.helptext import plain
 from ..protocols import logjam as L
 
 

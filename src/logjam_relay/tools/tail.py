@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ..helptext import plain
+from ..config.helptext import plain
 from ..protocols import logjam as L
 
 

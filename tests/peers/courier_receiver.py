@@ -1,6 +1,7 @@
 """An in-repo Courier receiver on the sans-IO core (``protocols.courier.ServerConnection``).
 
-Used by the tests and the benchmark, and usable later as a relay input. Per connection:
+Used by the tests and the benchmarks (``tests/peers/``: not part of the installed package;
+the relay's own Courier input is ``logjam_relay.inputs.courier``). Per connection:
 
 * a reader task feeds bytes to the core, answers HELO/PING/unknown types as the chosen
   :class:`~logjam_relay.protocols.courier.ReceiverBehaviour` (default: Go handshake,
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..protocols.courier import (
+from logjam_relay.protocols.courier import (
     DEFAULT,
     CourierError,
     Overloaded,
@@ -36,7 +37,7 @@ from ..protocols.courier import (
     ReceiverBehaviour,
     ServerConnection,
 )
-from ..ratelimit import RateLimitedLog
+from logjam_relay.ratelimit import RateLimitedLog
 
 log = logging.getLogger("logjam_relay.peers.courier_receiver")
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..units import duration, human_duration, human_size, size
+from .settings import BY_NAME, SETTING_FIELDS
+
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
 _EMPH = re.compile(r"(?<![`\w])`([^`]+)`(?![`\w])")
@@ -19,34 +22,10 @@ def plain(doc: str | None) -> str:
     return _EMPH.sub(r"\1", text)
 
 
-def human_size(n: int) -> str:
-    """10737418240 -> '10 GiB'; exact binary multiples keep their unit, others one decimal."""
-    n = int(n)
-    for unit, mult in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= mult:
-            v = n / mult
-            return f"{v:.0f} {unit}" if n % mult == 0 else f"{v:.1f} {unit}"
-    return f"{n} B"
-
-
-def human_duration(s: float) -> str:
-    """1.0 -> '1 s', 0.25 -> '250 ms', 300 -> '5 min', 604800 -> '7 d'."""
-    s = float(s)
-    if s == 0:
-        return "0 s"
-    if s < 1:
-        return f"{s * 1000:g} ms"
-    for unit, mult in (("d", 86400), ("h", 3600), ("min", 60)):
-        if s >= mult and s % mult == 0:
-            return f"{s / mult:g} {unit}"
-    return f"{s:g} s"
-
-
 def display_value(name: str, value: Any) -> str:
     """A setting's value as an operator reads it: sizes in KiB/MiB/GiB, durations in
     ms/s/min/h/d, lists comma-separated, None as 'off'."""
-    from .config import _BY_NAME, duration, size
-    f = _BY_NAME.get(name)
+    f = BY_NAME.get(name)
     conv = f.metadata["conv"] if f is not None else None
     if value is None:
         return "off"
@@ -64,7 +43,6 @@ def display_value(name: str, value: Any) -> str:
 def effective_values(s) -> list[tuple[str, str, str]]:
     """(name, value as displayed, source) of every setting, with what the relay will really
     use: the resolved state_dir, spool_dir and fqdn rather than their unset defaults."""
-    from .config import SETTING_FIELDS
     out = []
     for f in SETTING_FIELDS:
         name, value = f.name, getattr(s, f.name)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import trio
 
-from ..protocols import lumberjack as lj
-from ..ratelimit import RateLimitedLog
+from logjam_relay.protocols import lumberjack as lj
+from logjam_relay.ratelimit import RateLimitedLog
 
 log = logging.getLogger("logjam_relay.peers.lumberjack_reader")
 

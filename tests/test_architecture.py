@@ -1,0 +1,355 @@
+"""The package's architecture, read from its own imports (docs/architecture.md, "Layers").
+
+Every module of ``src/logjam_relay`` is parsed with ``ast``; every import counts, at module
+level or inside a function, absolute or relative, and so does a C twin loaded by name
+(``_native.load("logjam_relay.x._y")``, ``importlib.import_module("...")``).  Three rules:
+
+* an import points down: a module imports modules of its own part (``outputs/`` for
+  ``outputs.courier``) or of a part on a lower floor of :data:`FLOORS`;
+* no import cycle between modules;
+* no module imports another module's ``_private`` names (``from .x import _y``, or
+  ``x._y`` on an imported module).
+
+The floors are listed once, here; docs/architecture.md shows the same table (checked
+below).  Run: ``.venv/dev/bin/python -m pytest tests/test_architecture.py -q``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PKG = "logjam_relay"
+DOC = ROOT / "docs" / "architecture.md"
+
+#: bottom to top: (name, the parts on that floor).  A part is a top-level package or module
+#: of logjam_relay ("__init__" is the package's own __init__.py).  A part may import its own
+#: modules and the parts of the floors below it, nothing on its floor or above.
+FLOORS: list[tuple[str, set[str]]] = [
+    ("base", {"__init__", "_native", "units", "limits", "redact", "ratelimit", "gc_tuning"}),
+    ("config", {"config"}),
+    ("protocols", {"protocols"}),
+    ("io", {"io"}),
+    ("spool", {"spool"}),
+    ("subsystems", {"outputs", "inputs", "samwise", "health", "deadletter"}),
+    ("composition", {"relay"}),
+    ("applications", {"tools", "pipeline"}),
+    ("command", {"cli"}),
+    ("entry", {"__main__"}),
+]
+
+#: cycles between modules that are allowed for now, each as the exact set of its modules
+KNOWN_CYCLES: list[frozenset[str]] = [
+    # removed by the spool split (issue 22 item 2)
+    frozenset({"spool.damage", "spool.reader", "spool.recovery", "spool.sealing",
+               "spool.space", "spool.spool"}),
+]
+
+#: (importing module, module, private name) allowed for now
+KNOWN_PRIVATE: set[tuple[str, str, str]] = {
+    # removed by the spool split (issue 22 item 2)
+    ("spool.damage", "spool.spool", "_Seg"),
+    ("spool.fsck", "spool.recovery", "_iter_with_seq"),
+    ("spool.reader", "spool.segment", "_FULL_HEAD"),
+    ("spool.reader", "spool.spool", "_Seg"),
+    ("spool.recovery", "spool.segment", "_FULL_HEAD"),
+    ("spool.recovery", "spool.spool", "_Seg"),
+    ("spool.sealing", "spool.recovery", "_unlink_quiet"),
+    ("spool.space", "spool.recovery", "_unlink_quiet"),
+    ("spool.space", "spool.spool", "_Seg"),
+    ("spool.spool", "spool.recovery", "_unlink_quiet"),
+}
+
+
+# ------------------------------------------------------------------------------ the walk
+
+@dataclass(frozen=True)
+class Edge:
+    src: str        # importing module, without the package prefix ("outputs.courier")
+    dst: str        # imported module ("protocols.courier"; "" is the package itself)
+    line: int
+
+    def __str__(self) -> str:
+        return f"{_show(self.src)} -> {_show(self.dst)} (line {self.line})"
+
+
+@dataclass(frozen=True)
+class Private:
+    src: str
+    module: str
+    name: str
+    line: int
+
+    def key(self) -> tuple[str, str, str]:
+        return (self.src, self.module, self.name)
+
+    def __str__(self) -> str:
+        return f"{_show(self.src)} uses {_show(self.module)}.{self.name} (line {self.line})"
+
+
+def _show(mod: str) -> str:
+    return f"{PKG}.{mod}" if mod else PKG
+
+
+def modules(src: Path, pkg: str) -> tuple[dict[str, Path], set[str]]:
+    """{module: path} of the Python modules under ``src/pkg`` and the set of C twins
+    (a ``.c`` file that is an extension module: ``io/_zmqfast.c`` -> ``io._zmqfast``),
+    names relative to the package ("" is its __init__)."""
+    mods: dict[str, Path] = {}
+    native: set[str] = set()
+    base = src / pkg
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if not d.startswith((".", "__pycache__"))]
+        rel = Path(dirpath).relative_to(base).parts
+        for f in filenames:
+            stem, ext = os.path.splitext(f)
+            if ext == ".py":
+                parts = rel if stem == "__init__" else (*rel, stem)
+                mods[".".join(parts)] = Path(dirpath) / f
+            elif ext == ".c" and "PyInit_" in (Path(dirpath) / f).read_text(errors="replace"):
+                native.add(".".join((*rel, stem)))
+    return mods, native
+
+
+def walk(src: Path = SRC, pkg: str = PKG) -> tuple[dict[str, Path], set[str], list[Edge],
+                                                     list[Private]]:
+    """Every import edge and every use of another module's private name in ``pkg``."""
+    mods, native = modules(src, pkg)
+    known = set(mods) | native
+    edges: list[Edge] = []
+    private: list[Private] = []
+
+    def rel(name: str) -> str | None:
+        """'logjam_relay.x.y' -> 'x.y' (None outside the package)."""
+        if name == pkg:
+            return ""
+        return name[len(pkg) + 1:] if name.startswith(pkg + ".") else None
+
+    def existing(name: str) -> str:
+        """The module itself, else its nearest enclosing package (an attribute of it)."""
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_pkg = path.name == "__init__.py"
+        here = [pkg, *mod.split(".")] if mod else [pkg]
+        if not is_pkg:
+            here = here[:-1]
+        aliases: dict[str, str] = {}       # local name -> package module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    r = rel(a.name)
+                    if r is None:
+                        continue
+                    edges.append(Edge(mod, existing(r), node.lineno))
+                    if a.asname:
+                        aliases[a.asname] = existing(r)
+                    else:
+                        aliases[a.name.partition(".")[0]] = ""
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = here[:len(here) - (node.level - 1)]
+                    target = ".".join(base_parts + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                r = rel(target)
+                if r is None:
+                    continue
+                for a in node.names:
+                    full = f"{r}.{a.name}" if r else a.name
+                    if full in known:                      # a module: an edge to it
+                        edges.append(Edge(mod, full, node.lineno))
+                        aliases[a.asname or a.name] = full
+                        continue
+                    edges.append(Edge(mod, existing(r), node.lineno))
+                    if _is_private(a.name) and existing(r) != mod:
+                        private.append(Private(mod, existing(r), a.name, node.lineno))
+            elif isinstance(node, ast.Call) and node.args:
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                arg = node.args[0]
+                if name in ("load", "import_module") and isinstance(arg, ast.Constant) \
+                        and isinstance(arg.value, str):
+                    r = rel(arg.value)
+                    if r is not None:
+                        edges.append(Edge(mod, existing(r), node.lineno))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in aliases and _is_private(node.attr):
+                owner = aliases[node.value.id]
+                full = f"{owner}.{node.attr}" if owner else node.attr
+                if full not in known and owner != mod:
+                    private.append(Private(mod, owner, node.attr, node.lineno))
+    return mods, native, edges, private
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def part(mod: str) -> str:
+    """The top-level part of a module: 'outputs.courier' -> 'outputs', '' -> '__init__'."""
+    return mod.split(".")[0] if mod else "__init__"
+
+
+def upward(edges, floors, native=frozenset()) -> list[str]:
+    """Edges that point to the same floor (another part) or up.  A C twin is a leaf that
+    imports nothing: it counts as the bottom floor wherever its source file sits."""
+    floor_of = {p: i for i, (_, parts) in enumerate(floors) for p in parts}
+    bad = []
+    for e in edges:
+        a, b = part(e.src), part(e.dst)
+        if a == b or e.dst in native or a not in floor_of or b not in floor_of:
+            continue                    # (a part without a floor fails its own test)
+        if floor_of[b] >= floor_of[a]:
+            how = "the same floor" if floor_of[b] == floor_of[a] else "up"
+            bad.append(f"{e}: {a} (floor {floors[floor_of[a]][0]}) imports {how}, "
+                       f"{b} (floor {floors[floor_of[b]][0]})")
+    return bad
+
+
+def cycles(edges, mods) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for e in edges:
+        if e.dst in mods and e.dst != e.src:
+            graph[e.src].add(e.dst)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def package():
+    return walk()
+
+
+# ------------------------------------------------------------------------------ the rules
+
+def test_every_part_has_a_floor(package):
+    mods, _, _, _ = package
+    placed = [p for _, parts in FLOORS for p in parts]
+    assert len(placed) == len(set(placed)), "a part is on two floors"
+    missing = sorted({part(m) for m in mods} - set(placed))
+    assert not missing, (f"new top-level part(s) {missing}: give each a floor in FLOORS "
+                         "(tests/test_architecture.py) and in docs/architecture.md")
+    gone = sorted(set(placed) - {part(m) for m in mods})
+    assert not gone, f"FLOORS names part(s) that no longer exist: {gone}"
+
+
+def test_no_import_points_up_a_floor(package):
+    _, native, edges, _ = package
+    bad = upward(edges, FLOORS, native)
+    assert not bad, "imports that do not point down:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_between_modules(package):
+    mods, _, edges, _ = package
+    found = cycles(edges, mods)
+    new = [sorted(c) for c in found if c not in KNOWN_CYCLES]
+    assert not new, f"import cycles: {new}"
+    stale = [sorted(c) for c in KNOWN_CYCLES if c not in found]
+    assert not stale, f"KNOWN_CYCLES lists cycles that are gone (remove them): {stale}"
+
+
+def test_no_module_uses_another_modules_private_names(package):
+    _, _, _, private = package
+    new = sorted({str(p) for p in private if p.key() not in KNOWN_PRIVATE})
+    assert not new, "private names used across modules:\n" + "\n".join(new)
+    stale = sorted(KNOWN_PRIVATE - {p.key() for p in private})
+    assert not stale, f"KNOWN_PRIVATE lists uses that are gone (remove them): {stale}"
+
+
+def test_docs_show_the_same_floors():
+    """docs/architecture.md's layer table: one row per floor, bottom first, same parts."""
+    rows = []
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"\|\s*(\d+)\s*\|\s*([\w-]+)\s*\|([^|]*)\|", line)
+        if m:
+            rows.append((int(m.group(1)), m.group(2), set(re.findall(r"`([\w/.]+?)/?`",
+                                                                     m.group(3)))))
+    assert [n for n, _, _ in rows] == list(range(len(FLOORS))), rows
+    doc = [(name, {p.removesuffix(".py") for p in parts}) for _, name, parts in rows]
+    assert doc == FLOORS
+
+
+# -------------------------------------------------------- the walk itself sees what it must
+
+def test_the_walk_finds_every_kind_of_import_and_each_violation(tmp_path):
+    """A small package with one of each kind of import and each kind of violation: the
+    rules above fail on it (so they are not blind)."""
+    files = {
+        "__init__.py": "",
+        "base.py": "_SECRET = 1\nPUBLIC = 2\n",
+        "low/__init__.py": "",
+        "low/core.py": "from .. import base\nfrom ..base import PUBLIC\nfrom .. import _native\n"
+                       "def f():\n    from ..high import app  # function-level, up\n"
+                       "_hx = _native.load('fake.high._hx')  # a C twin: a leaf\n",
+        "low/_twin.c": "PyMODINIT_FUNC PyInit__twin(void) { return 0; }\n",
+        "low/a.py": "from . import b\n",
+        "low/b.py": "import fake.low.a\n",                     # absolute; a <-> b cycle
+        "high/__init__.py": "",
+        "high/_hx.c": "PyMODINIT_FUNC PyInit__hx(void) { return 0; }\n",
+        "high/app.py": "from fake.base import _SECRET\nfrom ..low import core as c\n"
+                       "from .. import base\nx = base._SECRET + c.PUBLIC\n"
+                       "from fake import _native\n_native.load('fake.low._twin')\n",
+        "_native.py": "def load(name): return None\n",
+    }
+    for name, text in files.items():
+        p = tmp_path / "fake" / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    mods, native, edges, private = walk(tmp_path, "fake")
+    assert native == {"low._twin", "high._hx"}
+    got = {(e.src, e.dst) for e in edges}
+    assert {("low.core", "base"), ("low.core", "high.app"), ("low.core", "high._hx"),
+            ("low.a", "low.b"), ("low.b", "low.a"), ("high.app", "base"),
+            ("high.app", "low.core"), ("high.app", "_native"),
+            ("high.app", "low._twin")} <= got
+    floors = [("base", {"__init__", "base", "_native"}), ("low", {"low"}),
+              ("high", {"high"})]
+    bad = upward(edges, floors, native)
+    assert len(bad) == 1 and ".low.core -> " in bad[0] and ".high.app (line 5)" in bad[0], bad
+    assert set(cycles(edges, mods)) == {frozenset({"low.a", "low.b"}),      # absolute import
+                                        frozenset({"low.core", "high.app"})}  # function-level
+    assert {(p.src, p.module, p.name) for p in private} == {("high.app", "base", "_SECRET")}
+    assert len(private) == 2      # the from-import and the attribute
+
