@@ -112,8 +112,9 @@ def _frame(kind: int, payload: bytes) -> bytes:
     return _HDR.pack(len(payload) + 1, kind) + payload
 
 
-async def _read_messages(stream: trio.SocketStream):
-    """Yield ``(type, payload)`` until EOF."""
+async def _read_messages(stream: trio.SocketStream, marks: bool = False):
+    """Yield ``(type, payload)`` until EOF; with ``marks``, ``(None, b"")`` after the
+    messages of each read (before the next read waits)."""
     buf = bytearray()
     while True:
         try:
@@ -134,6 +135,8 @@ async def _read_messages(stream: trio.SocketStream):
             yield kind, bytes(buf[pos + 5:pos + 4 + length])
             pos += 4 + length
         del buf[:pos]
+        if marks and pos:
+            yield None, b""
 
 
 # ======================================================================= relay side
@@ -317,30 +320,33 @@ class ProcessOutput:
 
     async def _confirm_acks(self, stream) -> None:
         """Tell the worker how many of its acks are applied, so that its output may read
-        on (:class:`ConfirmedReader`).  Woken by ``_receive``; every ack of one read from
-        the socket is confirmed by one message.  Applied means in the cursor log
+        on (:class:`ConfirmedReader`).  Every ack of one read from the socket is confirmed
+        by one message, sent by ``_receive`` or by this task.  Applied means in the cursor log
         (``reader.ack`` appends it; ``persist()`` makes sure of it when a reader
         rate-limits its cursor writes).  A cursor write that fails is counted and logged
         by the reader and confirmed all the same: the outputs go on draining (a stalled
         output would keep the disk full), the duplicates after a crash may then exceed
         the bound -- ``logjam_relay_spool_cursor_errors`` says so."""
-        persist = getattr(self.reader, "persist", None) if self.tail else None
-        pack = _COUNT.pack
         try:
             while True:
                 await self._acks_applied.wait()
                 self._acks_applied = trio.Event()
-                n = self._acks_in
-                if persist is not None:
-                    try:
-                        persist()
-                    except SpoolError:
-                        pass                # counted and logged by the reader
-                async with self._send_lock:
-                    await stream.send_all(_frame(T_ACKED, pack(n)))
-                self.acks_confirmed = n
+                await self._send_confirm(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return                      # the worker died: _receive sees the end
+
+    async def _send_confirm(self, stream) -> None:
+        n = self._acks_in
+        if n == self.acks_confirmed:
+            return
+        if self.tail:
+            try:
+                self.reader.persist()       # a no-op unless cursor writes are rate-limited
+            except SpoolError:
+                pass                        # counted and logged by the reader
+        self.acks_confirmed = n
+        async with self._send_lock:
+            await stream.send_all(_frame(T_ACKED, _COUNT.pack(n)))
 
     async def _on_damage(self, stream, payload: bytes) -> None:
         """Tail mode: the worker found a damaged record or cannot open a segment:
@@ -354,12 +360,24 @@ class ProcessOutput:
     async def _receive(self, stream) -> None:
         reader = self.reader
         unpack = _ACK.unpack
-        async for kind, payload in _read_messages(stream):
+        async for kind, payload in _read_messages(stream, marks=True):
+            if kind is None:
+                # the end of one read: its acks are applied, confirm them now.  Tail mode:
+                # the relay sends the worker only small messages, so this send does not
+                # wait (one scheduler round sooner than _confirm_acks, which does it in
+                # ship mode, where a send may wait behind records, and while a snapshot
+                # is being sent)
+                if self._acks_in != self.acks_confirmed:
+                    if self.tail and not self._send_lock.locked():
+                        try:
+                            await self._send_confirm(stream)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            return          # the worker died
+                    else:
+                        self._acks_applied.set()
+                continue
             if kind == T_ACK:
-                # confirmed by _confirm_acks when this loop next waits: no await comes
-                # before the ack below is applied
-                self._acks_in += 1
-                self._acks_applied.set()
+                self._acks_in += 1          # confirmed at the end of this read
             if kind == T_ACK and self.tail:
                 if len(payload) == _ACK_KNOWN.size:        # with the record's end and seq
                     segno, off, end, seq = _ACK_KNOWN.unpack(payload)
