@@ -326,7 +326,7 @@ class ProcessOutput:
         rate-limits its cursor writes).  A cursor write that fails is counted and logged
         by the reader and confirmed all the same: the outputs go on draining (a stalled
         output would keep the disk full), the duplicates after a crash may then exceed
-        the bound -- ``logjam_relay_spool_cursor_errors`` says so."""
+        the bound -- ``logjam_relay_spool_write_errors_total`` and the log say so."""
         try:
             while True:
                 await self._acks_applied.wait()
