@@ -20,7 +20,6 @@ import signal
 import time
 
 import psutil
-
 import pytest
 import trio
 import zmq
