@@ -48,7 +48,8 @@ output finish what is in flight, sends the last acks and exits.
 
 Wire format (both directions): ``<u32 length><u8 type><payload>``.  Both modes: the
 relay's ``T_ACKED`` is ``>Q``, the number of the worker's ``T_ACK`` messages applied so
-far.  Tail mode: a snapshot is ``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
+far.  Tail mode: a snapshot is
+``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
 ``>QQ`` (segment, offset) or ``>QQQQ`` (segment, offset, record end, seq: the record
 was the last of a block the worker read, so the relay's reader needs no disk read to
 move its cursor), a damage report ``pickle((segno, offset, seq, reason, msg))``.
