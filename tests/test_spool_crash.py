@@ -13,13 +13,13 @@ figures."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import time
 
-import psutil
 import pytest
 import trio
 import zmq
@@ -51,14 +51,24 @@ def lj_numbers(reader) -> list[int]:
     return [json.loads(ev.fields["line"])["n"] for ev in reader.events]
 
 
-def output_workers(proc) -> list[psutil.Process]:
-    """The relay's two output worker processes (it starts them as it starts)."""
+def output_workers(proc) -> list[int]:
+    """The pids of the relay's two output worker processes (it starts them as it starts)."""
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        kids = [c for c in psutil.Process(proc.pid).children()
-                if "logjam_relay.outputs.worker" in " ".join(c.cmdline())]
-        if len(kids) == 2:
-            return kids
+        kids = []
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        workers = []
+        for pid in kids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"logjam_relay.outputs.worker" in f.read():
+                        workers.append(pid)
+            except FileNotFoundError:
+                pass
+        if len(workers) == 2:
+            return workers
         time.sleep(0.05)
     raise AssertionError("the relay did not start its two output workers")
 
@@ -97,7 +107,7 @@ def test_five_sigkills_lose_nothing_and_duplicate_at_most_in_flight(tmp_path):
         lj = LumberjackReader(port=lj_port)
         co = CourierReceiver()
         accepted: set[int] = set()
-        stopped: list[psutil.Process] = []
+        stopped: list[int] = []             # worker pids held with SIGSTOP
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(lj.serve)
@@ -118,13 +128,13 @@ def test_five_sigkills_lose_nothing_and_duplicate_at_most_in_flight(tmp_path):
                             await trio.sleep(0.01)
                     workers = await trio.to_thread.run_sync(output_workers, proc)
                     for w in workers:
-                        w.suspend()
+                        os.kill(w, signal.SIGSTOP)
                         stopped.append(w)
                     before = (len(lj.events), len(co.events))
                     accepted |= await send_requests(ctx, s, range(n + WARM, n + PER_ROUND))
                     n += PER_ROUND
                     while stopped:
-                        stopped.pop().resume()
+                        os.kill(stopped.pop(), signal.SIGCONT)
                     # kill while both outputs drain: each has delivered something since
                     # this relay started and has more to deliver
                     with trio.fail_after(30):
@@ -158,7 +168,8 @@ def test_five_sigkills_lose_nothing_and_duplicate_at_most_in_flight(tmp_path):
                 nursery.cancel_scope.cancel()
         finally:
             for w in stopped:
-                w.resume()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w, signal.SIGCONT)
             ctx.destroy(linger=0)
         return accepted, lj_numbers(lj), co_numbers(co)
 
