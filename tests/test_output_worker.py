@@ -15,9 +15,11 @@ import urllib.request
 
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from conftest import free_port
+from logjam_relay.outputs.ackgate import ConfirmedReader
 from logjam_relay.outputs.worker import ProcessOutput, RemoteSource
 from logjam_relay.spool.api import Position
 from peers.courier_receiver import CourierReceiver
@@ -70,6 +72,42 @@ async def test_remote_source_keeps_until_acked_and_rewinds():
     assert src.stats()["worker_buffered"] == 0
     src.ack(Position(2, 3))                     # nothing new: not sent again
     assert len(sent) == 2
+
+
+async def test_confirmed_reader_reads_on_only_within_the_unconfirmed_acks():
+    """outputs/ackgate.py: a worker's output gets new records only while at most
+    ``limit`` of its acks are unconfirmed by the relay; acks themselves always go out,
+    and a confirmation wakes an output waiting for records."""
+    gate = ConfirmedReader(limit=2)
+    sent = []
+
+    def send_ack(pos):
+        sent.append(pos)
+        gate.sent += 1                          # as worker_main's send_ack counts them
+    src = RemoteSource("x", send_ack)
+    gate.source = src
+    src.add(1, [0] * 10, [[b"a", b"t", b"%d" % i, b"m"] for i in range(10)])
+    for _ in range(3):                          # three windows of one record, acked
+        (rec,) = gate.read(1)
+        gate.ack(rec.position)
+    assert len(sent) == 3 and gate.stats()["worker_acks_unconfirmed"] == 3
+    assert gate.read(1) == []                   # 3 > 2 unconfirmed: nothing new
+    assert gate.stats()["worker_reads_held"] == 1
+    woke = []
+
+    async def output():
+        await gate.wait()
+        woke.append(gate.read(1))
+    async with trio.open_nursery() as n:
+        n.start_soon(output)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == []                       # records there, but the gate is shut
+        gate.confirm(1)                         # 2 unconfirmed: reads again
+        await trio.testing.wait_all_tasks_blocked()
+    assert [r.frames[2] for r in woke[0]] == [b"3"]
+    gate.confirm(0)                             # an older count changes nothing
+    assert gate.confirmed == 1
+    assert gate.name == "x"                     # anything else is the source's
 
 
 # ---------------------------------------------------------------- relay, end to end

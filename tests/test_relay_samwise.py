@@ -41,6 +41,12 @@ async def test_relay_samwise_endpoint_publishes_to_rabbitmq(tmp_path, rabbit):  
             await zmq_trio.send_multipart(sock, [b"", *p.build_rpc("exchange.delete", "amq.direct")])
             with trio.fail_after(10):
                 assert await zmq_trio.recv_multipart(sock) == [b"", b"-1", b"rpc method not allowed"]
+            # an allowed one opens one rpc connection (the broker refuses to redeclare
+            # amq.direct as not durable: nothing is left behind in the vhost)
+            await zmq_trio.send_multipart(sock, [b"", *p.build_rpc("exchange.declare",
+                                                                   "amq.direct", "direct")])
+            with trio.fail_after(10):
+                rpc_reply = await zmq_trio.recv_multipart(sock)
             got = await get_all(q, expect=20)
             with trio.fail_after(10):
                 while relay.samwise.stats()["backlog_records"]:
@@ -70,6 +76,8 @@ async def test_relay_samwise_endpoint_publishes_to_rabbitmq(tmp_path, rabbit):  
     assert val("logjam_relay_samwise_backlog_records") == 0
     assert val("logjam_relay_samwise_rpc_connections") == 0
     assert val("logjam_relay_samwise_rpc_waiting") == 0
+    assert val("logjam_relay_samwise_rpc_connections_peak") == 1      # the one rpc above
+    assert rpc_reply[1] == b"-1" and rpc_reply[2].startswith(b"main: 406"), rpc_reply
     assert val("logjam_relay_samwise_spool_segments") >= 1
     assert sorted(body for _props, body in got) == sorted(b"m%d" % i for i in range(20))
 

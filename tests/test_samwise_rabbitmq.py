@@ -445,66 +445,127 @@ async def test_rpc_allow_list_refuses_delete_by_default(vhosts):
         assert not await trio.to_thread.run_sync(exchange_exists, vhosts[0], name)
 
 
-def _amqp_connections() -> int:
-    """This process's TCP connections to the broker, as the kernel lists them."""
-    import psutil
-    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
-               if c.raddr and c.raddr.port == PORT and c.status == "ESTABLISHED")
+class HoldingProxy:
+    """A TCP proxy in front of RabbitMQ that counts, from the broker's side, the AMQP
+    connections the relay opens, and can hold new ones: while ``hold`` is set, a new
+    connection is accepted but not forwarded until ``release`` -- the relay's rpc on it
+    stays pending as long as the test wants, so the concurrent rpc connections are
+    counted in a settled state, not sampled."""
+
+    def __init__(self):
+        self.port = 0
+        self.hold = False
+        self.release = trio.Event()
+        self.held = 0               # connections accepted and waiting for the release
+        self.peak_held = 0
+        self.accepted = 0
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client):
+        self.accepted += 1
+        async with client:
+            if self.hold and not self.release.is_set():
+                self.held += 1
+                self.peak_held = max(self.peak_held, self.held)
+                try:
+                    await self.release.wait()
+                finally:
+                    self.held -= 1
+            try:
+                up = await trio.open_tcp_stream(HOST, PORT)
+            except OSError:
+                return
+            async with up:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._pipe, client, up, n.cancel_scope)
+                    n.start_soon(self._pipe, up, client, n.cancel_scope)
+
+    @staticmethod
+    async def _pipe(src, dst, scope):
+        try:
+            while data := await src.receive_some(65536):
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        scope.cancel()
 
 
 @pytest.mark.slow
 async def test_rpc_burst_is_bounded(vhosts):
     """Issue 10 §6: 2,000 rpc requests at once opened up to 144 AMQP connections.  Now at
-    most samwise_rpc_max_concurrent (8) are open, 64 wait, the rest are refused at once;
-    every request gets exactly one reply."""
-    n_req, clients = 2000, 4
-    brokers = [broker("a", vhosts[0]), broker("b", vhosts[1])]
-    async with running(brokers) as (svc, sock):
-        base = await trio.to_thread.run_sync(_amqp_connections)
-        assert base >= 2                       # the two publishing connections
-        ctx = zmq.Context.instance()
-        socks = [ctx.socket(zmq.DEALER) for _ in range(clients)]
-        peak = 0
-        replies: list[list[bytes]] = []
-        try:
-            for s in socks:
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(svc.bound[0])
+    most samwise_rpc_max_concurrent (8) are open, 64 requests wait, the rest are refused
+    at once; every request gets exactly one reply.  The connections are counted from the
+    broker's side: a proxy holds every rpc connection open until all admitted requests
+    either have one or wait for a slot, so the count does not depend on timing (a 2 ms
+    sampler once saw none open on a loaded machine)."""
+    n_req, clients, max_concurrent, max_queued = 2000, 4, 8, 64
+    proxy = HoldingProxy()
+    async with trio.open_nursery() as pn:
+        await pn.start(proxy.serve)
+        brokers = [broker("a", vhosts[0], proxy.port), broker("b", vhosts[1], proxy.port)]
+        async with running(brokers, rpc_max_concurrent=max_concurrent,
+                           rpc_max_queued=max_queued, rpc_timeout=300) as (svc, sock):
+            assert proxy.accepted == 2                 # the two publishing connections
+            proxy.hold = True
+            ctx = zmq.Context.instance()
+            socks = [ctx.socket(zmq.DEALER) for _ in range(clients)]
+            replies: list[list[bytes]] = []
+            try:
+                for s in socks:
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.connect(svc.bound[0])
 
-            async def sampler():
-                nonlocal peak
-                while True:
-                    peak = max(peak, await trio.to_thread.run_sync(_amqp_connections))
-                    await trio.sleep(0.002)
-
-            async def client(s, k):
-                for i in range(n_req // clients):
-                    await zmq_trio.send_multipart(s, [b""] + p.build_rpc(
-                        "exchange.declare", f"burst-{k}-{i % 3}", "fanout"))
-                for _ in range(n_req // clients):
-                    with trio.fail_after(60):
+                async def client(s, k):
+                    for i in range(n_req // clients):
+                        await zmq_trio.send_multipart(s, [b""] + p.build_rpc(
+                            "exchange.declare", f"burst-{k}-{i % 3}", "fanout"))
+                    for _ in range(n_req // clients):
                         replies.append((await zmq_trio.recv_multipart(s))[1:])
 
-            async with trio.open_nursery() as n:
-                n.start_soon(sampler)
                 async with trio.open_nursery() as cn:
                     for k, s in enumerate(socks):
                         cn.start_soon(client, s, k)
-                n.cancel_scope.cancel()
-        finally:
-            for s in socks:
-                s.close(0)
-        ok = sum(r == [b"0", b""] for r in replies)
-        refused = sum(r == [b"-1", b"too many rpc requests"] for r in replies)
-        assert len(replies) == n_req and ok + refused == n_req, \
-            {bytes(b"|".join(r)) for r in replies} - {b"0|", b"-1|too many rpc requests"}
-        # 8 running + 64 waiting at the moment the burst arrived; more as slots free up
-        assert ok >= 8 + 64 and refused >= 1
-        assert svc.rpc.peak_connections <= 8
-        assert base < peak <= base + 8, (base, peak)
-        print(f"rpc burst: {n_req} requests, {ok} ok, {refused} refused, peak AMQP "
-              f"connections {peak} ({base} publishing + {peak - base} rpc)")
-        st = svc.stats()
-        assert st["rpc_connections"] == 0 and st["rpc_waiting"] == 0 and svc.rpc.requests == 0
-        assert svc.requests[("rpc", "overloaded")] == refused
-        assert all(o.disconnects == 0 for o in svc.outputs)
+                    # settled: every request answered (refused) or admitted, and each
+                    # admitted request's two calls (brokers a and b) either hold a
+                    # connection at the proxy or wait for a slot
+                    with trio.fail_after(120):
+                        while not (len(replies) + svc.rpc.requests == n_req and
+                                   proxy.held + svc.rpc.waiting == 2 * svc.rpc.requests):
+                            await trio.sleep(0.01)
+                    held, waiting, admitted = proxy.held, svc.rpc.waiting, svc.rpc.requests
+                    print(f"rpc burst held: {admitted} requests admitted, {held} rpc "
+                          f"connections open at the broker, {waiting} calls waiting, "
+                          f"{len(replies)} refused at once")
+                    assert held == max_concurrent, (held, waiting, admitted)
+                    assert admitted == max_concurrent + max_queued
+                    assert svc.stats()["rpc_connections"] == max_concurrent
+                    proxy.release.set()
+                    with trio.fail_after(120):
+                        while len(replies) < n_req:
+                            await trio.sleep(0.01)
+            finally:
+                for s in socks:
+                    s.close(0)
+            ok = sum(r == [b"0", b""] for r in replies)
+            refused = sum(r == [b"-1", b"too many rpc requests"] for r in replies)
+            assert len(replies) == n_req and ok + refused == n_req, \
+                {bytes(b"|".join(r)) for r in replies} - {b"0|", b"-1|too many rpc requests"}
+            # 8 running + 64 waiting when the burst arrived, none finished before the release
+            assert ok == max_concurrent + max_queued and refused == n_req - ok
+            print(f"rpc burst: {n_req} requests, {ok} ok, {refused} refused; rpc connections "
+                  f"at once: {proxy.peak_held} at the broker (held), peak gauge "
+                  f"{svc.stats()['rpc_connections_peak']}; connections the proxy saw: "
+                  f"{proxy.accepted} (2 publishing)")
+            assert proxy.peak_held == max_concurrent
+            assert proxy.accepted == 2 + 2 * ok        # one connection per rpc call
+            st = svc.stats()
+            assert st["rpc_connections_peak"] == max_concurrent
+            assert st["rpc_connections"] == 0 and st["rpc_waiting"] == 0 and svc.rpc.requests == 0
+            assert svc.requests[("rpc", "overloaded")] == refused
+            assert all(o.disconnects == 0 for o in svc.outputs)
+        pn.cancel_scope.cancel()

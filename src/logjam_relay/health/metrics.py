@@ -298,7 +298,10 @@ class RelayCollector:
                  "AMQP connections open for rpc calls (at most samwise_rpc_max_concurrent)",
                  _gauge),
                 ("logjam_relay_samwise_rpc_waiting", "rpc_waiting",
-                 "rpc calls waiting for a connection slot", _gauge)):
+                 "rpc calls waiting for a connection slot", _gauge),
+                ("logjam_relay_samwise_rpc_connections_peak", "rpc_connections_peak",
+                 "most AMQP connections open for rpc calls at once since start "
+                 "(at most samwise_rpc_max_concurrent)", _gauge)):
             yield _one(kind, name, doc, dl, st.get(key, 0))
         lb = ("device", "broker")
         fams = {

@@ -28,6 +28,15 @@ must stay in one place:
 * either way the worker runs the unchanged output class (:func:`supervisor.make_output`);
 * dead letters are sent back too and written by the relay's store, before any later ack
   (one ordered channel), so "acknowledged" still implies "delivered or dead-lettered";
+* **acks are confirmed**: the relay answers the acks it applied (cursor log written)
+  with their count (``T_ACKED``, one message for all the acks of one read from the
+  socket), and the output takes new records from its reader only while at most
+  ``UNCONFIRMED_ACKS`` of its acks are unconfirmed (:class:`ConfirmedReader`).  The
+  acks on their way to the cursor log are then bounded by construction, not by how fast
+  the relay's loop reads them: after a SIGKILL of the relay an output resends at most
+  what it had in flight plus ``UNCONFIRMED_ACKS`` windows/payloads.  The cursor stays
+  the relay's alone (loss accounting, space and damage handling depend on it); a worker
+  only waits for it;
 * the worker sends its ``stats()`` every 0.5 s; metrics and readiness read the last one.
 
 Flow control (ship mode): at most ``MAX_INFLIGHT`` records are in the worker,
@@ -37,8 +46,10 @@ supervisor restarts it from the acknowledged cursor (``reader.rewind()``), exact
 for a crashed inline output.  ``request_shutdown()`` is passed on: the worker lets its
 output finish what is in flight, sends the last acks and exits.
 
-Wire format (both directions): ``<u32 length><u8 type><payload>``.  Tail mode: a
-snapshot is ``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
+Wire format (both directions): ``<u32 length><u8 type><payload>``.  Both modes: the
+relay's ``T_ACKED`` is ``>Q``, the number of the worker's ``T_ACK`` messages applied so
+far.  Tail mode: a snapshot is
+``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
 ``>QQ`` (segment, offset) or ``>QQQQ`` (segment, offset, record end, seq: the record
 was the last of a block the worker read, so the relay's reader needs no disk read to
 move its cursor), a damage report ``pickle((segno, offset, seq, reason, msg))``.
@@ -68,6 +79,8 @@ from collections import deque
 import trio
 
 from ..spool.api import Position, Record
+from ..spool.errors import SpoolError
+from .ackgate import ConfirmedReader
 
 log = logging.getLogger("logjam_relay.outputs.worker")
 
@@ -78,8 +91,10 @@ STATS_EVERY = 0.5
 _HDR = struct.Struct(">IB")
 _ACK = struct.Struct(">QQ")
 _ACK_KNOWN = struct.Struct(">QQQQ")     # tail mode: segment, offset, record end, seq
+_COUNT = struct.Struct(">Q")
 T_CONFIG, T_RECORDS, T_STOP = ord("C"), ord("R"), ord("S")     # relay -> worker
 T_SEGS = ord("G")                                              # relay -> worker (tail mode)
+T_ACKED = ord("K")                                             # relay -> worker
 T_ACK, T_STATS, T_DEAD = ord("A"), ord("T"), ord("D")          # worker -> relay
 T_DAMAGE = ord("X")                                            # worker -> relay (tail mode)
 # tail mode: at most one segment snapshot per this many seconds.  Each one is a send and
@@ -98,8 +113,9 @@ def _frame(kind: int, payload: bytes) -> bytes:
     return _HDR.pack(len(payload) + 1, kind) + payload
 
 
-async def _read_messages(stream: trio.SocketStream):
-    """Yield ``(type, payload)`` until EOF."""
+async def _read_messages(stream: trio.SocketStream, marks: bool = False):
+    """Yield ``(type, payload)`` until EOF; with ``marks``, ``(None, b"")`` after the
+    messages of each read (before the next read waits)."""
     buf = bytearray()
     while True:
         try:
@@ -120,6 +136,8 @@ async def _read_messages(stream: trio.SocketStream):
             yield kind, bytes(buf[pos + 5:pos + 4 + length])
             pos += 4 + length
         del buf[:pos]
+        if marks and pos:
+            yield None, b""
 
 
 # ======================================================================= relay side
@@ -159,6 +177,10 @@ class ProcessOutput:
         self.snapshots_sent = 0
         self.damage_reports = 0
         self.bad_acks = 0
+        # acks confirmed to the worker (in the cursor log): T_ACK messages applied so far
+        self._acks_in = 0
+        self._acks_applied = trio.Event()
+        self.acks_confirmed = 0
 
     # -- the output surface ------------------------------------------------------
     def stats(self) -> dict:
@@ -172,6 +194,7 @@ class ProcessOutput:
         d["worker_mode"] = "tail" if self.tail else "ship"
         d["worker_snapshots_sent"] = self.snapshots_sent
         d["worker_bad_acks"] = self.bad_acks
+        d["worker_acks_confirmed"] = self.acks_confirmed
         return d
 
     def request_shutdown(self) -> None:
@@ -208,6 +231,8 @@ class ProcessOutput:
         self._stream = stream
         self._inflight = 0
         self._batches.clear()
+        self._acks_in = self.acks_confirmed = 0       # counted per worker process
+        self._acks_applied = trio.Event()
         clean = False
         try:
             start = None
@@ -226,6 +251,7 @@ class ProcessOutput:
                 await self._send_stop(stream)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._notify if self.tail else self._feed, stream)
+                nursery.start_soon(self._confirm_acks, stream)
                 await self._receive(stream)           # until the worker closes
                 nursery.cancel_scope.cancel()
             code = await proc.wait()
@@ -293,6 +319,36 @@ class ProcessOutput:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return                      # the worker died: _receive sees the end
 
+    async def _confirm_acks(self, stream) -> None:
+        """Tell the worker how many of its acks are applied, so that its output may read
+        on (:class:`ConfirmedReader`).  Every ack of one read from the socket is confirmed
+        by one message, sent by ``_receive`` or by this task.  Applied means in the cursor log
+        (``reader.ack`` appends it; ``persist()`` makes sure of it when a reader
+        rate-limits its cursor writes).  A cursor write that fails is counted and logged
+        by the reader and confirmed all the same: the outputs go on draining (a stalled
+        output would keep the disk full), the duplicates after a crash may then exceed
+        the bound -- ``logjam_relay_spool_write_errors_total`` and the log say so."""
+        try:
+            while True:
+                await self._acks_applied.wait()
+                self._acks_applied = trio.Event()
+                await self._send_confirm(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return                      # the worker died: _receive sees the end
+
+    async def _send_confirm(self, stream) -> None:
+        n = self._acks_in
+        if n == self.acks_confirmed:
+            return
+        if self.tail:
+            try:
+                self.reader.persist()       # a no-op unless cursor writes are rate-limited
+            except SpoolError:
+                pass                        # counted and logged by the reader
+        self.acks_confirmed = n
+        async with self._send_lock:
+            await stream.send_all(_frame(T_ACKED, _COUNT.pack(n)))
+
     async def _on_damage(self, stream, payload: bytes) -> None:
         """Tail mode: the worker found a damaged record or cannot open a segment:
         the relay's damage handling registers the gap (loss accounting), then the
@@ -305,7 +361,24 @@ class ProcessOutput:
     async def _receive(self, stream) -> None:
         reader = self.reader
         unpack = _ACK.unpack
-        async for kind, payload in _read_messages(stream):
+        async for kind, payload in _read_messages(stream, marks=True):
+            if kind is None:
+                # the end of one read: its acks are applied, confirm them now.  Tail mode:
+                # the relay sends the worker only small messages, so this send does not
+                # wait (one scheduler round sooner than _confirm_acks, which does it in
+                # ship mode, where a send may wait behind records, and while a snapshot
+                # is being sent)
+                if self._acks_in != self.acks_confirmed:
+                    if self.tail and not self._send_lock.locked():
+                        try:
+                            await self._send_confirm(stream)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            return          # the worker died
+                    else:
+                        self._acks_applied.set()
+                continue
+            if kind == T_ACK:
+                self._acks_in += 1          # confirmed at the end of this read
             if kind == T_ACK and self.tail:
                 if len(payload) == _ACK_KNOWN.size:        # with the record's end and seq
                     segno, off, end, seq = _ACK_KNOWN.unpack(payload)
@@ -494,10 +567,12 @@ async def worker_main(fd: int) -> int:
 
     def stats_frame() -> bytes:
         st = dict(output.stats())
-        st.update(source.stats())
+        st.update(reader.stats())
         return _frame(T_STATS, pickle.dumps(st))
 
     ack_known = _ACK_KNOWN.pack
+
+    reader = ConfirmedReader()          # what the output reads from (the source, gated)
 
     def send_ack(pos, known=None) -> None:
         # the stats go with the ack (one write): once the relay's cursor has moved, its
@@ -506,6 +581,7 @@ async def worker_main(fd: int) -> int:
         # end and seq, so the relay moves its cursor without reading the disk
         data = _frame(T_ACK, ack(pos[0], pos[1]) if known is None else
                       ack_known(pos[0], pos[1], known[0], known[1]))
+        reader.sent += 1
         send_raw(data + stats_frame() if output is not None else data)
 
     if start is not None:               # tail mode: read the segment files here
@@ -514,8 +590,9 @@ async def worker_main(fd: int) -> int:
                              lambda *damage: send(T_DAMAGE, pickle.dumps(damage)))
     else:
         source = RemoteSource(name, send_ack)
+    reader.source = source
     dead = DeadLetterProxy(send) if with_dead else None
-    output = make_output(OutputSpec(name, scheme, url), source, relay_host, dead_letters=dead,
+    output = make_output(OutputSpec(name, scheme, url), reader, relay_host, dead_letters=dead,
                          max_event_bytes=max_event_bytes)
     if hasattr(output, "thread_compress_min"):
         # nothing else runs on this loop: a Lumberjack window is compressed on it, not in
@@ -529,6 +606,8 @@ async def worker_main(fd: int) -> int:
         async for kind, payload in messages:
             if kind == T_SEGS:
                 source.update(pickle.loads(payload))
+            elif kind == T_ACKED:
+                reader.confirm(_COUNT.unpack(payload)[0])
             elif kind == T_RECORDS:
                 source.add(*pickle.loads(payload))
             elif kind == T_STOP:
