@@ -426,10 +426,11 @@ async def test_worker_reports_a_damaged_record_and_the_relay_counts_it(tmp_path)
 
 
 def test_segment_tail_acks_carry_the_record_end_and_seq(tmp_path):
-    """An ack of the last record of a block the worker read carries its end offset and
-    seq (the relay then moves its cursor without a disk read): exactly what the relay's
-    reader finds reading the record header, the same cursor either way.  A record in the
-    middle of a block goes without (None): the relay reads the header."""
+    """An ack carries the record's end offset and seq (the relay then moves its cursor
+    without a disk read, also when the segment was dropped meanwhile): exactly what the
+    relay's reader finds reading the record header, the same cursor either way; for the
+    last record of a block from the block's end, for one in the middle from the parse
+    that read it.  A hint that does not fit the segment is not taken."""
     from logjam_relay.spool.spool import Spool
     from logjam_relay.spool.tail import SegmentTail, snapshot
     sp = Spool(tmp_path / "sp", readers=["t", "u"], segment_bytes=4096, fsync="never")
@@ -452,8 +453,12 @@ def test_segment_tail_acks_carry_the_record_end_and_seq(tmp_path):
     _append(sp, 100, 10)
     tail.update(snapshot(sp, 0))
     more = tail.read(10)
-    tail.ack(more[4].position)                       # not the last of a block
-    assert sent[-1] == (more[4].position, None)
+    tail.ack(more[2].position)                       # not the last of a block: found
+    pos, known = sent[-1]                            # in the parse that read it
+    assert pos == more[2].position and known == (more[3].position.offset, 102)
+    reader.ack(pos, known)
+    other.ack(pos)
+    assert (reader._ack_pos, reader._ack_seq) == (other._ack_pos, other._ack_seq)
     # a hint that does not fit the segment is not taken: the header is read
     reader.ack(more[4].position, (10**9, 0))
     other.ack(more[4].position)

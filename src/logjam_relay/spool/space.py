@@ -222,8 +222,7 @@ class SpaceMixin:
         if self._gaps:
             readers = self.readers.values()
             low = min((r._ack_seq for r in readers), default=self._next_seq)
-            low = min([low] + [r._pending_drop[0] for r in readers
-                               if r._pending_drop is not None])
+            low = min([low] + [r._pending[0][0] for r in readers if r._pending])
             self._gaps = [g for g in self._gaps if g[1] > low]
 
     def _delete(self, seg: _Seg) -> None:
