@@ -209,13 +209,27 @@ class SpaceMixin:
         readers = self.readers.values()
         for r in readers:
             r._normalize_ack()
+        durable = False
         while self._segs:
             oldest = next(iter(self._segs.values()))
             if not oldest.sealed or any(r._ack_pos.segment <= oldest.segno for r in readers):
                 break
+            if not durable:
+                self._cursors_durable()
+                durable = True
             self._delete(oldest)
             self.deleted_segments += 1
         self._prune_gaps()
+
+    def _cursors_durable(self) -> None:
+        """Before an acknowledged segment is deleted, the cursors that allow it are made
+        durable (written and fdatasynced; once per deleted segment, whatever ``fsync``
+        says).  Otherwise a power loss could keep the deletion and lose the cursor: the
+        restarted reader's cursor would point into the deleted segment, and records that
+        were delivered would be reported lost."""
+        for r in self.readers.values():
+            r._persist_quiet()
+            r.sync_cursor()
 
     def _prune_gaps(self) -> None:
         """Forget gaps every reader's cursor (and pending drop) is past."""
