@@ -18,10 +18,8 @@ must stay in one place:
   (``T_DAMAGE``); the relay runs the spool's damage handling as if its reader had found
   it (:func:`~logjam_relay.spool.tail.handle_damage`) and sends a new snapshot.  A
   segment deleted under the worker (``drop_oldest``) leaves the snapshot: the worker
-  reads on from the next one and reports the seqs it jumped over (``T_SKIP``); the
-  relay's reader counts those as lost, and the records the worker had read from the
-  segment when it was dropped only if they are never acknowledged (every ack carries
-  the record's seq).
+  reads on from the next one and reports the seqs it jumped over (``T_SKIP``: lost);
+  what it had read from the segment is lost only if it is never acknowledged.
   The relay's cost per record is then nothing but applying an ack per window;
 * **ship mode** (any other reader, e.g. tests' in-memory sources): the relay side reads
   records and ships them to the worker in batches over the socket pair; the worker runs

@@ -410,6 +410,7 @@ class SpoolReader:
             "oldest_unacked_age_s": age,
             "lost": self.lost,
             "lost_by_reason": dict(self.lost_by_reason),
+            "lost_pending": self.pending(),
             "acks": self.acks,
             "records_read": self.records_read,
             "cursor_writes": self.cursor_writes,

@@ -178,7 +178,24 @@ class SegmentTail:
         self._segs = segs
         self._stuck = None                      # the relay answered: try again
         self.snapshots += 1
+        self._advance()
         self._event.set()
+
+    def _advance(self) -> None:
+        """Move over segments that are gone, and from a sealed segment's end to the next,
+        at once: the relay learns what was skipped now, not at the next read (an output
+        that cannot connect reads rarely)."""
+        while True:
+            entry = self._segs.get(self._pos.segment)
+            if entry is None:
+                nxt = self._next_segment(self._pos.segment)
+            elif entry[3] and self._pos.offset >= entry[2]:
+                nxt = self._next_segment(entry[0])
+            else:
+                return
+            if nxt is None:
+                return
+            self._enter(nxt)
 
     # -- files ----------------------------------------------------------------------
     def _forget(self, segno: int) -> None:
