@@ -389,6 +389,53 @@ def test_segment_tail_skips_dropped_segments_and_the_relay_counts_them(tmp_path)
     sp.close()
 
 
+def _linked_tail(reader):
+    """A SegmentTail whose acks and skip reports go straight to the relay's reader, in
+    order, as over the worker's socket."""
+    from logjam_relay.spool.tail import SegmentTail
+    reader.reads_elsewhere = True
+    return SegmentTail("t", reader._ack_pos, reader._ack_seq, reader.ack, lambda *d: None,
+                       reader.skipped)
+
+
+@pytest.mark.parametrize("gives_up", [False, True])
+def test_records_a_worker_read_from_a_dropped_segment_count_only_if_never_acked(
+        tmp_path, gives_up):
+    """drop_oldest deletes the segments a worker's window was read from: the relay
+    cannot know how far the worker read, so nothing of them is counted at once; the
+    worker's ack (cumulative, with the record's seq) resolves what it delivered, its
+    skip reports what it never read.  A worker that gives the window up (rewind after a
+    lost connection) skips it on the re-read: then it counts.  Either way delivered +
+    lost == appended, exactly."""
+    from logjam_relay.spool.tail import snapshot
+    sp = _spool(tmp_path, policy="drop_oldest", max_bytes=16384)
+    reader = sp.reader("t")
+    tail = _linked_tail(reader)
+    _append(sp, 0, 30)
+    tail.update(snapshot(sp, 0))
+    window = tail.read(25)                         # in flight, not acknowledged
+    tail.ack(window[9].position)                   # a partial ack: the first 10
+    _append(sp, 30, 600)                           # the window's segments are dropped
+    assert sp.dropped_segments > 0 and window[-1].position.segment not in sp._segs
+    assert reader.lost == 0 and reader.pending() > 0
+    tail.update(snapshot(sp, reader._ack_pos.segment))
+    delivered = window[:10]
+    if gives_up:
+        tail.rewind()                              # the window was never delivered
+    else:
+        delivered = window                         # it was
+        tail.ack(window[15].position)              # mid-block acks carry the seq too
+        tail.ack(window[-1].position)
+    while recs := tail.read(50):
+        delivered += recs
+        tail.ack(recs[-1].position)
+    got = _numbers(delivered)
+    assert got == sorted(got) and len(set(got)) == len(got) and got[-1] == 629
+    assert reader.stats()["backlog_records"] == 0 and reader.pending() == 0
+    assert reader.lost == 630 - len(got) and reader.lost_by_reason == {"dropped": reader.lost}
+    sp.close()
+
+
 def test_segment_tail_reports_a_damaged_record_and_the_relay_registers_the_gap(tmp_path):
     """A corrupt record: the worker stops at it and reports; the relay's damage handling
     (resync) registers a hole and a gap; with the next snapshot the worker reads on
@@ -464,10 +511,11 @@ async def test_worker_reports_a_damaged_record_and_the_relay_counts_it(tmp_path)
 
 
 def test_segment_tail_acks_carry_the_record_end_and_seq(tmp_path):
-    """An ack of the last record of a block the worker read carries its end offset and
-    seq (the relay then moves its cursor without a disk read): exactly what the relay's
-    reader finds reading the record header, the same cursor either way.  A record in the
-    middle of a block goes without (None): the relay reads the header."""
+    """An ack carries the record's end offset and seq (the relay then moves its cursor
+    without a disk read, also when the segment was dropped meanwhile): exactly what the
+    relay's reader finds reading the record header, the same cursor either way; for the
+    last record of a block from the block's end, for one in the middle from the parse
+    that read it.  A hint that does not fit the segment is not taken."""
     from logjam_relay.spool.spool import Spool
     from logjam_relay.spool.tail import SegmentTail, snapshot
     sp = Spool(tmp_path / "sp", readers=["t", "u"], segment_bytes=4096, fsync="never")
@@ -490,8 +538,12 @@ def test_segment_tail_acks_carry_the_record_end_and_seq(tmp_path):
     _append(sp, 100, 10)
     tail.update(snapshot(sp, 0))
     more = tail.read(10)
-    tail.ack(more[4].position)                       # not the last of a block
-    assert sent[-1] == (more[4].position, None)
+    tail.ack(more[2].position)                       # not the last of a block: found
+    pos, known = sent[-1]                            # in the parse that read it
+    assert pos == more[2].position and known == (more[3].position.offset, 102)
+    reader.ack(pos, known)
+    other.ack(pos)
+    assert (reader._ack_pos, reader._ack_seq) == (other._ack_pos, other._ack_seq)
     # a hint that does not fit the segment is not taken: the header is read
     reader.ack(more[4].position, (10**9, 0))
     other.ack(more[4].position)

@@ -18,7 +18,8 @@ must stay in one place:
   (``T_DAMAGE``); the relay runs the spool's damage handling as if its reader had found
   it (:func:`~logjam_relay.spool.tail.handle_damage`) and sends a new snapshot.  A
   segment deleted under the worker (``drop_oldest``) leaves the snapshot: the worker
-  reads on from the next one, the relay's reader counts the skipped records as lost.
+  reads on from the next one and reports the seqs it jumped over (``T_SKIP``: lost);
+  what it had read from the segment is lost only if it is never acknowledged.
   The relay's cost per record is then nothing but applying an ack per window;
 * **ship mode** (any other reader, e.g. tests' in-memory sources): the relay side reads
   records and ships them to the worker in batches over the socket pair; the worker runs
@@ -51,8 +52,10 @@ relay's ``T_ACKED`` is ``>Q``, the number of the worker's ``T_ACK`` messages app
 far.  Tail mode: a snapshot is
 ``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
 ``>QQ`` (segment, offset) or ``>QQQQ`` (segment, offset, record end, seq: the record
-was the last of a block the worker read, so the relay's reader needs no disk read to
-move its cursor), a damage report ``pickle((segno, offset, seq, reason, msg))``.
+as the worker read it, so the relay's reader needs no disk read to move its cursor,
+nor the segment, which may be gone), a damage report ``pickle((segno, offset, seq,
+reason, msg))``, a skip report ``>qQ`` (the seq reading jumped from, -1 for the first
+unacknowledged record; the seq it jumped to).
 Ship mode: a batch of records
 goes as ``pickle((batch_no, kinds, frames))``: the spool positions stay in the relay
 (with the batch, until it is acknowledged) and the worker's records carry the position
@@ -97,6 +100,8 @@ T_SEGS = ord("G")                                              # relay -> worker
 T_ACKED = ord("K")                                             # relay -> worker
 T_ACK, T_STATS, T_DEAD = ord("A"), ord("T"), ord("D")          # worker -> relay
 T_DAMAGE = ord("X")                                            # worker -> relay (tail mode)
+T_SKIP = ord("K")                                              # worker -> relay (tail mode)
+_SKIP = struct.Struct(">qQ")            # seqs jumped over: from (-1: first unacked), to
 # tail mode: at most one segment snapshot per this many seconds.  Each one is a send and
 # a wake-up of the worker: at 3 ms they were ~11 % of the relay's CPU at full rate
 # (bench_durable.py, py-spy); at 10 ms the workers also read larger batches (fewer
@@ -173,6 +178,8 @@ class ProcessOutput:
         # tail mode: the worker reads the segment files itself (spool/tail.py); the relay
         # sends segment snapshots and applies acks (real positions) to the reader
         self.tail = hasattr(reader, "_spool")
+        if self.tail:
+            reader.reads_elsewhere = True   # drops: what the worker read stays pending
         self._snap_sent = None
         self.snapshots_sent = 0
         self.damage_reports = 0
@@ -238,7 +245,9 @@ class ProcessOutput:
             start = None
             if self.tail:
                 r = self.reader
-                r._normalize_ack()
+                # from the acknowledged cursor; what a previous worker held of dropped
+                # segments is lost now (this one starts after it)
+                r.rewind()
                 start = (tuple(r._ack_pos), r._ack_seq)
             cfg = (self.spec.name, self.spec.scheme, self.spec.url, self.relay_host,
                    self.max_event_bytes, self.dead_letters is not None, self.log_level,
@@ -394,6 +403,9 @@ class ProcessOutput:
                 self.acks_applied += 1
             elif kind == T_DAMAGE:
                 await self._on_damage(stream, payload)
+            elif kind == T_SKIP and self.tail:
+                lo, hi = _SKIP.unpack(payload)
+                reader.skipped(None if lo < 0 else lo, hi)
             elif kind == T_ACK:
                 bno, idx = unpack(payload)
                 real = self._position(bno, idx)
@@ -587,7 +599,9 @@ async def worker_main(fd: int) -> int:
     if start is not None:               # tail mode: read the segment files here
         from ..spool.tail import SegmentTail
         source = SegmentTail(name, Position(*start[0]), start[1], send_ack,
-                             lambda *damage: send(T_DAMAGE, pickle.dumps(damage)))
+                             lambda *damage: send(T_DAMAGE, pickle.dumps(damage)),
+                             lambda lo, hi: send(T_SKIP, _SKIP.pack(
+                                 -1 if lo is None else lo, hi)))
     else:
         source = RemoteSource(name, send_ack)
     reader.source = source

@@ -98,6 +98,15 @@ def write_entry(cdir: str, name: str, segment: int, offset: int, seq: int) -> No
         os.close(fd)
 
 
+def _sync_dir(path: str) -> None:
+    """fsync the directory that holds ``path`` (its entry is then durable)."""
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class CursorLog:
     """The append side of one reader's cursor log.  Raises ``OSError``; the reader
     counts and logs it (a cursor that is not durable only causes duplicates)."""
@@ -114,9 +123,12 @@ class CursorLog:
 
     def _open(self) -> int:
         if self._fd is None:
+            created = self._sync and not os.path.exists(self.path)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                                0o644)
             self._entries = os.fstat(self._fd).st_size // ENTRY_LEN
+            if created:
+                _sync_dir(self.path)        # the new log's name is durable too
         return self._fd
 
     def append(self, segment: int, offset: int, seq: int) -> None:
@@ -156,6 +168,10 @@ class CursorLog:
             raise
         os.close(fd)
         os.replace(tmp, self.path)
+        if self._sync:
+            # the rename too: else a power loss may bring back the old log, whose older
+            # cursor may point into a segment deleted since
+            _sync_dir(self.path)
         self.close()
         self._open()
         self.writes += 1

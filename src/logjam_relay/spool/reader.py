@@ -5,6 +5,13 @@ time it moves over records that were never served (a dropped, missing, truncated
 damaged stretch) their number is added to ``lost`` (by reason, see
 ``Spool._lost_reasons``).  The read position skips the same stretches without counting,
 so a rewind never counts twice.  See docs/spool-format.md, "Recovery".
+
+Records of a dropped segment that the output may hold (served, or with
+``reads_elsewhere`` read by a worker process, which the relay cannot see) are *pending*:
+not lost while their acknowledgement may still come.  An ack resolves the pending
+records up to it (delivered); a worker's skip report (:meth:`skipped`: it never read
+them) and :meth:`rewind` (the output gave up on what it held) count the rest as lost.
+So each record is counted once: delivered, or lost.
 """
 
 from __future__ import annotations
@@ -44,7 +51,13 @@ class SpoolReader:
         # last record of every parsed chunk served and not yet acknowledged:
         # Position -> (end offset, seq); outputs ack those, so ack() needs no disk read
         self._served: dict[Position, tuple[int, int]] = {}
-        self._pending_drop: list[int] | None = None   # [lo, hi): served, then dropped
+        # seq ranges [lo, hi), sorted, disjoint, below the acknowledged cursor: records of
+        # dropped segments the output may still acknowledge (see the module doc)
+        self._pending: list[list[int]] = []
+        # the output reads the segment files in a worker process (outputs/worker.py tail
+        # mode): the relay does not know how far, so a drop makes everything it took
+        # from the unacknowledged part pending, and the worker reports what it skipped
+        self.reads_elsewhere = False
         self._fd: int | None = None
         self._fd_seg = -1
         self._buf = b""
@@ -101,21 +114,35 @@ class SpoolReader:
             self._read_pos, self._read_seq = pos, seq
 
     def _count_lost(self, lo: int, hi: int, remainder: bool = True) -> None:
-        """Records ``lo..hi-1`` were passed over by the acknowledged cursor: lost.
-        With ``remainder=False`` only the registered gaps in the range count (an ack
+        """Records ``lo..hi-1`` were passed over by the acknowledged cursor: lost, but
+        for the pending ones (not lost unless never acknowledged).  With
+        ``remainder=False`` only the registered gaps in the range count (an ack
         covering served records and a hole between them)."""
         sp = self._spool
-        pend = self._pending_drop
-        if pend is not None:
-            # served before their segment was dropped: not lost unless never acknowledged
-            a, b = max(lo, pend[0]), min(hi, pend[1])
-            if a < b:
-                for reason, n in sp._lost_reasons(lo, a, remainder) + \
-                        sp._lost_reasons(b, hi, remainder):
-                    self._add_lost(reason, n)
-                return
-        for reason, n in sp._lost_reasons(lo, hi, remainder):
+        for a, b in _outside(self._pending, lo, hi):
+            for reason, n in sp._lost_reasons(a, b, remainder):
+                self._add_lost(reason, n)
+
+    def _count_range(self, lo: int, hi: int) -> None:
+        for reason, n in self._spool._lost_reasons(lo, hi):
             self._add_lost(reason, n)
+
+    def _resolve(self, seq: int) -> None:
+        """Acknowledged up to ``seq``: pending records up to it were delivered."""
+        if self._pending:
+            _cut(self._pending, 0, seq + 1)
+
+    def skipped(self, lo: int | None, hi: int) -> None:
+        """The output's worker passed over seqs ``lo..hi-1`` without reading them (their
+        segment was gone when it got there); ``lo=None``: from its first unacknowledged
+        record on (it held nothing then).  Those of them still pending are lost."""
+        if self._pending:
+            for a, b in _cut(self._pending, 0 if lo is None else lo, hi):
+                self._count_range(a, b)
+
+    def pending(self) -> int:
+        """Records of dropped segments not yet known to be delivered or lost."""
+        return sum(b - a for a, b in self._pending)
 
     def _add_lost(self, reason: str, n: int) -> None:
         if n > 0:
@@ -236,11 +263,13 @@ class SpoolReader:
                 if k > upto:
                     break
                 del served[k]
-        pend = self._pending_drop
-        if pend is not None and hit is not None and hit[1] >= pend[0]:
-            pend[0] = hit[1] + 1                  # served from a dropped segment and acked
-            if pend[0] >= pend[1]:
-                self._pending_drop = None
+        if self._pending:
+            # acknowledgements are cumulative: what the output held up to here was
+            # delivered (also from a dropped segment, whose position the cursor passed)
+            if hit is not None:
+                self._resolve(hit[1])
+            elif known is not None:
+                self._resolve(known[1])
         if upto < self._ack_pos:
             return
         sp = self._spool
@@ -260,6 +289,7 @@ class SpoolReader:
             end = upto.offset + fmt.PREFIX_LEN + body_len
             if end > seg.limit:
                 raise ValueError(f"ack: no record at {upto}")
+            self._resolve(seq)
         old_segment = self._ack_pos.segment
         if seq > self._ack_seq and sp._gaps:
             self._count_lost(self._ack_seq, seq, remainder=False)   # holes in the acked range
@@ -274,26 +304,28 @@ class SpoolReader:
             sp._maybe_delete()
 
     def rewind(self) -> None:
+        """Back to the acknowledged cursor.  Records of dropped segments the output held
+        and did not acknowledge are lost now (an output's worker is restarted from the
+        cursor with the same call)."""
         self._normalize_ack()
-        pend = self._pending_drop
-        if pend is not None:
-            # served records whose segment was dropped before they were acknowledged
-            for reason, n in self._spool._lost_reasons(pend[0], pend[1]):
-                self._add_lost(reason, n)
-            self._pending_drop = None
+        self._count_pending()
         self._served.clear()
         self._read_pos, self._read_seq = self._ack_pos, self._ack_seq
 
+    def _count_pending(self) -> None:
+        pend, self._pending = self._pending, []
+        for a, b in pend:
+            self._count_range(a, b)
+
     def _note_drop(self, ack_seq_before: int, read_seq_before: int) -> None:
-        """Segments were dropped under this reader: records it had been served keep
-        their chance to be acknowledged (counted lost on rewind, not now)."""
-        hi = min(read_seq_before, self._spool._first_seq())
+        """Segments were dropped under this reader: records it had been served (or, read
+        elsewhere, may have been) keep their chance to be acknowledged (counted lost on
+        rewind or skip, not now)."""
+        hi = self._spool._first_seq()
+        if not self.reads_elsewhere:
+            hi = min(read_seq_before, hi)
         if hi > ack_seq_before:
-            pend = self._pending_drop
-            if pend is None:
-                self._pending_drop = [ack_seq_before, hi]
-            else:
-                pend[1] = max(pend[1], hi)
+            _add(self._pending, ack_seq_before, hi)
 
     # -- cursor -----------------------------------------------------------------
     def persist(self, force: bool = False) -> None:
@@ -346,6 +378,12 @@ class SpoolReader:
             os.close(fd)
 
     def close(self) -> None:
+        if self._pending:
+            n = self.pending()
+            self._count_pending()       # never acknowledged, and their segments are gone
+            self._spool._rlog.warning(
+                "pending_lost", "spool: output %s stopped without acknowledging %d records "
+                "of dropped segments it had been sending: counted as lost", self.name, n)
         if self._fd is not None:
             os.close(self._fd)
             self._fd, self._fd_seg = None, -1
@@ -372,6 +410,7 @@ class SpoolReader:
             "oldest_unacked_age_s": age,
             "lost": self.lost,
             "lost_by_reason": dict(self.lost_by_reason),
+            "lost_pending": self.pending(),
             "acks": self.acks,
             "records_read": self.records_read,
             "cursor_writes": self.cursor_writes,
@@ -380,3 +419,51 @@ class SpoolReader:
             "cursor_segment": self._ack_pos.segment,
             "cursor_offset": self._ack_pos.offset,
         }
+
+
+# -- seq ranges: sorted lists of disjoint [lo, hi) ---------------------------------
+
+def _add(ranges: list[list[int]], lo: int, hi: int) -> None:
+    """Add ``[lo, hi)`` to ``ranges`` (merged with what it touches)."""
+    keep = [r for r in ranges if r[1] < lo or r[0] > hi]
+    for r in ranges:
+        if not (r[1] < lo or r[0] > hi):
+            lo, hi = min(lo, r[0]), max(hi, r[1])
+    keep.append([lo, hi])
+    keep.sort()
+    ranges[:] = keep
+
+
+def _cut(ranges: list[list[int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Remove ``[lo, hi)`` from ``ranges``; return the parts removed."""
+    out: list[tuple[int, int]] = []
+    keep: list[list[int]] = []
+    for a, b in ranges:
+        x, y = max(a, lo), min(b, hi)
+        if x >= y:
+            keep.append([a, b])
+            continue
+        out.append((x, y))
+        if a < x:
+            keep.append([a, x])
+        if y < b:
+            keep.append([y, b])
+    ranges[:] = keep
+    return out
+
+
+def _outside(ranges: list[list[int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of ``[lo, hi)`` in none of ``ranges``."""
+    out: list[tuple[int, int]] = []
+    cur = lo
+    for a, b in ranges:
+        if b <= cur:
+            continue
+        if a >= hi:
+            break
+        if a > cur:
+            out.append((cur, a))
+        cur = max(cur, b)
+    if cur < hi:
+        out.append((cur, hi))
+    return out

@@ -209,21 +209,34 @@ class SpaceMixin:
         readers = self.readers.values()
         for r in readers:
             r._normalize_ack()
+        durable = False
         while self._segs:
             oldest = next(iter(self._segs.values()))
             if not oldest.sealed or any(r._ack_pos.segment <= oldest.segno for r in readers):
                 break
+            if not durable:
+                self._cursors_durable()
+                durable = True
             self._delete(oldest)
             self.deleted_segments += 1
         self._prune_gaps()
+
+    def _cursors_durable(self) -> None:
+        """Before an acknowledged segment is deleted, the cursors that allow it are made
+        durable (written and fdatasynced; once per deleted segment, whatever ``fsync``
+        says).  Otherwise a power loss could keep the deletion and lose the cursor: the
+        restarted reader's cursor would point into the deleted segment, and records that
+        were delivered would be reported lost."""
+        for r in self.readers.values():
+            r._persist_quiet()
+            r.sync_cursor()
 
     def _prune_gaps(self) -> None:
         """Forget gaps every reader's cursor (and pending drop) is past."""
         if self._gaps:
             readers = self.readers.values()
             low = min((r._ack_seq for r in readers), default=self._next_seq)
-            low = min([low] + [r._pending_drop[0] for r in readers
-                               if r._pending_drop is not None])
+            low = min([low] + [r._pending[0][0] for r in readers if r._pending])
             self._gaps = [g for g in self._gaps if g[1] > low]
 
     def _delete(self, seg: _Seg) -> None:

@@ -12,8 +12,12 @@ that stops at the committed end the relay announced never sees a torn record.
 ``wait``, ``ack``, ``rewind``, ``stats``) on such snapshots.  It never decides a loss:
 
 * a segment the snapshot no longer lists was deleted (``drop_oldest``, or acknowledged
-  by every reader): reading jumps to the next listed one; the relay's reader counts
-  what was skipped when the acknowledged cursor passes over it;
+  by every reader): reading jumps to the next listed one and the seqs jumped over are
+  reported (``skipped(lo, hi)``): the relay's reader counts those of a dropped segment
+  as lost.  What was read from a segment before it was dropped is not lost unless it is
+  never acknowledged: every ack carries the seq of the acknowledged record (the relay
+  can no longer look it up once the segment is gone), so the relay knows it was
+  delivered;
 * a segment file that cannot be opened, or a damaged record, is reported through
   ``report(segno, offset, seq, reason, message)``; the relay runs its damage handling
   (:meth:`Spool._on_corrupt`: resync, gap, hole or ``bad_offset``) and sends a new
@@ -25,6 +29,8 @@ Pure apart from ``os.open``/``os.pread`` on the segment files and one ``trio.Eve
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
+from collections import deque
 
 import trio
 
@@ -123,16 +129,20 @@ class SegmentTail:
 
     CHUNK = 1 * MiB
 
-    def __init__(self, name: str, start: Position, start_seq: int, send_ack, report):
+    def __init__(self, name: str, start: Position, start_seq: int, send_ack, report,
+                 skipped=None):
         """``send_ack(position, known)``: ``known`` is ``(end offset, seq)`` of the
-        acknowledged record when this reader parsed it as the last of a block (the
-        usual case: outputs ack the last record of a read), else None."""
+        acknowledged record (None only for a position this reader did not read).
+        ``skipped(lo, hi)``: reading jumped from seq ``lo`` to the next segment, which
+        starts at ``hi`` (``lo`` None: from the first unacknowledged record, nothing
+        read since a rewind)."""
         self.name = name
         self._send_ack = send_ack
         self._report = report
         self._segs: dict[int, tuple] = {}         # segno -> snapshot entry
         self._pos = Position(*start)            # next record read() returns
-        self._seq = start_seq
+        self._seq: int | None = start_seq      # seq of the record at _pos (None: unknown)
+        self._skipped = skipped
         self._first = Position(*start)          # first record not acknowledged (if _acked None)
         self._first_seq = start_seq
         self._acked: Position | None = None     # last acknowledged record
@@ -140,6 +150,10 @@ class SegmentTail:
         self._skip = False                      # read(): pass over the record at _pos
         # last record of every block read and not yet acknowledged: Position -> (end, seq)
         self._served: dict[Position, tuple[int, int]] = {}
+        # every parse read and not yet acknowledged, in read order, to find the end and
+        # seq of any acknowledged record: (first position, last position, records,
+        # index of the first, count, seq of the first, end of the last)
+        self._runs: deque = deque()
         self._stuck: tuple | None = None        # (segno, offset) reported, not yet resolved
         self._event = trio.Event()
         self._fd: int | None = None
@@ -164,7 +178,24 @@ class SegmentTail:
         self._segs = segs
         self._stuck = None                      # the relay answered: try again
         self.snapshots += 1
+        self._advance()
         self._event.set()
+
+    def _advance(self) -> None:
+        """Move over segments that are gone, and from a sealed segment's end to the next,
+        at once: the relay learns what was skipped now, not at the next read (an output
+        that cannot connect reads rarely)."""
+        while True:
+            entry = self._segs.get(self._pos.segment)
+            if entry is None:
+                nxt = self._next_segment(self._pos.segment)
+            elif entry[3] and self._pos.offset >= entry[2]:
+                nxt = self._next_segment(entry[0])
+            else:
+                return
+            if nxt is None:
+                return
+            self._enter(nxt)
 
     # -- files ----------------------------------------------------------------------
     def _forget(self, segno: int) -> None:
@@ -221,7 +252,18 @@ class SegmentTail:
         if self._stuck != (segno, off):
             self._stuck = (segno, off)
             self.reports += 1
-            self._report(segno, off, self._seq, reason, message)
+            self._report(segno, off, -1 if self._seq is None else self._seq, reason, message)
+
+    def _enter(self, entry) -> None:
+        """Go on at the start of the snapshot's segment ``entry``; seqs before its first
+        that were not read (a segment deleted under us, or never on disk) are reported."""
+        first, seq = entry[4], self._seq
+        if seq is None or first > seq:
+            if self._skipped is not None:
+                self._skipped(seq, first)
+            self._seq = first
+        self._pos = Position(entry[0], fmt.HEADER_LEN)
+        self._skip = False                      # the acked record went with its segment
 
     # -- reader protocol ------------------------------------------------------------
     def read(self, max_records: int) -> list[Record]:
@@ -248,9 +290,7 @@ class SegmentTail:
                 nxt = self._next_segment(pos.segment)
                 if nxt is None:
                     break                               # nothing announced past here yet
-                self._pos = Position(nxt[0], fmt.HEADER_LEN)
-                self._seq = max(self._seq, nxt[4])
-                self._skip = False                      # the acked record went with its segment
+                self._enter(nxt)
                 continue
             segno, _path, limit, sealed, _first, holes = entry
             off = pos.offset
@@ -264,7 +304,7 @@ class SegmentTail:
                     next_hole = h[0]
             if resume is not None:
                 self._pos = Position(segno, resume[1])
-                self._seq = max(self._seq, resume[2])
+                self._seq = resume[2] if self._seq is None else max(self._seq, resume[2])
                 self._skip = False
                 continue
             if off >= limit:
@@ -273,9 +313,7 @@ class SegmentTail:
                 nxt = self._next_segment(segno)
                 if nxt is None:
                     break
-                self._pos = Position(nxt[0], fmt.HEADER_LEN)
-                self._seq = max(self._seq, nxt[4])
-                self._skip = False
+                self._enter(nxt)
                 continue
             try:
                 if not (self._buf_seg == segno
@@ -296,10 +334,11 @@ class SegmentTail:
             if block is not None:
                 added, bpos, next_seq, status, parsed = _read_into_c(
                     block, buf, off - base, stop, want, base, segno, self._skip)
+                recs, start = block, len(block) - added
             else:
                 recs, bpos, next_seq, status, parsed = read_block(
                     buf, off - base, stop, want, base, segno, self._skip)
-                added = len(recs)
+                added, start = len(recs), 0
                 out.extend(recs)
             if parsed:
                 self._skip = False
@@ -309,7 +348,13 @@ class SegmentTail:
                     served = self._served
                     if len(served) >= _SERVED_MAX:
                         del served[next(iter(served))]
-                    served[out[-1][0]] = (base + bpos, next_seq - 1)
+                    last = out[-1][0]
+                    served[last] = (base + bpos, next_seq - 1)
+                    runs = self._runs
+                    if len(runs) >= _SERVED_MAX:
+                        runs.popleft()
+                    runs.append((recs[start][0], last, recs, start, added,
+                                 next_seq - added, base + bpos))
                 self._pos = Position(segno, base + bpos)
                 self._seq = next_seq
                 continue
@@ -364,22 +409,43 @@ class SegmentTail:
         self.acks += 1
         served = self._served
         known = served.get(upto)
+        if known is None:
+            known = self._find(upto)
         while served:                           # forget what is acknowledged (read order)
             k = next(iter(served))
             if k > upto:
                 break
             del served[k]
+        runs = self._runs
+        while runs and runs[0][1] <= upto:
+            runs.popleft()
+        self._acked_seq = -1 if known is None else known[1]
         self._send_ack(upto, known)
+
+    def _find(self, upto: Position) -> tuple[int, int] | None:
+        """``(end, seq)`` of the record at ``upto``, from the parse that read it."""
+        for first, last, recs, start, n, seq, end in self._runs:
+            if upto > last:
+                continue
+            if upto < first:
+                return None
+            i = bisect_left(range(start, start + n), upto, key=lambda j: recs[j][0])
+            if recs[start + i][0] != upto:
+                return None
+            return (recs[start + i + 1][0][1] if i + 1 < n else end), seq + i
+        return None
 
     def rewind(self) -> None:
         """Back to the first unacknowledged record: the last acknowledged one is
         re-parsed and passed over (its end is not kept)."""
         self._buf, self._buf_seg = b"", -1
         self._served.clear()
+        self._runs.clear()
         if self._acked is None:
             self._pos, self._seq, self._skip = self._first, self._first_seq, False
         else:
             self._pos, self._skip = self._acked, True
+            self._seq = self._acked_seq + 1 if self._acked_seq >= 0 else None
         self._stuck = None
 
     def close(self) -> None:
