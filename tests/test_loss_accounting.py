@@ -22,7 +22,7 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.io import zmq_trio
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, relay_settings, start_process, stop_process
 
 BODY = b'{"n":%d,"action":"Loss#test","pad":"' + b"y" * 200 + b'"}'
