@@ -1,0 +1,190 @@
+"""Every fuzzer at once against the real command on the sized configuration
+(docs/operations.md, "Memory"; issue 21 item 2).
+
+For ``ATTACK_SECONDS`` the relay gets, all together: subscription floods on PUB, stats and
+CMDP (random 128-byte topics from several connections each, re-opened whenever the relay
+cuts them), samwise garbage, ROUTER and PULL garbage, and a peer-connection flood on every
+ZeroMQ port; a Lumberjack output takes the stream.  Meanwhile a well-behaved DEALER sends
+valid requests one at a time and ``/metrics`` is scraped every half second.
+
+Asserted: the peak RSS of the relay plus its output workers stays under
+``memory.ceiling()`` for this configuration; the subscriptions held (``/metrics``) never
+exceed ``max_subscriptions`` on any socket; every good request is answered ``202`` within
+2 s; every scrape of ``/metrics`` is answered; SIGTERM afterwards exits 0 within the
+shutdown budget.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import trio
+import zmq
+
+import fuzzers
+from conftest import free_port
+from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from logjam_relay.relay import memory
+from relay_harness import meta, relay_argv, relay_settings, wait_http
+
+MiB = 1024 * 1024
+ATTACK_SECONDS = 30
+MAX_SUBSCRIPTIONS = 2000
+REPLY_WITHIN = 2.0
+#: Docker's default grace period (docs/operations.md "Container image"): SIGTERM to exit
+SHUTDOWN_BUDGET = 10.0
+
+
+def sized_settings(tmp_path, reader_port: int, cmdp_port: int, samwise_port: int):
+    output = (f"lumberjack://127.0.0.1:{reader_port}?window=8&pipeline=2&tls=off&timeout=5")
+    broker = "main=amqp://guest:guest@127.0.0.1:5672/%2F"
+    settings = relay_settings(
+        tmp_path, max_event_bytes=MiB, rcv_hwm=4, snd_hwm=16, ingest_max_bytes=4 * MiB,
+        max_subscriptions=MAX_SUBSCRIPTIONS, spool_max_bytes=64 * MiB,
+        spool_segment_bytes=4 * MiB, cmdp_port=cmdp_port, outputs=[output],
+        samwise=[f"tcp://127.0.0.1:{samwise_port}"], amqp_brokers=[broker])
+    extra = ["--max-event-bytes", "1MiB", "-R", "4", "-S", "16", "--ingest-max-bytes", "4MiB",
+             "--max-subscriptions", str(MAX_SUBSCRIPTIONS),
+             "--spool-max-bytes", str(64 * MiB), "--spool-segment-bytes", str(4 * MiB),
+             "--spool-dir", str(tmp_path / "spool"), "--cmdp-port", str(cmdp_port),
+             "--chirp-interface", "127.0.0.1", "--output", output,
+             "--samwise", f"tcp://127.0.0.1:{samwise_port}", "--amqp-broker", broker,
+             "--samwise-spool-dir", str(tmp_path / "samwise-spool")]
+    return settings, extra
+
+
+def start_relay(settings, extra, log_path) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("LOGJAM_RELAY_CONFIG", None)
+    out = open(log_path, "ab")
+    proc = subprocess.Popen(relay_argv(settings, extra), env=env, stdout=out, stderr=out)
+    wait_http(settings.metrics_port, proc, timeout=30)
+    return proc
+
+
+@pytest.mark.slow
+async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
+    reader_port, cmdp_port, samwise_port = free_port(), free_port(), free_port()
+    settings, extra = sized_settings(tmp_path, reader_port, cmdp_port, samwise_port)
+    log_path = tmp_path / "relay.log"
+    reader = LumberjackReader(port=reader_port, keep_windows=False)
+    attackers: list[fuzzers.Attacker] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader.serve)
+        proc = await trio.to_thread.run_sync(start_relay, settings, extra, log_path)
+        peaks = probe = good = None
+        try:
+            # ---- the idle relay
+            ctx = zmq.Context()
+            warm = ctx.socket(zmq.PUSH)
+            warm.connect(f"tcp://127.0.0.1:{settings.pull_port}")
+            for _ in range(50):
+                warm.send_multipart([b"warm-up", b"logs.warm", b"x" * 1000, meta()])
+            await trio.sleep(2.0)
+            warm.close(linger=0)
+            ctx.term()
+            idle = fuzzers.proc_status(proc.pid)
+            workers = fuzzers.child_pids(proc.pid)
+            assert len(workers) == memory.output_workers(settings) == 1, workers
+            idle_worker = fuzzers.proc_status(workers[0])["VmRSS"]
+
+            # ---- the attack
+            peaks = fuzzers.ProcessPeaks(proc.pid)
+            gauges = {n: ("logjam_relay_subscriptions", {"socket": n})
+                      for n in ("pub", "stats", "cmdp")}
+            probe = fuzzers.MetricsProbe(settings.metrics_port, gauges, interval=0.5,
+                                         timeout=5.0)
+            good = fuzzers.GoodDealer(settings.router_port, pause=0.2)
+            host = "127.0.0.1"
+            for name, port in (("pub", settings.pub_port), ("stats", settings.stats_port),
+                               ("cmdp", cmdp_port)):
+                attackers.append(fuzzers.start(f"{name} flood", "subflood", "--port",
+                                               str(port), "--conns", "6"))
+            attackers.append(fuzzers.start(
+                "samwise garbage", "garbage", "--endpoint", f"tcp://{host}:{samwise_port}",
+                "--kind", "dealer", "--peers", "12", "--flavour", "samwise",
+                "--big-bytes", str(3 * MiB)))
+            attackers.append(fuzzers.start(
+                "router garbage", "garbage", "--endpoint",
+                f"tcp://{host}:{settings.router_port}", "--kind", "dealer", "--peers", "6",
+                "--flavour", "logjam", "--big-bytes", str(3 * MiB)))
+            attackers.append(fuzzers.start(
+                "pull garbage", "garbage", "--endpoint", f"tcp://{host}:{settings.pull_port}",
+                "--kind", "push", "--peers", "6", "--flavour", "logjam",
+                "--big-bytes", str(3 * MiB)))
+            peer_ports = [(settings.router_port, "DEALER"), (settings.pull_port, "PUSH"),
+                          (samwise_port, "DEALER"), (settings.pub_port, "SUB"),
+                          (settings.stats_port, "SUB"), (cmdp_port, "SUB")]
+            argv = ["peers", "--count", "600", "--churn", "0.01"]
+            for port, kind in peer_ports:
+                argv += ["--port", str(port), "--kind", kind]
+            attackers.append(fuzzers.start("peer flood", *argv))
+
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < ATTACK_SECONDS:
+                await trio.sleep(1.0)
+                assert proc.poll() is None, "the relay died under attack"
+            results = {a.name: await trio.to_thread.run_sync(a.stop) for a in attackers}
+            attackers.clear()
+            good.stop()
+            probe.stop()
+            text = probe.last
+
+            # ---- SIGTERM
+            t_term = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = await trio.to_thread.run_sync(proc.wait, 60)
+            except subprocess.TimeoutExpired:
+                rc = None
+            stop_seconds = time.monotonic() - t_term
+            relay_peak, worker_peak = peaks.stop()
+
+            peer_count = 12 + 6 + 6 + 1 + 600       # what the fuzzers connect, at most
+            ceiling = memory.ceiling(settings, baseline=idle["VmRSS"], input_peers=peer_count,
+                                     worker_baseline=idle_worker)
+            lat = sorted(probe.latencies)
+            late = good.late(REPLY_WITHIN)
+            refused = {n: fuzzers.metric(text, "logjam_relay_subscriptions_refused_total",
+                                         socket=n) for n in ("pub", "stats", "cmdp")}
+            print(f"\nidle RSS {idle['VmRSS'] / MiB:.0f} MiB (+ worker "
+                  f"{idle_worker / MiB:.0f} MiB); {ceiling.describe()}")
+            print(f"peak RSS: relay {relay_peak / MiB:.0f} MiB + workers "
+                  f"{worker_peak / MiB:.0f} MiB = {(relay_peak + worker_peak) / MiB:.0f} MiB "
+                  f"against the ceiling {ceiling.total / MiB:.0f} MiB")
+            print(f"subscriptions held, peak: {probe.peaks} (cap {MAX_SUBSCRIPTIONS}); "
+                  f"refused {refused}")
+            print(f"/metrics: {len(lat)} answered, {len(probe.failures)} failed or over 5 s "
+                  f"{probe.failures[:5]}; latency median "
+                  f"{lat[len(lat) // 2] if lat else 0:.3f} s, max {lat[-1] if lat else 0:.3f} s")
+            print(f"good ROUTER requests: {len(good.latencies)} answered, {len(late)} after "
+                  f"{REPLY_WITHIN} s (worst {max(good.latencies, default=0):.2f} s), "
+                  f"{good.lost} unanswered, {len(good.wrong)} wrong replies")
+            print(f"SIGTERM: exit {rc} after {stop_seconds:.1f} s")
+            print(f"attackers: {results}")
+
+            assert rc == 0 and stop_seconds < SHUTDOWN_BUDGET, \
+                (rc, stop_seconds, log_path.read_text()[-3000:])
+            assert relay_peak + worker_peak < ceiling.total
+            assert all(v <= MAX_SUBSCRIPTIONS for v in probe.peaks.values()), probe.peaks
+            assert not probe.failures and len(lat) >= ATTACK_SECONDS, probe.failures
+            assert len(good.latencies) >= 10 and not good.lost and not good.wrong
+            assert not late, late
+            # the attack happened: floods were cut, garbage was sent
+            assert all(n > 0 for n in refused.values()), refused
+        finally:
+            for a in attackers:
+                a.stop()
+            for m in (good, probe):
+                if m is not None and not m._stop.is_set():
+                    m.stop()
+            if peaks is not None:
+                peaks.stop()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        nursery.cancel_scope.cancel()
