@@ -124,6 +124,7 @@ class SubscriptionGuard:
         self.sock = sock
         self.max_subscriptions = max_subscriptions
         self.entries = 0                         # (connection, topic) pairs libzmq holds
+        self.peak = 0                            # the most entries held at once
         self.topics: dict[bytes, int] = {}
         self.refused = 0
         self.disconnected = 0                    # peers cut for going over the cap
@@ -139,6 +140,8 @@ class SubscriptionGuard:
         self._by_fd: dict[int, dict[bytes, bool]] = {}
         self._cut: set[int] = set()              # disconnected by us, not yet gone
         self._dead: set[int] = set()             # gone, not accepted again yet
+        # pairs of ended connections whose unsubscriptions libzmq has still to report
+        self._ending = 0
         self._freed = 0
         self._ports: set[int] = set()
         ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -188,6 +191,9 @@ class SubscriptionGuard:
                     self._charge_end(fd)
                 continue
             if fd in self._cut:
+                # cut, not yet ended: libzmq still holds what it took from it
+                total += max(0, int(self._sent.get(fd, 0) - (now - since)
+                                    * self.PEER_BYTES_PER_SECOND))
                 continue
             try:
                 info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
@@ -237,7 +243,8 @@ class SubscriptionGuard:
     def stats(self) -> dict:
         return {"subscriptions": self.entries, "topics": len(self.topics),
                 "refused": self.refused, "peers_disconnected": self.disconnected,
-                "held_bytes": self.held_bytes, "peers": self.peers,
+                "held_bytes": self.held_bytes, "peers": self.peers, "peak": self.peak,
+                "ending": self._ending,
                 "walk_seconds": self.walk_seconds}
 
     def poll(self, max_messages: int = 5000) -> list[bytes]:
@@ -268,18 +275,24 @@ class SubscriptionGuard:
                 fd = -1
             if fd < 0:
                 # libzmq's unsubscription for a subscription of a connection that ended:
-                # it dropped the entry (the monitor tells us which connection it was)
-                if m[0] == 0 and self.entries > 0:
-                    self.entries -= 1
-                    self.held_bytes = max(0, self.held_bytes - len(topic))
+                # it dropped the entry.  The monitor's DISCONNECTED (emitted before libzmq
+                # ends the pipe) moved that connection's pairs to _ending; look at it now
+                # if this one came first
+                if m[0] == 0:
+                    if not self._ending:
+                        self._poll_monitor(out)
+                    if self._ending:
+                        self._ending -= 1
+                    elif self.entries > 0:          # the event was lost
+                        self.entries -= 1
+                        self.held_bytes = max(0, self.held_bytes - len(topic))
                     self._freed += 1
                 continue
             if fd in self._dead:
-                # still queued from a connection that is gone: libzmq holds it until it
-                # reports the connection's unsubscriptions; nothing to forward
+                # still queued from a connection that is gone: libzmq reports its
+                # unsubscription too; nothing to forward, nothing held for long
                 if m[0] == 1:
-                    self.entries += 1
-                    self.held_bytes += len(topic)
+                    self._ending += 1
                 continue
             mine = by_fd.get(fd)
             if m[0] == 1:
@@ -292,6 +305,8 @@ class SubscriptionGuard:
                     mine = by_fd[fd] = {}
                 self.entries += 1
                 self.held_bytes += len(topic)
+                if self.entries > self.peak:
+                    self.peak = self.entries
                 if self.entries > self.max_subscriptions or fd in cut:
                     mine[topic] = False                      # libzmq holds it till the cut
                     self.refused += 1
@@ -363,6 +378,11 @@ class SubscriptionGuard:
                 self._dead.add(fd)
                 gone = self._by_fd.pop(fd, None)
                 if gone:
+                    # libzmq drops the connection's pairs and reports an unsubscription
+                    # for each (fd -1): they are no longer held
+                    self.entries = max(0, self.entries - len(gone))
+                    self.held_bytes = max(0, self.held_bytes - sum(map(len, gone)))
+                    self._ending += len(gone)
                     for topic, forwarded in gone.items():
                         if forwarded and self._release(topic):
                             out.append(b"\x00" + topic)
