@@ -553,5 +553,35 @@ class GoodDealer:
         self.ctx.term()
 
 
+class GoodSubscriber:
+    """A well-behaved subscriber on PUB: subscribes to ``prefix`` and counts what arrives
+    (its own queue unbounded: only the relay's side can drop)."""
+
+    def __init__(self, port: int, prefix: bytes):
+        import zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, prefix)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.received = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(100):
+                self.sock.recv_multipart()
+                self.received += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
 if __name__ == "__main__":
     main()
