@@ -179,7 +179,8 @@ def test_after_an_expensive_connection_end_new_peers_wait(xpub):
         _until(guard, lambda: guard.peers == 1)
         idle.close()
         _until(guard, lambda: guard.peers == 0)
-        assert guard.admit() is None
+        assert guard.walk_seconds < 0.001                  # an empty trie: next to nothing
+        _until(guard, lambda: guard.admit() is None, timeout=1.0)
         heavy = zmtp_connect("127.0.0.1", port, "SUB")
         frames = []
         for i in range(1500):

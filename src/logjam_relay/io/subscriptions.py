@@ -294,6 +294,13 @@ class SubscriptionGuard:
                 if m[0] == 1:
                     self._ending += 1
                 continue
+            if fd in cut and m[0] == 1:
+                # a cut connection: libzmq drops its pairs once the I/O thread has seen the
+                # abort, which the monitor reports -- look (an inproc recv) before counting
+                self._poll_monitor(out)
+                if fd in self._dead:
+                    self._ending += 1
+                    continue
             mine = by_fd.get(fd)
             if m[0] == 1:
                 if mine is not None and topic in mine:
