@@ -8,8 +8,9 @@ ZeroMQ port; a Lumberjack output takes the stream.  Meanwhile a well-behaved DEA
 valid requests one at a time and ``/metrics`` is scraped every half second.
 
 Asserted: the peak RSS of the relay plus its output workers stays under
-``memory.ceiling()`` for this configuration; the subscriptions held (``/metrics``) never
-exceed ``max_subscriptions`` on any socket; every good request is answered ``202`` within
+``memory.ceiling()`` for this configuration; the subscriptions held (the relay's own
+peak, ``/metrics``) never exceed ``max_subscriptions`` plus the overshoot the ceiling
+budgets (``memory.SUBSCRIPTION_OVERSHOOT_PAIRS``) on any socket; every good request is answered ``202`` within
 2 s; every scrape of ``/metrics`` is answered; SIGTERM afterwards exits 0 within the
 shutdown budget.
 """
@@ -187,7 +188,10 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
             assert rc == 0 and stop_seconds < SHUTDOWN_BUDGET, \
                 (rc, stop_seconds, log_path.read_text()[-3000:])
             assert relay_peak + worker_peak < ceiling.total
-            assert all(0 < v <= MAX_SUBSCRIPTIONS for v in held_peak.values()), held_peak
+            # the cap, plus what connections being cut still had on their way (libzmq holds
+            # those until it ends the connection): the allowance memory.ceiling() budgets
+            held_bound = MAX_SUBSCRIPTIONS + memory.SUBSCRIPTION_OVERSHOOT_PAIRS
+            assert all(0 < v <= held_bound for v in held_peak.values()), held_peak
             assert not probe.failures and len(lat) >= ATTACK_SECONDS, probe.failures
             assert len(good.latencies) >= 10 and not good.lost and not good.wrong
             assert not late, late

@@ -191,9 +191,7 @@ class SubscriptionGuard:
                     self._charge_end(fd)
                 continue
             if fd in self._cut:
-                # cut, not yet ended: libzmq still holds what it took from it
-                total += max(0, int(self._sent.get(fd, 0) - (now - since)
-                                    * self.PEER_BYTES_PER_SECOND))
+                # cut, ending within moments: cutting others would not free its bytes
                 continue
             try:
                 info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
