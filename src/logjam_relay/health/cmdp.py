@@ -452,8 +452,9 @@ class CMDPSender:
                 self.subscription_messages += 1
                 for out in self.publisher.receive_subscription(frame, self.clock_ns()):
                     self._publish(out, "notification")
-            if batch:
-                await trio.lowlevel.checkpoint()
+            # always: a flood the guard refuses returns empty batches while more is
+            # pending, and wait_for does not yield when POLLIN is already set
+            await trio.lowlevel.checkpoint()
 
     def stat_round(self) -> int:
         """Send one round of metrics (to subscribed topics only). Returns messages sent."""
