@@ -214,9 +214,10 @@ def garbage(stop: threading.Event, c: Counters, endpoint: str, kind: str, peers:
 
 
 def peers(stop: threading.Event, c: Counters, host: str, ports: list[int], kinds: list[str],
-          count: int, churn: float) -> None:
+          count: int, churn: float, openers: int) -> None:
     """Keep ``count`` idle ZeroMQ connections open over ``ports`` (round robin, each as the
-    socket type in ``kinds`` at the same index); every ``churn`` s close and re-open one."""
+    socket type in ``kinds`` at the same index), ``openers`` handshakes at a time (a relay
+    may hold a handshake for a while); every ``churn`` s close and re-open one."""
     open_: list[socket.socket] = []
     lock = threading.Lock()
 
@@ -268,7 +269,8 @@ def peers(stop: threading.Event, c: Counters, host: str, ports: list[int], kinds
                     last = time.monotonic()
             stop.wait(0.05)
 
-    threads = [threading.Thread(target=opener, args=(k,), daemon=True) for k in range(8)]
+    threads = [threading.Thread(target=opener, args=(k,), daemon=True)
+               for k in range(openers)]
     threads.append(threading.Thread(target=reaper, daemon=True))
     for t in threads:
         t.start()
@@ -305,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="ZMTP socket type per --port (DEALER for ROUTER, PUSH for PULL, ...)")
     p.add_argument("--count", type=int, default=200)
     p.add_argument("--churn", type=float, default=0.0)
+    p.add_argument("--openers", type=int, default=8)
     args = ap.parse_args(argv)
 
     stop = threading.Event()
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         if len(args.kind) != len(args.port) or not set(args.kind) <= SOCKET_TYPES:
             ap.error("one --kind (a ZMTP socket type) per --port")
         target, kw = peers, dict(host=args.host, ports=args.port, kinds=args.kind,
-                                 count=args.count, churn=args.churn)
+                                 count=args.count, churn=args.churn, openers=args.openers)
     worker = threading.Thread(target=target, args=(stop, c), kwargs=kw, daemon=True)
     worker.start()
     while worker.is_alive() and not stop.is_set():

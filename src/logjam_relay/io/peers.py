@@ -1,38 +1,36 @@
-"""A bound on the ZeroMQ peers of each relay socket, enforced at the handshake by ZAP.
+"""A bound on the ZeroMQ peers of each relay socket (``zmq_max_peers``).
 
 libzmq accepts every TCP connection; memory and CPU then grow with the number of peers:
 each ROUTER/PULL/samwise peer has its own ``rcv_hwm`` queue, and on an XPUB (PUB, stats,
 CMDP) the end of *any* connection makes libzmq walk the whole subscription trie on the
 thread that next uses the socket -- the relay's event loop (``SubscriptionGuard``).
 
+* :class:`PeerLimit` watches each socket's connections through a socket monitor (ACCEPTED
+  and DISCONNECTED with the connection's fd, on a queue that never drops; an XPUB's monitor
+  is its ``SubscriptionGuard``'s, which asks :meth:`PeerLimit.keep` through its
+  ``accept_hook``).  A connection accepted while the socket already keeps
+  ``zmq_max_peers`` -- or, on an XPUB, while the ends of earlier connections have used up
+  their share of the loop (``SubscriptionGuard.admit``) -- is aborted at once (a TCP reset,
+  as the guard cuts a flooder), counted by socket and reason, logged rate-limited.  A
+  libzmq client then reconnects after its ``reconnect_ivl`` and keeps what it queued: a
+  ZAP refusal would instead make it give that connection up for good.
 * :class:`ZapServer` is the ZAP handler (``inproc://zeromq.zap.01``, bound before any relay
   socket).  Every relay socket gets a ZAP domain that names it (``<base>/<socket>``), so
-  libzmq asks the handler at every handshake, NULL mechanism included.  The handler asks
-  :meth:`PeerLimit.admit` first, then, for CURVE endpoints, :meth:`Curve.handle`.
-* :class:`PeerLimit` counts each socket's connections from a socket monitor (ACCEPTED -
-  DISCONNECTED, a queue that never drops; the XPUBs' count comes from their
-  ``SubscriptionGuard``, which owns their monitor).  A handshake that would take the
-  socket over ``zmq_max_peers`` admitted connections, or, on an XPUB, one that comes while
-  earlier connection ends have used up their share of the loop
-  (``SubscriptionGuard.admit``), is **held**: its ZAP reply waits until there is room,
-  first come first served.  It is never refused: a libzmq client that gets a ZAP refusal
-  (ZMTP ERROR) gives that connection up for good and drops what it queued, while one whose
-  handshake times out reconnects.  A request held for ``HOLD_SECONDS`` is let go without a
-  reply: the relay's handshake timer (libzmq ``HANDSHAKE_IVL``, 30 s) then closes the
-  connection and the client reconnects later.  Held handshakes are counted by socket and
-  reason, logged rate-limited; the ones let go are counted too.
+  libzmq asks the handler at every handshake, NULL mechanism included, and no handshake
+  completes before the handler has read the monitors: an excess connection is aborted
+  before it gets a pipe (no queue, nothing for an XPUB to walk).  Then, for CURVE
+  endpoints, :meth:`Curve.handle` decides; the others get 200.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter, deque
+from collections import Counter
 
 import zmq
 
 from ..ratelimit import RateLimitedLog
-from .subscriptions import monitor_socket
+from .subscriptions import abort_connection, monitor_socket
 
 log = logging.getLogger("logjam_relay.peers")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -41,6 +39,8 @@ PEERS_DOMAIN = b"logjam-peers"
 SOCKETS = ("router", "pull", "samwise", "pub", "stats", "cmdp")
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+#: ZAP requests taken per wake-up of the handler (bounded work between checkpoints)
+ZAP_BATCH = 256
 
 
 def set_domain(sock: zmq.Socket, name: str) -> None:
@@ -50,12 +50,26 @@ def set_domain(sock: zmq.Socket, name: str) -> None:
     sock.setsockopt(zmq.ZAP_DOMAIN, base + b"/" + name.encode())
 
 
+def tcp_ports(sock: zmq.Socket, endpoints=()) -> set[int]:
+    """The TCP ports ``sock`` listens on (its last endpoint and ``endpoints``)."""
+    ports = set()
+    for ep in [sock.getsockopt_string(zmq.LAST_ENDPOINT), *endpoints]:
+        if ep.startswith("tcp://"):
+            try:
+                ports.add(int(ep.rsplit(":", 1)[1]))
+            except ValueError:
+                pass
+    return ports
+
+
 class _Counted:
     """The connections of a socket without a SubscriptionGuard, from its own monitor.
     With ``on_failed`` (CURVE's handshake-failure counter) the monitor also reports
     failed handshakes: libzmq allows one monitor per socket."""
 
-    def __init__(self, sock: zmq.Socket, on_failed=None):
+    def __init__(self, sock: zmq.Socket, keep, ports: set[int], on_failed=None):
+        self.keep = keep
+        self.ports = ports
         self.on_failed = on_failed
         self.monitor = monitor_socket(sock, _EVENTS | (_FAILED if on_failed else 0))
         self.live: set[int] = set()
@@ -76,11 +90,15 @@ class _Counted:
             event = int.from_bytes(frames[0][:2], "little")
             value = int.from_bytes(frames[0][2:6], "little", signed=True)
             if event == zmq.EVENT_ACCEPTED:
-                self.live.add(value)
+                if self.keep(value):
+                    self.live.add(value)
+                else:
+                    abort_connection(value, self.ports)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.live.discard(value)
             elif self.on_failed is not None:
                 self.on_failed(event, value, frames[1] if len(frames) > 1 else b"")
+        # (an fd whose DISCONNECTED was lost would stay counted: the queue never drops)
 
     def admit(self) -> str | None:
         return None
@@ -92,8 +110,9 @@ class _Counted:
 class _Guarded:
     """An XPUB's connections, as its SubscriptionGuard counts them."""
 
-    def __init__(self, guard):
+    def __init__(self, guard, keep):
         self.guard = guard
+        guard.accept_hook = keep
 
     @property
     def peers(self) -> int:
@@ -106,7 +125,7 @@ class _Guarded:
         return self.guard.admit()
 
     def close(self) -> None:
-        pass
+        self.guard.accept_hook = None
 
 
 class PeerLimit:
@@ -115,17 +134,22 @@ class PeerLimit:
     def __init__(self, max_peers: int = 0):
         self.max_peers = max_peers
         self.sockets: dict[str, _Counted | _Guarded] = {}
-        self.held: Counter[tuple[str, str]] = Counter()     # handshakes held, by reason
-        self.expired: Counter[str] = Counter()              # held too long, let go
-        self.admitted: Counter[str] = Counter()
-        self.waiting: Counter[str] = Counter()              # held right now
+        self.refused: Counter[tuple[str, str]] = Counter()   # connections aborted, by reason
+        self.accepted: Counter[str] = Counter()
         self._rlog = RateLimitedLog(log)
 
-    def watch(self, name: str, sock: zmq.Socket, guard=None, on_failed=None) -> None:
-        """After bind: count ``sock``'s connections (``guard``: its SubscriptionGuard)."""
+    def watch(self, name: str, sock: zmq.Socket, guard=None, on_failed=None,
+              endpoints=()) -> None:
+        """After bind: count ``sock``'s connections (``guard``: its SubscriptionGuard);
+        ``endpoints``: more TCP endpoints it listens on (the last one is known)."""
         self.forget(name)
-        self.sockets[name] = _Guarded(guard) if guard is not None else \
-            _Counted(sock, on_failed)
+
+        def keep(fd: int, name=name) -> bool:
+            return self._keep(name, fd)
+        if guard is not None:
+            self.sockets[name] = _Guarded(guard, keep)
+        else:
+            self.sockets[name] = _Counted(sock, keep, tcp_ports(sock, endpoints), on_failed)
 
     def forget(self, name: str) -> None:
         """The socket is closing: stop watching it (and close its monitor)."""
@@ -138,95 +162,80 @@ class PeerLimit:
             self.forget(name)
 
     def peers(self, name: str) -> int:
-        """Connections of socket ``name``: admitted, or still in their handshake."""
+        """Connections socket ``name`` keeps (in their handshake or admitted)."""
         entry = self.sockets.get(name)
         if entry is None:
             return 0
         entry.refresh()
         return entry.peers
 
-    def admit(self, name: str, waiting: int = 1) -> str | None:
-        """None to admit a handshake of socket ``name`` now, else why it waits
-        (``max_peers``, or ``busy`` on an XPUB).  ``waiting``: the socket's handshakes held
-        by the ZAP handler, the asking one included (connections, not admitted)."""
+    def refresh(self, name: str) -> None:
+        """Take the socket's monitor events now: a new connection over the bound is
+        aborted before the ZAP handler lets its handshake end."""
+        entry = self.sockets.get(name)
+        if entry is not None:
+            entry.refresh()
+
+    def _keep(self, name: str, fd: int) -> bool:
         entry = self.sockets.get(name)
         if entry is None:
-            return None
-        entry.refresh()
-        if self.max_peers and entry.peers - waiting >= self.max_peers:
-            return "max_peers"
-        return entry.admit()
-
-    def on_hold(self, name: str, why: str, address: str) -> None:
-        self.held[(name, why)] += 1
-        if why == "max_peers":
-            self._rlog.warning(f"{name}:{why}", "zmq: a peer of %s from %s waits: %d "
-                               "connections, zmq_max_peers=%d", name, address,
-                               self.peers(name), self.max_peers)
+            return True
+        if self.max_peers and entry.peers >= self.max_peers:
+            why = "max_peers"
         else:
-            self._rlog.warning(f"{name}:{why}", "zmq: a peer of %s from %s waits: connections "
-                               "that ended lately cost the event loop its share (libzmq "
-                               "walks the subscription trie)", name, address)
-
-    def on_expired(self, name: str) -> None:
-        self.expired[name] += 1
-        self._rlog.warning(f"{name}:expired", "zmq: a peer of %s waited %.0f s without room; "
-                           "its handshake is left to time out (it reconnects)", name,
-                           HOLD_SECONDS)
+            why = entry.admit()
+        if why is None:
+            self.accepted[name] += 1
+            return True
+        self.refused[(name, why)] += 1
+        if why == "max_peers":
+            self._rlog.warning(f"{name}:{why}", "zmq: reset a new connection of %s (fd %d): "
+                               "it keeps %d, zmq_max_peers=%d; the peer reconnects later",
+                               name, fd, entry.peers, self.max_peers)
+        else:
+            self._rlog.warning(f"{name}:{why}", "zmq: reset a new connection of %s (fd %d): "
+                               "connections that ended lately cost the event loop its "
+                               "share (libzmq walks the subscription trie); the peer "
+                               "reconnects later", name, fd)
+        return False
 
     def stats(self) -> dict:
         return {"max_peers": self.max_peers,
                 "peers": {n: self.peers(n) for n in self.sockets},
-                "admitted": dict(self.admitted), "waiting": dict(self.waiting),
-                "held": {f"{n}:{r}": v for (n, r), v in sorted(self.held.items())},
-                "expired": dict(self.expired)}
+                "accepted": dict(self.accepted),
+                "refused": {f"{n}:{r}": v for (n, r), v in sorted(self.refused.items())}}
 
     def collect(self, device: str = "0"):
         """Prometheus families (registered in RelayCollector.extra)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        peers = GaugeMetricFamily("logjam_relay_zmq_peers", "ZeroMQ connections of a socket "
-                                  "(admitted or in their handshake)", labels=["device", "socket"])
-        waiting = GaugeMetricFamily("logjam_relay_zmq_peers_waiting", "ZeroMQ handshakes the "
-                                    "ZAP handler holds until there is room",
-                                    labels=["device", "socket"])
+        peers = GaugeMetricFamily("logjam_relay_zmq_peers", "ZeroMQ connections a socket "
+                                  "keeps (in their handshake or admitted)",
+                                  labels=["device", "socket"])
         for name in self.sockets:
             peers.add_metric([device, name], self.peers(name))
-            waiting.add_metric([device, name], self.waiting.get(name, 0))
         cap = GaugeMetricFamily("logjam_relay_zmq_max_peers", "zmq_max_peers: connections a "
-                                "socket admits (0 = no bound)", labels=["device"])
+                                "socket keeps (0 = no bound)", labels=["device"])
         cap.add_metric([device], self.max_peers)
-        held = CounterMetricFamily("logjam_relay_zmq_peers_held", "ZeroMQ handshakes held by "
-                                   "the ZAP handler: over zmq_max_peers, or busy (an XPUB "
-                                   "whose connection ends used up their share of the loop)",
-                                   labels=["device", "socket", "reason"])
-        expired = CounterMetricFamily("logjam_relay_zmq_peers_expired", "held handshakes let "
-                                      "go without a reply after HOLD_SECONDS (the peer "
-                                      "reconnects)", labels=["device", "socket"])
+        ref = CounterMetricFamily("logjam_relay_zmq_peers_refused", "new ZeroMQ connections "
+                                  "reset at once: over zmq_max_peers, or busy (an XPUB whose "
+                                  "connection ends used up their share of the loop)",
+                                  labels=["device", "socket", "reason"])
         for name in self.sockets:
             for reason in ("max_peers", "busy"):
-                held.add_metric([device, name, reason], self.held.get((name, reason), 0))
-            expired.add_metric([device, name], self.expired.get(name, 0))
-        return [peers, waiting, cap, held, expired]
-
-
-#: how long the ZAP handler holds a handshake waiting for room (below libzmq's
-#: HANDSHAKE_IVL of 30 s, after which the relay's side closes the connection)
-HOLD_SECONDS = 20.0
-#: ZAP requests taken per wake-up of the handler (bounded work between checkpoints)
-ZAP_BATCH = 256
+                ref.add_metric([device, name, reason], self.refused.get((name, reason), 0))
+        return [peers, cap, ref]
 
 
 class ZapServer:
-    """The ZAP handler of a context: :meth:`PeerLimit.admit`, then CURVE's check."""
+    """The ZAP handler of a context: reads the socket's monitor (PeerLimit), then CURVE's
+    check or OK."""
 
-    def __init__(self, peers: PeerLimit, curve=None, clock=time.monotonic):
+    def __init__(self, peers: PeerLimit, curve=None):
         self.peers = peers
         self.curve = curve
-        self.clock = clock
         self.sock: zmq.Socket | None = None
         self.bad_requests = 0
         self.reply_failed = 0
-        self._held: dict[str, deque] = {}       # socket -> (frames, since), oldest first
 
     def open(self, ctx: zmq.Context) -> zmq.Socket:
         """Bind the handler (before any relay socket is bound: libzmq accepts every
@@ -237,15 +246,8 @@ class ZapServer:
         self.sock = sock
         return sock
 
-    def reply(self, frames: list[bytes]) -> list[bytes]:
-        """The reply to an admitted request: CURVE's check, or OK for the NULL sockets."""
-        base = frames[4].partition(b"/")[0]
-        if base != PEERS_DOMAIN and self.curve is not None:
-            return self.curve.handle([*frames[:4], base, *frames[5:]])
-        return [frames[0], b"", b"1.0", frames[3], b"200", b"OK", b"", b""]
-
-    def handle(self, frames: list[bytes]) -> list[bytes] | None:
-        """One ZAP request (ROUTER frames) -> the reply frames, or None: held."""
+    def handle(self, frames: list[bytes]) -> list[bytes]:
+        """One ZAP request (ROUTER frames) -> the reply frames."""
         # [routing id, b"", version, request id, domain, address, identity, mechanism, ...]
         if len(frames) < 8 or frames[2] != b"1.0":
             if self.curve is not None:
@@ -253,70 +255,32 @@ class ZapServer:
             self.bad_requests += 1
             rid = frames[3] if len(frames) > 3 else b""
             return [frames[0], b"", b"1.0", rid, b"400", b"bad ZAP request", b"", b""]
-        name = frames[4].partition(b"/")[2].decode("ascii", "replace")
-        queue = self._held.get(name)
-        why = self.peers.admit(name, len(queue) + 1 if queue else 1)
-        if why is None and not queue:
-            self.peers.admitted[name] += 1
-            return self.reply(frames)
-        why = why or "max_peers"                # behind others: first come first served
-        self._held.setdefault(name, deque()).append((frames, self.clock()))
-        self.peers.waiting[name] += 1
-        self.peers.on_hold(name, why, frames[5].decode("ascii", "replace"))
-        return None
-
-    def retry(self) -> list[list[bytes]]:
-        """The replies of held requests that may go now, oldest first per socket; the
-        ones held for HOLD_SECONDS are let go."""
-        out = []
-        now = self.clock()
-        for name, queue in list(self._held.items()):
-            while queue:
-                frames, since = queue[0]
-                if now - since >= HOLD_SECONDS:
-                    queue.popleft()
-                    self.peers.waiting[name] -= 1
-                    self.peers.on_expired(name)
-                    continue
-                if self.peers.admit(name, len(queue)) is not None:
-                    break
-                queue.popleft()
-                self.peers.waiting[name] -= 1
-                self.peers.admitted[name] += 1
-                out.append(self.reply(frames))
-            if not queue:
-                del self._held[name]
-        return out
-
-    def _send(self, frames: list[bytes]) -> None:
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.reply_failed += 1
-            if self.curve is not None:
-                self.curve.refused["reply_failed"] += 1
+        base, _, name = frames[4].partition(b"/")
+        # the monitor first: a connection over the bound is reset before its handshake ends
+        # (its request may be this one: the reply then goes nowhere)
+        self.peers.refresh(name.decode("ascii", "replace"))
+        if base != PEERS_DOMAIN and self.curve is not None:
+            return self.curve.handle([*frames[:4], base, *frames[5:]])
+        return [frames[0], b"", b"1.0", frames[3], b"200", b"OK", b"", b""]
 
     async def serve(self) -> None:
         import trio
 
         from . import zmq_trio
         sock = self.sock
-        last_refresh = self.clock()
         while True:
             for _ in range(ZAP_BATCH):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                reply = self.handle(frames)
-                if reply is not None:
-                    self._send(reply)
-            for reply in self.retry():
-                self._send(reply)
-            if self.clock() - last_refresh >= 1.0:
-                for name in list(self.peers.sockets):
-                    self.peers.peers(name)          # drain the monitors now and then
-                last_refresh = self.clock()
-            with trio.move_on_after(0.05 if self._held else 1.0):
+                try:
+                    sock.send_multipart(self.handle(frames), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    self.reply_failed += 1
+            with trio.move_on_after(1.0):
                 await zmq_trio.wait_for(sock, zmq.POLLIN)
+            for name in list(self.peers.sockets):
+                self.peers.refresh(name)             # drain the monitors now and then
             await trio.lowlevel.checkpoint()
+

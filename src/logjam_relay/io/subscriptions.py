@@ -136,6 +136,9 @@ class SubscriptionGuard:
         self._live: set[int] = set()             # connections accepted and not yet ended
         self._sent: dict[int, int] = {}          # fd -> bytes received from it (last check)
         self._backlog: list[bytes] = []          # notifications of a refresh(), for poll()
+        #: ``hook(fd) -> bool`` asked at each new connection (io/peers.py): False aborts it
+        #: before its handshake can end (the ZAP handler answers only after a refresh)
+        self.accept_hook = None
         # fd -> {topic: forwarded?} of the connections we know
         self._by_fd: dict[int, dict[bytes, bool]] = {}
         self._cut: set[int] = set()              # disconnected by us, not yet gone
@@ -220,7 +223,7 @@ class SubscriptionGuard:
                     total -= over
 
     def admit(self) -> str | None:
-        """Whether a new connection may be admitted now (the ZAP handler asks): None, or
+        """Whether a new connection may be admitted now (io/peers.py asks): None, or
         ``"busy"`` while the ends of earlier connections have used up the loop's share
         (``WALK_SHARE``)."""
         return "busy" if time.monotonic() < self._admit_after else None
@@ -370,6 +373,9 @@ class SubscriptionGuard:
             fd = int.from_bytes(frames[0][2:6], "little", signed=True)
             if event == zmq.EVENT_ACCEPTED:
                 self._dead.discard(fd)
+                if self.accept_hook is not None and not self.accept_hook(fd):
+                    abort_connection(fd, self._ports)
+                    continue
                 self._live.add(fd)
                 self._track(fd)
             elif event == zmq.EVENT_DISCONNECTED:
@@ -408,26 +414,34 @@ class SubscriptionGuard:
         c.close()
 
     def _disconnect(self, fd: int) -> bool:
-        """Abort the TCP connection behind ``fd`` if it is one of this socket's.
-
-        ``shutdown`` alone is not enough: Linux keeps accepting (and libzmq keeps
-        reading) what a hostile peer goes on sending.  ``connect(AF_UNSPEC)`` on a TCP
-        socket is a disconnect: the kernel drops what is queued, sends a RST and
-        reports the socket hung up, so libzmq ends the connection at once.
-        """
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            return False
-        try:
-            if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in self._ports:
-                return False
-            s.shutdown(socket.SHUT_RDWR)
-            if _abort is not None:
-                _abort(s.fileno())
+        """Abort the TCP connection behind ``fd`` if it is one of this socket's."""
+        if abort_connection(fd, self._ports):
             self.disconnected += 1
             return True
-        except (OSError, IndexError, TypeError):
+        return False
+
+
+def abort_connection(fd: int, ports: set[int]) -> bool:
+    """Abort the TCP connection behind libzmq's ``fd`` if it is one of ``ports``' (the fd
+    may have been closed and reused meanwhile).
+
+    ``shutdown`` alone is not enough: Linux keeps accepting (and libzmq keeps reading)
+    what a hostile peer goes on sending.  ``connect(AF_UNSPEC)`` on a TCP socket is a
+    disconnect: the kernel drops what is queued, sends a RST and reports the socket hung
+    up, so libzmq ends the connection at once (a libzmq client reconnects later).
+    """
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in ports:
             return False
-        finally:
-            s.close()
+        s.shutdown(socket.SHUT_RDWR)
+        if _abort is not None:
+            _abort(s.fileno())
+        return True
+    except (OSError, IndexError, TypeError):
+        return False
+    finally:
+        s.close()

@@ -196,9 +196,12 @@ class Relay:
         guard = self.pub.guard if name == "pub" else self.stats_guard if name == "stats" \
             else None
         failed = None
-        if self.curve is not None and name in self.curve.sockets:
-            failed = functools.partial(self.curve.handshake_failed, name)
-        limit.watch(name, sock, guard=guard, on_failed=failed)
+        plain = ()
+        if self.curve is not None:
+            plain = self.curve.plain_endpoints.get(name, ())
+            if name in self.curve.sockets:
+                failed = functools.partial(self.curve.handshake_failed, name)
+        limit.watch(name, sock, guard=guard, on_failed=failed, endpoints=plain)
 
     async def _run_outputs(self) -> None:
         with trio.CancelScope() as scope:

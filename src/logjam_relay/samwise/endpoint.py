@@ -208,7 +208,7 @@ class SamwiseService:
                 sock.bind(ep)
                 self.bound.append(sock.get(zmq.LAST_ENDPOINT).decode())
             if self.peer_limit is not None:
-                self.peer_limit.watch("samwise", sock)
+                self.peer_limit.watch("samwise", sock, endpoints=self.bound)
             self._sock = sock
             async with trio.open_nursery() as nursery:
                 for o in self.outputs:
