@@ -187,7 +187,7 @@ def test_after_an_expensive_connection_end_new_peers_wait(xpub):
         _until(guard, lambda: guard.peers == 0)
         assert guard.entries == 0
         assert guard.admit() == "busy"
-        # 2 tries x 192,000 bytes x 0.4 us, over a 5 % share: about 3 s
+        # 2 tries x 192,000 bytes x 0.4 us, over a 20 % share: about 0.8 s
         assert guard.walk_seconds >= 2 * 1500 * 128 * guard.WALK_SECONDS_PER_BYTE
         _until(guard, lambda: guard.stats()["ending"] == 0)
     finally:

@@ -83,15 +83,21 @@ class SubscriptionGuard:
     only the ones we forward (``setsockopt(SUBSCRIBE)``) take part in matching.
 
     * ``entries`` mirrors what libzmq holds: +1 for each new (connection, topic), -1 for
-      each unsubscription -- explicit ones, and the ones libzmq reports (without an fd)
-      for every subscription of a connection that ended;
+      each explicit unsubscription; when the monitor reports a connection ended, all its
+      pairs at once (libzmq drops them; the unsubscriptions it then reports without an
+      fd, and subscriptions of that connection still queued, are matched against
+      ``_ending``, not counted again); ``peak`` is the most held at once;
     * a subscription is forwarded while ``entries`` is within ``max_subscriptions``; the
       one over the cap is refused (``refused``) and its peer disconnected (TCP abort,
       after checking that the fd is a connection of this socket's port): libzmq then
       drops all that peer subscribed;
+    * the socket's connections together may send the cap's worth of bytes (``TCP_INFO``):
+      over it, the one that sent most is cut, so many flooders hold no more than one;
+    * the end of any connection costs a walk of the trie (``WALK_SECONDS_PER_BYTE``):
+      :meth:`admit` says ``busy`` until those walks are paid back at ``WALK_SHARE`` of the
+      loop, and ``accept_hook`` (io/peers.py) resets new connections meanwhile;
     * the socket's RCVHWM (:func:`xpub_options`) is small, so libzmq takes a peer's
-      subscriptions in only as fast as the guard looks at them: a flood is cut within
-      about ``max_subscriptions`` + a few hundred entries;
+      subscriptions in only as fast as the guard looks at them;
     * after many entries were freed ``malloc_trim`` gives the memory back to the OS.
 
     :meth:`poll` drains without blocking (at most ``max_messages`` per call) and returns
@@ -115,7 +121,7 @@ class SubscriptionGuard:
     INSERT_SECONDS_PER_BYTE = 0.1e-6
     #: the share of the event loop that ends of connections may cost: after one that cost
     #: ``t`` s, no new connection is admitted (:meth:`admit`) for ``t / WALK_SHARE`` s
-    WALK_SHARE = 0.05
+    WALK_SHARE = 0.2
 
     def __init__(self, sock: zmq.Socket, max_subscriptions: int = 10_000):
         if sock.type != zmq.XPUB:

@@ -95,8 +95,11 @@ class Relay:
             sock.setsockopt(opt, value)
         if self.curve is not None:
             self.curve.secure(sock, setting)        # CURVE server + ZAP (io/curve.py)
-        if self.peer_limit is not None:
-            set_zap_domain(sock, _SOCKET_NAMES[setting])  # every handshake asks ZAP
+        if self.peer_limit is not None and (self.peer_limit.max_peers or kind == zmq.XPUB
+                                            or sock.getsockopt(zmq.ZAP_DOMAIN)):
+            # every handshake asks ZAP, so none ends before the peer limit read the monitor
+            # (the XPUBs always: their admission is rationed, io/peers.py)
+            set_zap_domain(sock, _SOCKET_NAMES[setting])
         self._sockets.append(sock)
         ep = self.settings.endpoint(getattr(self.settings, setting))
         try:

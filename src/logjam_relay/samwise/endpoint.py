@@ -200,9 +200,9 @@ class SamwiseService:
         # each peer's queue holds rcv_hwm whole requests (each frame up to MAXMSGSIZE)
         sock.setsockopt(zmq.RCVHWM, self.rcv_hwm)
         sock.setsockopt(zmq.SNDHWM, self.rcv_hwm)
-        if self.peer_limit is not None:
+        if self.peer_limit is not None and self.peer_limit.max_peers:
             from ..io.peers import set_domain
-            set_domain(sock, "samwise")
+            set_domain(sock, "samwise")          # every handshake asks the ZAP handler
         try:
             for ep in self.config.endpoints:
                 sock.bind(ep)
