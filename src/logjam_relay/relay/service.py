@@ -280,7 +280,10 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
     except SpoolError as e:
         raise settings.startup_error(spool_setting, f"cannot open the samwise spool: {e}",
                                      value=spool_dir) from None
-    service = SamwiseService(cfg, store=spool, zmq_context=relay.ctx)
+    # with zmq_max_peers its handshakes go through the relay's ZAP handler, which serves
+    # the relay's context only; otherwise it keeps an I/O thread of its own
+    service = SamwiseService(cfg, store=spool,
+                             zmq_context=relay.ctx if settings.zmq_max_peers else None)
     service.max_msg_bytes = settings.resolved_zmq_max_msg_bytes()
     service.max_batch_bytes = settings.ingest_max_bytes
     service.rcv_hwm = samwise_rcv_hwm(settings)
