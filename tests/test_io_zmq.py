@@ -221,7 +221,10 @@ def test_subscription_guard_caps_cuts_the_flooder_and_forgets_it(ctx):
     for i in range(3000):
         flood.setsockopt(zmq.SUBSCRIBE, b"%08d" % i + os.urandom(8))
     _poll_until(guard, lambda: guard.disconnected == 1 and guard.entries == 1)
-    assert guard.refused >= 1
+    # cut at the count (refused) or, when the guard looks after the whole flood arrived,
+    # at the socket's byte budget first (84 KB of SUBSCRIBE commands > 500 x 140 + 4096):
+    # either way the flooder alone
+    assert guard.disconnected == 1 and guard.held_bytes == len(b"app-")
     assert guard.topics == {b"app-": 1}
     pub.publish([b"app-x", b"logs", b"1", b"m"])
     pub.publish([b"00000001", b"not for the good one"])

@@ -239,6 +239,11 @@ class Settings:
                                  "CMDP socket keeps; the peer that sends one more is "
                                  "disconnected and counted", "--max-subscriptions",
                                  metavar="N")
+    zmq_max_peers: int = opt(0, _int(0, 1_000_000), "ZeroMQ connections each socket (ROUTER, "
+                             "PULL, samwise, PUB, stats, CMDP) keeps; a new one over it is "
+                             "reset before its handshake ends and counted (libzmq clients "
+                             "reconnect later); bounds the memory ceiling's peer terms "
+                             "(0 = no bound)", "--zmq-max-peers", metavar="N")
     # --- bookkeeping (not settings) -------------------------------------------------------
     sources: dict[str, str] = field(default_factory=dict, repr=False)
 

@@ -33,6 +33,7 @@ import trio
 import zmq
 
 from ..io import zmq_trio
+from ..io.peers import set_domain as set_zap_domain
 from ..protocols import chirp as chirp_proto
 from ..protocols.cmdp import LogLevel, MetricType, Publisher, level_from_levelno, sanitize_name
 from ..ratelimit import RateLimitedLog
@@ -405,6 +406,7 @@ class CMDPSender:
         self._wake_event = trio.Event()
         self._log_components_notified = 0
         self._errlog = RateLimitedLog(log)
+        self.peer_limit = None      # io.peers.PeerLimit: zmq_max_peers through ZAP
 
     # -- public helpers
     def install_log_handler(self, logger: logging.Logger | str = "logjam_relay") -> None:
@@ -450,8 +452,9 @@ class CMDPSender:
                 self.subscription_messages += 1
                 for out in self.publisher.receive_subscription(frame, self.clock_ns()):
                     self._publish(out, "notification")
-            if batch:
-                await trio.lowlevel.checkpoint()
+            # always: a flood the guard refuses returns empty batches while more is
+            # pending, and wait_for does not yield when POLLIN is already set
+            await trio.lowlevel.checkpoint()
 
     def stat_round(self) -> int:
         """Send one round of metrics (to subscribed topics only). Returns messages sent."""
@@ -548,10 +551,14 @@ class CMDPSender:
             sock.setsockopt(zmq.LINGER, 0)
             for opt, value in zmq_trio.xpub_options().items():
                 sock.setsockopt(opt, value)
+            if self.peer_limit is not None:
+                set_zap_domain(sock, "cmdp")        # every handshake asks the ZAP handler
             sock.bind(self.endpoint)
             self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             # XPUB_MANUAL with a cap; every STAT?/LOG? subscriber still gets its answer
             self.pub = zmq_trio.PubSocket(sock, self.config.max_subscriptions)
+            if self.peer_limit is not None:
+                self.peer_limit.watch("cmdp", sock, guard=self.pub.guard)
             self.handler.attach(self.publisher, trio.lowlevel.current_trio_token(), self._wake)
             log.info("CMDP: %s publishing on port %d", self.name, self.port)
             async with trio.open_nursery() as nursery:
@@ -570,6 +577,8 @@ class CMDPSender:
                 task_status.started(self.port)
         finally:
             self.handler.detach()
+            if self.peer_limit is not None:
+                self.peer_limit.forget("cmdp")
             if self.pub is not None and self.pub.guard is not None:
                 self.pub.guard.close()
             zmq_trio.close_all([sock], 200)

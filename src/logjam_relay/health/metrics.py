@@ -144,6 +144,11 @@ class RelayCollector:
         for n, g in guards:
             m.add_metric([d, n], g.entries)
         yield m
+        m = _gauge("logjam_relay_subscriptions_peak", "the most subscriptions held at once "
+                   "since start (the peak of logjam_relay_subscriptions)", ("device", "socket"))
+        for n, g in guards:
+            m.add_metric([d, n], g.peak)
+        yield m
         m = _counter("logjam_relay_subscriptions_refused", "subscriptions refused over "
                      "max_subscriptions", ("device", "socket"))
         for n, g in guards:

@@ -8,10 +8,12 @@
   read again when it changes (checked at every handshake, at most once per second when it
   does not), so removing a file refuses that key's next connection; connections already
   open stay until they close (ZAP runs at the handshake only).
-* The ZAP handler is a ROUTER bound to ``inproc://zeromq.zap.01`` in the relay's context
-  before any relay socket is bound (libzmq accepts every CURVE client while no handler is
-  bound, so the order matters), served by a trio task.  Refused clients are counted by
-  reason and logged rate-limited.
+* The ZAP handler is io/peers.py's ``ZapServer``, a ROUTER bound to
+  ``inproc://zeromq.zap.01`` in the relay's context before any relay socket is bound
+  (libzmq accepts every CURVE client while no handler is bound, so the order matters),
+  served by a trio task; it bounds the peers of every socket first, then calls
+  :meth:`Curve.handle` for the CURVE endpoints.  Refused clients are counted by reason and
+  logged rate-limited.
 * ``curve_plain_endpoints``: a socket may also listen on a plain endpoint (NULL mechanism,
   no ZAP) for agents that do not speak CURVE: libzmq copies the options into each listener
   at bind time, so the secure endpoint is bound with CURVE on, then CURVE is switched off
@@ -33,7 +35,6 @@ from ..config import ConfigError, Settings
 from ..ratelimit import RateLimitedLog
 
 log = logging.getLogger("logjam_relay.curve")
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"logjam"
 PLAIN_DOMAIN = b"logjam-plain"
 MIN_MAXMSGSIZE = 1024
@@ -206,31 +207,13 @@ class Curve:
         self.plain_accepted = 0             # connections on the plain endpoints
         self.refused: Counter[str] = Counter()
         self.plain_endpoints: dict[str, list[str]] = {}
-        self.monitors: list[tuple[str, zmq.Socket]] = []
-        self.register = lambda sock: None       # the relay closes what is registered
         self._rlog = RateLimitedLog(log)
 
     # ---------------------------------------------------------------- sockets
-    def open(self, ctx: zmq.Context) -> zmq.Socket:
-        """Bind the ZAP handler socket (before any relay socket is bound)."""
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(ZAP_ENDPOINT)
-        self.zap = sock
-        return sock
-
     def secure(self, sock: zmq.Socket, setting: str) -> None:
         """CURVE server options, before the socket's (secure) bind."""
         name = _SETTING_TO_NAME.get(setting)
         if name in self.sockets:
-            if name in ("router", "pull"):
-                # handshakes libzmq fails before asking ZAP (a wrong server key, a client
-                # without CURVE) are seen only by a socket monitor; the XPUBs' monitor
-                # belongs to their SubscriptionGuard (libzmq allows one per socket)
-                mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-                self.register(mon)
-                self.monitors.append((name, mon))
             # libzmq applies MAXMSGSIZE to the handshake commands (INITIATE ~300 bytes) and
             # to the encrypted frames (+33 bytes): the XPUBs' small topic cap must grow
             limit = sock.getsockopt(zmq.MAXMSGSIZE)
@@ -248,8 +231,9 @@ class Curve:
             return
         sock.setsockopt(zmq.CURVE_SERVER, 0)
         # ZAP_DOMAIN cannot be emptied: the plain listeners get their own domain, which the
-        # handler accepts for the NULL mechanism (and counts)
-        sock.setsockopt(zmq.ZAP_DOMAIN, PLAIN_DOMAIN)
+        # handler accepts for the NULL mechanism (and counts); "/socket" (io/peers.py) kept
+        _, slash, name_part = sock.getsockopt(zmq.ZAP_DOMAIN).partition(b"/")
+        sock.setsockopt(zmq.ZAP_DOMAIN, PLAIN_DOMAIN + slash + name_part)
         for ep in eps:
             sock.bind(ep)
             self.plain_endpoints.setdefault(name, []).append(
@@ -282,38 +266,20 @@ class Curve:
                            addr, mechanism.decode("ascii", "replace"))
         return [frames[0], b"", b"1.0", rid, b"400", b"CURVE required", b"", b""]
 
-    async def serve(self) -> None:
-        import trio
-        async with trio.open_nursery() as nursery:
-            for name, mon in self.monitors:
-                nursery.start_soon(self._watch, name, mon)
-            await self._serve_zap()
-
-    async def _watch(self, name: str, mon: zmq.Socket) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
-        from . import zmq_trio
-        while True:
-            ev = parse_monitor_message(await zmq_trio.recv_multipart(mon))
-            self.refused["handshake"] += 1
-            self._rlog.warning("handshake", "curve: handshake on %s failed from a client of "
-                               "%s (wrong server key, or a client without CURVE): event "
-                               "%s, errno %s", name, ev["endpoint"].decode("ascii", "replace"),
-                               getattr(ev["event"], "name", ev["event"]), ev["value"])
-
-    async def _serve_zap(self) -> None:
-        from . import zmq_trio
-        sock = self.zap
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                await zmq_trio.wait_for(sock, zmq.POLLIN)
-                continue
-            try:
-                sock.send_multipart(self.handle(frames), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                self.refused["reply_failed"] += 1
+    def handshake_failed(self, name: str, event: int, value: int, endpoint: bytes) -> None:
+        """A handshake libzmq failed before asking ZAP (a wrong server key, a client
+        without CURVE), as a socket monitor reports it: router's and pull's monitors are
+        io/peers.py's (libzmq allows one per socket; the XPUBs' is their
+        SubscriptionGuard's, so failures there are not counted)."""
+        self.refused["handshake"] += 1
+        try:
+            ev = zmq.Event(event).name
+        except ValueError:
+            ev = event
+        self._rlog.warning("handshake", "curve: handshake on %s failed from a client of "
+                           "%s (wrong server key, or a client without CURVE): event "
+                           "%s, errno %s", name, endpoint.decode("ascii", "replace"),
+                           ev, value)
 
     def stats(self) -> dict:
         return {"accepted": self.accepted, "plain_accepted": self.plain_accepted,

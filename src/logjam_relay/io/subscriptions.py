@@ -59,6 +59,20 @@ def _tcp_abort():
 _abort = _tcp_abort()
 
 
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """``sock.get_monitor_socket(events)`` whose queue never drops an event: libzmq's
+    monitor pipe is bounded by the sum of both ends' HWMs unless one end's is 0, and the
+    peer counts (accepted - ended) must not lose a DISCONNECTED.  An event is ~40 bytes
+    and at most two come per connection."""
+    addr = f"inproc://logjam-relay.monitor.{id(sock):x}.{time.monotonic_ns():x}"
+    sock.monitor(addr, events)
+    mon = sock.context.socket(zmq.PAIR)
+    mon.setsockopt(zmq.RCVHWM, 0)
+    mon.setsockopt(zmq.LINGER, 0)
+    mon.connect(addr)
+    return mon
+
+
 class SubscriptionGuard:
     """Caps the subscriptions an XPUB keeps and gives their memory back when peers leave.
 
@@ -69,15 +83,21 @@ class SubscriptionGuard:
     only the ones we forward (``setsockopt(SUBSCRIBE)``) take part in matching.
 
     * ``entries`` mirrors what libzmq holds: +1 for each new (connection, topic), -1 for
-      each unsubscription -- explicit ones, and the ones libzmq reports (without an fd)
-      for every subscription of a connection that ended;
+      each explicit unsubscription; when the monitor reports a connection ended, all its
+      pairs at once (libzmq drops them; the unsubscriptions it then reports without an
+      fd, and subscriptions of that connection still queued, are matched against
+      ``_ending``, not counted again); ``peak`` is the most held at once;
     * a subscription is forwarded while ``entries`` is within ``max_subscriptions``; the
       one over the cap is refused (``refused``) and its peer disconnected (TCP abort,
       after checking that the fd is a connection of this socket's port): libzmq then
       drops all that peer subscribed;
+    * the socket's connections together may send the cap's worth of bytes (``TCP_INFO``):
+      over it, the one that sent most is cut, so many flooders hold no more than one;
+    * the end of any connection costs a walk of the trie (``WALK_SECONDS_PER_BYTE``):
+      :meth:`admit` says ``busy`` until those walks are paid back at ``WALK_SHARE`` of the
+      loop, and ``accept_hook`` (io/peers.py) resets new connections meanwhile;
     * the socket's RCVHWM (:func:`xpub_options`) is small, so libzmq takes a peer's
-      subscriptions in only as fast as the guard looks at them: a flood is cut within
-      about ``max_subscriptions`` + a few hundred entries;
+      subscriptions in only as fast as the guard looks at them;
     * after many entries were freed ``malloc_trim`` gives the memory back to the OS.
 
     :meth:`poll` drains without blocking (at most ``max_messages`` per call) and returns
@@ -91,6 +111,17 @@ class SubscriptionGuard:
 
     TRIM_AFTER = 1000      # entries freed since the last malloc_trim
     PEER_BYTES_PER_SECOND = 1024   # what a connection's byte budget grows by
+    #: what libzmq 4.3's end of a connection costs the thread that next uses the socket,
+    #: per topic byte held: ``mtrie rm(pipe)`` walks the whole trie (a ``std::list`` node
+    #: allocated per trie node), once for the received and once for the forwarded
+    #: subscriptions (measured: 150 ms with 2,000 random 128-byte topics held, 1.1 s with
+    #: 10,000; a third more on a loaded 2-core machine)
+    WALK_SECONDS_PER_BYTE = 0.4e-6
+    #: the same for taking a subscription byte in (a trie node allocated per byte)
+    INSERT_SECONDS_PER_BYTE = 0.1e-6
+    #: the share of the event loop that ends of connections may cost: after one that cost
+    #: ``t`` s, no new connection is admitted (:meth:`admit`) for ``t / WALK_SHARE`` s
+    WALK_SHARE = 0.2
 
     def __init__(self, sock: zmq.Socket, max_subscriptions: int = 10_000):
         if sock.type != zmq.XPUB:
@@ -99,15 +130,27 @@ class SubscriptionGuard:
         self.sock = sock
         self.max_subscriptions = max_subscriptions
         self.entries = 0                         # (connection, topic) pairs libzmq holds
+        self.peak = 0                            # the most entries held at once
         self.topics: dict[bytes, int] = {}
         self.refused = 0
         self.disconnected = 0                    # peers cut for going over the cap
         self.trims = 0
         self.busy = False                        # the last poll stopped at max_messages
+        self.held_bytes = 0                      # topic bytes of the pairs libzmq holds
+        self.walk_seconds = 0.0                  # estimated cost of connection ends so far
+        self._admit_after = 0.0                  # monotonic time: admit() says "busy" before
+        self._live: set[int] = set()             # connections accepted and not yet ended
+        self._sent: dict[int, int] = {}          # fd -> bytes received from it (last check)
+        self._backlog: list[bytes] = []          # notifications of a refresh(), for poll()
+        #: ``hook(fd) -> bool`` asked at each new connection (io/peers.py): False aborts it
+        #: before its handshake can end (the ZAP handler answers only after a refresh)
+        self.accept_hook = None
         # fd -> {topic: forwarded?} of the connections we know
         self._by_fd: dict[int, dict[bytes, bool]] = {}
         self._cut: set[int] = set()              # disconnected by us, not yet gone
         self._dead: set[int] = set()             # gone, not accepted again yet
+        # pairs of ended connections whose unsubscriptions libzmq has still to report
+        self._ending = 0
         self._freed = 0
         self._ports: set[int] = set()
         ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -119,7 +162,7 @@ class SubscriptionGuard:
         self.max_peer_bytes = max_subscriptions * (MAX_TOPIC_BYTES + 12) + 4096
         # fd -> (our dup (TCP_INFO, abort), when it was accepted)
         self._conns: dict[int, tuple[socket.socket, float]] = {}
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor_socket(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
 
     def close(self) -> None:
         try:
@@ -132,13 +175,18 @@ class SubscriptionGuard:
         self._conns.clear()
 
     def _check_bytes(self) -> None:
-        """Cut every connection that sent more than ``max_peer_bytes``; let go of our dup
-        of a connection libzmq closed (its fd is gone or another file now), in case the
-        monitor's DISCONNECTED event was lost (the monitor queue drops when full).
-        The budget grows by ``PEER_BYTES_PER_SECOND`` with the connection's age, so
-        ZMTP heartbeats and subscription churn of a long-lived subscriber never add up
-        to a cut."""
+        """Cut every connection that sent more than ``max_peer_bytes``, and, while all
+        connections together sent more than that, the one that sent most; let go of our
+        dup of a connection libzmq closed (its fd is gone or another file now), in case
+        the monitor's DISCONNECTED event was lost (the monitor queue drops when full).
+        The budget grows by ``PEER_BYTES_PER_SECOND`` with a connection's age, so ZMTP
+        heartbeats and subscription churn of a long-lived subscriber never add up to a
+        cut.  The budget is the socket's, not each connection's: many connections
+        flooding at once hold no more than one would (libzmq's trie, and the time every
+        connection's end costs, grow with what all of them sent)."""
         now = time.monotonic()
+        charged: list[tuple[int, int]] = []
+        total = 0
         for fd, (c, since) in list(self._conns.items()):
             try:
                 same = os.fstat(fd).st_ino == os.fstat(c.fileno()).st_ino
@@ -147,27 +195,69 @@ class SubscriptionGuard:
             if not same:
                 del self._conns[fd]
                 c.close()
+                if fd in self._live:              # its DISCONNECTED event was lost
+                    self._live.discard(fd)
+                    self._charge_end(fd)
                 continue
             if fd in self._cut:
+                # cut, ending within moments: cutting others would not free its bytes
                 continue
             try:
                 info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
             except OSError:
                 continue
-            budget = self.max_peer_bytes + (now - since) * self.PEER_BYTES_PER_SECOND
             # struct tcp_info: tcpi_bytes_received (u64) at offset 128 (Linux >= 4.1)
-            if len(info) >= 136 and int.from_bytes(info[128:136], sys.byteorder) > budget \
-                    and self._disconnect(fd):
-                self._cut.add(fd)
+            if len(info) < 136:
+                continue
+            got = int.from_bytes(info[128:136], sys.byteorder)
+            self._sent[fd] = got
+            over = got - (now - since) * self.PEER_BYTES_PER_SECOND
+            if over > self.max_peer_bytes:
+                if self._disconnect(fd):
+                    self._cut.add(fd)
+                continue
+            if over > 0:
+                charged.append((int(over), fd))
+                total += int(over)
+        if total > self.max_peer_bytes:
+            charged.sort(reverse=True)
+            for over, fd in charged:
+                if total <= self.max_peer_bytes:
+                    break
+                if self._disconnect(fd):
+                    self._cut.add(fd)
+                    total -= over
+
+    def admit(self) -> str | None:
+        """Whether a new connection may be admitted now (io/peers.py asks): None, or
+        ``"busy"`` while the ends of earlier connections have used up the loop's share
+        (``WALK_SHARE``)."""
+        return "busy" if time.monotonic() < self._admit_after else None
+
+    @property
+    def peers(self) -> int:
+        """Connections accepted and not yet ended (the monitor's count)."""
+        return len(self._live)
+
+    def _charge_end(self, fd: int) -> None:
+        """A connection ended: libzmq walks both tries on the socket's thread."""
+        cost = (2 * self.held_bytes * self.WALK_SECONDS_PER_BYTE
+                + self._sent.pop(fd, 0) * self.INSERT_SECONDS_PER_BYTE)
+        self.walk_seconds += cost
+        now = time.monotonic()
+        self._admit_after = max(self._admit_after, now) + cost / self.WALK_SHARE
 
     def stats(self) -> dict:
         return {"subscriptions": self.entries, "topics": len(self.topics),
-                "refused": self.refused, "peers_disconnected": self.disconnected}
+                "refused": self.refused, "peers_disconnected": self.disconnected,
+                "held_bytes": self.held_bytes, "peers": self.peers, "peak": self.peak,
+                "ending": self._ending,
+                "walk_seconds": self.walk_seconds}
 
     def poll(self, max_messages: int = 5000) -> list[bytes]:
         """Handle up to ``max_messages`` pending (un)subscriptions (the caller polls
         again soon: a flood never holds the event loop)."""
-        out: list[bytes] = []
+        out, self._backlog = self._backlog, []
         recv = self.sock.recv
         setsockopt = self.sock.setsockopt
         by_fd = self._by_fd
@@ -192,17 +282,32 @@ class SubscriptionGuard:
                 fd = -1
             if fd < 0:
                 # libzmq's unsubscription for a subscription of a connection that ended:
-                # it dropped the entry (the monitor tells us which connection it was)
-                if m[0] == 0 and self.entries > 0:
-                    self.entries -= 1
+                # it dropped the entry.  The monitor's DISCONNECTED (emitted before libzmq
+                # ends the pipe) moved that connection's pairs to _ending; look at it now
+                # if this one came first
+                if m[0] == 0:
+                    if not self._ending:
+                        self._poll_monitor(out)
+                    if self._ending:
+                        self._ending -= 1
+                    elif self.entries > 0:          # the event was lost
+                        self.entries -= 1
+                        self.held_bytes = max(0, self.held_bytes - len(topic))
                     self._freed += 1
                 continue
             if fd in self._dead:
-                # still queued from a connection that is gone: libzmq holds it until it
-                # reports the connection's unsubscriptions; nothing to forward
+                # still queued from a connection that is gone: libzmq reports its
+                # unsubscription too; nothing to forward, nothing held for long
                 if m[0] == 1:
-                    self.entries += 1
+                    self._ending += 1
                 continue
+            if fd in cut and m[0] == 1:
+                # a cut connection: libzmq drops its pairs once the I/O thread has seen the
+                # abort, which the monitor reports -- look (an inproc recv) before counting
+                self._poll_monitor(out)
+                if fd in self._dead:
+                    self._ending += 1
+                    continue
             mine = by_fd.get(fd)
             if m[0] == 1:
                 if mine is not None and topic in mine:
@@ -213,6 +318,9 @@ class SubscriptionGuard:
                 if mine is None:
                     mine = by_fd[fd] = {}
                 self.entries += 1
+                self.held_bytes += len(topic)
+                if self.entries > self.peak:
+                    self.peak = self.entries
                 if self.entries > self.max_subscriptions or fd in cut:
                     mine[topic] = False                      # libzmq holds it till the cut
                     self.refused += 1
@@ -226,6 +334,7 @@ class SubscriptionGuard:
             elif mine is not None and topic in mine:
                 forwarded = mine.pop(topic)
                 self.entries -= 1
+                self.held_bytes = max(0, self.held_bytes - len(topic))
                 self._freed += 1
                 if forwarded:
                     setsockopt(zmq.UNSUBSCRIBE, topic)
@@ -243,6 +352,11 @@ class SubscriptionGuard:
             self.trims += 1
             self._freed = 0
         return out
+
+    def refresh(self) -> None:
+        """Take the monitor's events now (the peer count is then current); what they
+        release is returned by the next :meth:`poll`."""
+        self._poll_monitor(self._backlog)
 
     def _release(self, topic: bytes) -> bool:
         n = self.topics.get(topic, 0) - 1
@@ -265,8 +379,15 @@ class SubscriptionGuard:
             fd = int.from_bytes(frames[0][2:6], "little", signed=True)
             if event == zmq.EVENT_ACCEPTED:
                 self._dead.discard(fd)
+                if self.accept_hook is not None and not self.accept_hook(fd):
+                    abort_connection(fd, self._ports)
+                    continue
+                self._live.add(fd)
                 self._track(fd)
             elif event == zmq.EVENT_DISCONNECTED:
+                if fd in self._live:
+                    self._live.discard(fd)
+                    self._charge_end(fd)
                 c = self._conns.pop(fd, None)
                 if c is not None:
                     c[0].close()
@@ -274,6 +395,11 @@ class SubscriptionGuard:
                 self._dead.add(fd)
                 gone = self._by_fd.pop(fd, None)
                 if gone:
+                    # libzmq drops the connection's pairs and reports an unsubscription
+                    # for each (fd -1): they are no longer held
+                    self.entries = max(0, self.entries - len(gone))
+                    self.held_bytes = max(0, self.held_bytes - sum(map(len, gone)))
+                    self._ending += len(gone)
                     for topic, forwarded in gone.items():
                         if forwarded and self._release(topic):
                             out.append(b"\x00" + topic)
@@ -294,26 +420,34 @@ class SubscriptionGuard:
         c.close()
 
     def _disconnect(self, fd: int) -> bool:
-        """Abort the TCP connection behind ``fd`` if it is one of this socket's.
-
-        ``shutdown`` alone is not enough: Linux keeps accepting (and libzmq keeps
-        reading) what a hostile peer goes on sending.  ``connect(AF_UNSPEC)`` on a TCP
-        socket is a disconnect: the kernel drops what is queued, sends a RST and
-        reports the socket hung up, so libzmq ends the connection at once.
-        """
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            return False
-        try:
-            if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in self._ports:
-                return False
-            s.shutdown(socket.SHUT_RDWR)
-            if _abort is not None:
-                _abort(s.fileno())
+        """Abort the TCP connection behind ``fd`` if it is one of this socket's."""
+        if abort_connection(fd, self._ports):
             self.disconnected += 1
             return True
-        except (OSError, IndexError, TypeError):
+        return False
+
+
+def abort_connection(fd: int, ports: set[int]) -> bool:
+    """Abort the TCP connection behind libzmq's ``fd`` if it is one of ``ports``' (the fd
+    may have been closed and reused meanwhile).
+
+    ``shutdown`` alone is not enough: Linux keeps accepting (and libzmq keeps reading)
+    what a hostile peer goes on sending.  ``connect(AF_UNSPEC)`` on a TCP socket is a
+    disconnect: the kernel drops what is queued, sends a RST and reports the socket hung
+    up, so libzmq ends the connection at once (a libzmq client reconnects later).
+    """
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in ports:
             return False
-        finally:
-            s.close()
+        s.shutdown(socket.SHUT_RDWR)
+        if _abort is not None:
+            _abort(s.fileno())
+        return True
+    except (OSError, IndexError, TypeError):
+        return False
+    finally:
+        s.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -12,6 +13,7 @@ import zmq
 
 from ..config import Settings
 from ..io import zmq_fast, zmq_trio
+from ..io.peers import set_domain as set_zap_domain
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from . import ingestpass
@@ -20,6 +22,8 @@ from .sequence import SequenceState, StateDirError
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
 
 log = logging.getLogger("logjam_relay.relay")
+_SOCKET_NAMES = {"router_port": "router", "pull_port": "pull", "pub_port": "pub",
+                 "stats_port": "stats"}
 rlog = RateLimitedLog(log)
 
 
@@ -65,6 +69,7 @@ class Relay:
         self.outputs: list = []                 # output supervisors (stats())
         self.inputs: list = []                  # Lumberjack/Courier inputs (inputs/)
         self.curve = None                       # io.curve.Curve when CURVE is on
+        self.peer_limit = None                  # io.peers.PeerLimit (zmq_max_peers, ZAP)
         self.spool_write_failures = 0
         self.spool_blocked_seconds = 0.0
         self._outputs_scope: trio.CancelScope | None = None
@@ -90,6 +95,11 @@ class Relay:
             sock.setsockopt(opt, value)
         if self.curve is not None:
             self.curve.secure(sock, setting)        # CURVE server + ZAP (io/curve.py)
+        if self.peer_limit is not None and (self.peer_limit.max_peers or kind == zmq.XPUB
+                                            or sock.getsockopt(zmq.ZAP_DOMAIN)):
+            # every handshake asks ZAP, so none ends before the peer limit read the monitor
+            # (the XPUBs always: their admission is rationed, io/peers.py)
+            set_zap_domain(sock, _SOCKET_NAMES[setting])
         self._sockets.append(sock)
         ep = self.settings.endpoint(getattr(self.settings, setting))
         try:
@@ -142,6 +152,7 @@ class Relay:
                                ("pull", pull)):
                 if sock is not None:
                     self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                    self._watch_peers(name, sock)
 
             async with trio.open_nursery() as nursery:
                 ingest = trio.CancelScope()
@@ -179,6 +190,21 @@ class Relay:
         finally:
             self._close()
             self.stopped.set()
+
+    def _watch_peers(self, name: str, sock: zmq.Socket) -> None:
+        """Count the socket's peers for the ZAP handler's zmq_max_peers (io/peers.py)."""
+        limit = self.peer_limit
+        if limit is None:
+            return
+        guard = self.pub.guard if name == "pub" else self.stats_guard if name == "stats" \
+            else None
+        failed = None
+        plain = ()
+        if self.curve is not None:
+            plain = self.curve.plain_endpoints.get(name, ())
+            if name in self.curve.sockets:
+                failed = functools.partial(self.curve.handshake_failed, name)
+        limit.watch(name, sock, guard=guard, on_failed=failed, endpoints=plain)
 
     async def _run_outputs(self) -> None:
         with trio.CancelScope() as scope:
@@ -280,6 +306,8 @@ class Relay:
         if p is not None:
             self.sequence_state.save_clean(p.seq)
         self.sequence_state.release()
+        if self.peer_limit is not None:
+            self.peer_limit.close()  # the monitors it opened
         for guard in (self.pub.guard if self.pub is not None else None, self.stats_guard):
             if guard is not None:
                 guard.close()        # its monitor and its dups of the subscribers' fds

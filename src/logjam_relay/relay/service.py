@@ -16,6 +16,7 @@ from ..health.metrics import make_registry, metrics_handler
 from ..redact import redact_text
 from .app import Relay, bind_cause
 from .configure import check_settings
+from .memory import samwise_rcv_hwm
 
 log = logging.getLogger("logjam_relay.service")
 
@@ -168,24 +169,34 @@ def attach_inputs(relay: Relay, settings: Settings) -> None:
 
 
 def attach_curve(relay: Relay, settings: Settings) -> None:
-    """ZeroMQ CURVE with a ZAP handler (docs/security.md); off unless curve_secret_key."""
+    """ZeroMQ CURVE (docs/security.md); off unless curve_secret_key.  Its ZAP checks run
+    in the relay's ZAP handler (attach_peers)."""
     if not settings.curve_secret_key:
         return
     from ..io.curve import Curve, parse_plain_endpoints
     curve = Curve(settings.curve_secret_key, settings.curve_allow_dir, settings.curve_sockets,
                   parse_plain_endpoints(settings.curve_plain_endpoints))
-    relay._sockets.append(curve.open(relay.ctx))     # ZAP bound before any relay socket
-    curve.register = relay._sockets.append           # its socket monitors, closed with it
     relay.curve = curve
-
-    async def start_zap(nursery):
-        nursery.start_soon(curve.serve)
-    relay.add_task(start_zap)
     log.info("CURVE on %s (server key %s), %d client key(s) allowed from %s%s",
              ", ".join(settings.curve_sockets), curve.public.decode(), len(curve.allow.keys),
              settings.curve_allow_dir,
              f"; plain endpoints {settings.curve_plain_endpoints}"
              if settings.curve_plain_endpoints else "")
+
+
+def attach_peers(relay: Relay, settings: Settings) -> None:
+    """The ZAP handler, bound before any relay socket: zmq_max_peers on every ZeroMQ socket
+    and the XPUBs' admission while connection ends are expensive (io/peers.py), then the
+    CURVE check (after attach_curve)."""
+    from ..io.peers import PeerLimit, ZapServer
+    limit = PeerLimit(settings.zmq_max_peers)
+    zap = ZapServer(limit, relay.curve)
+    relay._sockets.append(zap.open(relay.ctx))
+    relay.peer_limit = limit
+
+    async def start_zap(nursery):
+        nursery.start_soon(zap.serve)
+    relay.add_task(start_zap)
 
 
 def attach_cmdp(relay: Relay, settings: Settings) -> None:
@@ -218,7 +229,9 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
     lag = LoopLag()
     provider = RelayStatsProvider(relay=relay.stats, outputs=outputs, process=ProcessStats(),
                                   loop_lag=lag)
-    sender = CMDPSender(cfg, provider)
+    # the relay's context: its ZAP handler (zmq_max_peers) serves that context only
+    sender = CMDPSender(cfg, provider, context=relay.ctx)
+    sender.peer_limit = relay.peer_limit
     relay.cmdp = sender
 
     async def run_cmdp(task_status=trio.TASK_STATUS_IGNORED):
@@ -268,9 +281,14 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
     except SpoolError as e:
         raise settings.startup_error(spool_setting, f"cannot open the samwise spool: {e}",
                                      value=spool_dir) from None
-    service = SamwiseService(cfg, store=spool)
+    # with zmq_max_peers its handshakes go through the relay's ZAP handler, which serves
+    # the relay's context only; otherwise it keeps an I/O thread of its own
+    service = SamwiseService(cfg, store=spool,
+                             zmq_context=relay.ctx if settings.zmq_max_peers else None)
     service.max_msg_bytes = settings.resolved_zmq_max_msg_bytes()
     service.max_batch_bytes = settings.ingest_max_bytes
+    service.rcv_hwm = samwise_rcv_hwm(settings)
+    service.peer_limit = relay.peer_limit
     relay.samwise = service
 
     async def run_samwise(task_status=trio.TASK_STATUS_IGNORED):
@@ -311,6 +329,7 @@ def build(settings: Settings) -> Relay:
         attach_spool_and_outputs(relay, settings)
         attach_inputs(relay, settings)
         attach_curve(relay, settings)
+        attach_peers(relay, settings)
         attach_cmdp(relay, settings)
         attach_samwise(relay, settings)
     except BaseException:
@@ -324,6 +343,13 @@ def build(settings: Settings) -> Relay:
     if getattr(relay, "inputs", None):
         from ..inputs.base import InputsCollector
         collector.extra.append(InputsCollector(relay, relay.inputs))
+    if relay.peer_limit is not None:
+        limit, device = relay.peer_limit, str(settings.device_id)
+
+        class _PeerMetrics:
+            def collect(self):
+                return limit.collect(device)
+        collector.extra.append(_PeerMetrics())
     if relay.curve is not None:
         dev = str(settings.device_id)
         curve = relay.curve

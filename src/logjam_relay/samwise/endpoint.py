@@ -144,6 +144,11 @@ class SamwiseService:
     max_msg_bytes = 0
     #: bytes one drained batch may hold (0 = only recv_batch bounds it): ingest_max_bytes
     max_batch_bytes = 0
+    #: ZeroMQ RCVHWM (and SNDHWM: replies never outnumber requests) of the endpoint, per
+    #: peer: the relay sets min(rcv_hwm, 1000) (docs/operations.md, "Memory")
+    rcv_hwm = 1000
+    #: io.peers.PeerLimit: zmq_max_peers through the ZAP handler (set by the relay)
+    peer_limit = None
 
     def __init__(self, config: SamwiseConfig, store: SamwiseStore, *,
                  zmq_context: zmq.Context | None = None):
@@ -192,10 +197,18 @@ class SamwiseService:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable reply -> error, counted
         if self.max_msg_bytes:
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
+        # each peer's queue holds rcv_hwm whole requests (each frame up to MAXMSGSIZE)
+        sock.setsockopt(zmq.RCVHWM, self.rcv_hwm)
+        sock.setsockopt(zmq.SNDHWM, self.rcv_hwm)
+        if self.peer_limit is not None and self.peer_limit.max_peers:
+            from ..io.peers import set_domain
+            set_domain(sock, "samwise")          # every handshake asks the ZAP handler
         try:
             for ep in self.config.endpoints:
                 sock.bind(ep)
                 self.bound.append(sock.get(zmq.LAST_ENDPOINT).decode())
+            if self.peer_limit is not None:
+                self.peer_limit.watch("samwise", sock, endpoints=self.bound)
             self._sock = sock
             async with trio.open_nursery() as nursery:
                 for o in self.outputs:
@@ -204,6 +217,8 @@ class SamwiseService:
                 await self._serve(sock, nursery)
         finally:
             self._sock = None
+            if self.peer_limit is not None:
+                self.peer_limit.forget("samwise")    # its monitor
             sock.close(linger=0)
 
     async def _serve(self, sock: zmq.Socket, nursery: trio.Nursery) -> None:
