@@ -30,7 +30,7 @@ import zmq
 
 import fuzzers
 from conftest import free_port
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from peers.lumberjack_reader import LumberjackReader
 from logjam_relay.relay import memory
 from relay_harness import meta, relay_argv, relay_settings, wait_http
 
