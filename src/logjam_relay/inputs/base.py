@@ -15,6 +15,10 @@ from . import InputSpec
 
 log = logging.getLogger("logjam_relay.inputs")
 
+#: what a connection reads ahead while its batch waits for the spool (enough to see the
+#: sender close the connection; a sender that sends more is simply not read meanwhile)
+READ_AHEAD = 65536
+
 
 class BaseInput:
     """Subclasses implement ``async _connection(stream, peer)`` (raise on protocol errors
@@ -136,41 +140,77 @@ class BaseInput:
             return await self.receive(stream, started + self.spec.timeout, "timeout"), started
         return await self.receive(stream, now + self.spec.idle_timeout, "idle"), None
 
-    async def spool_and_ack(self, acc: list[tuple], stream, keepalive: bytes | None,
-                            ack: Callable[[], bytes], count: int, what: str) -> None:
-        """Spool a whole window/payload, then send its ACK (``ack()``) and count it; a
-        relay shutting down first leaves it unacknowledged (the sender resends)."""
-        if not await self.spool(acc, stream, keepalive):
+    async def spool_and_ack(self, acc: list[tuple], stream, conn, keepalive: bytes | None,
+                            ack: Callable[[], bytes], count: int, what: str) -> bool:
+        """Spool a whole window/payload, then send its ACK (``ack()``) and count it.
+
+        A relay shutting down first leaves it unacknowledged (the sender resends); so does
+        a sender that closes the connection while it waits for a full spool (it was not
+        spooled: withdrawn, the sender resends it on its next connection).  False when
+        the sender had closed its side by the time it was spooled (ACK sent, nothing
+        more to read)."""
+        spooled, closed = await self.spool(acc, stream, conn, keepalive)
+        if spooled is None:
+            raise _Closed("withdrawn", f"the sender closed the connection while its {what} "
+                          "waited for the spool: not spooled, not acknowledged")
+        if not spooled:
             self.unacked_at_close += 1
             raise _Closed("shutdown", f"relay shutting down; {what} not acknowledged")
         await stream.send_all(ack())
         self.acks += 1
         self.batches += 1
         self.events += count
+        return not closed
 
-    async def spool(self, acc: list[tuple], stream, keepalive: bytes | None) -> bool:
-        """Stamp, publish and spool ``acc``; True once it is in the spool (then ACK).
+    async def spool(self, acc: list[tuple], stream, conn, keepalive: bytes | None
+                    ) -> tuple[bool | None, bool]:
+        """Stamp, publish and spool ``acc``: ``(spooled, closed)``.
 
-        While the spool makes us wait (full, policy block) a keep-alive is sent every
-        ``ack_interval`` seconds, when the protocol has one.
+        ``spooled`` is True once it is in the spool (then ACK), False when the relay is
+        shutting down, None when the sender closed the connection while the batch still
+        waited for the spool (policy block, spool full): the wait is given up and the batch
+        is not spooled (withdrawn), so a sender that times out and resends on a new
+        connection does not get it spooled once per attempt.  Once the write has started
+        it completes (the relay shields it); ``closed`` then says the sender had gone.
+
+        Meanwhile the connection is watched: what the sender sends is read into ``conn``
+        (its ``receive_data``), but only while ``conn.buffered`` is under
+        :data:`READ_AHEAD`; and ``keepalive``, when the protocol version has one (v2
+        ``2A 0``, Courier ``ACKN``; never Lumberjack v1, whose senders take any 6 bytes
+        for the ACK), is sent every ``ack_interval`` seconds.
         """
         relay = self.relay
         if relay.stopping:
-            return False
-        if keepalive is None:
-            return await relay.ingest_external(acc)
-        done = None
+            return False, False
+        spooled = None
+        closed = False
         async with trio.open_nursery() as nursery:
             async def ingest():
-                nonlocal done
-                done = await relay.ingest_external(acc)
+                nonlocal spooled
+                spooled = await relay.ingest_external(acc)
                 nursery.cancel_scope.cancel()
 
+            async def watch():
+                nonlocal closed
+                while conn.buffered < READ_AHEAD:
+                    try:
+                        data = await stream.receive_some(65536)
+                    except (trio.BrokenResourceError, OSError):
+                        data = b""
+                    if not data:
+                        closed = True
+                        nursery.cancel_scope.cancel()       # withdraw unless spooling
+                        return
+                    self.bytes += len(data)
+                    conn.receive_data(data)
+
             nursery.start_soon(ingest)
-            while True:
-                await trio.sleep(self.spec.ack_interval)
-                await stream.send_all(keepalive)
-        return bool(done)
+            nursery.start_soon(watch)
+            if keepalive is not None:
+                while True:
+                    await trio.sleep(self.spec.ack_interval)
+                    await stream.send_all(keepalive)
+        return spooled, closed
 
     def stats(self) -> dict:
         return {"connections": self.connections, "active_connections": self.active,

@@ -39,9 +39,11 @@ class CourierInput(BaseInput):
             if type(ev) is Payload:
                 started = None
                 acc = [json_event(raw, name, peer, opts) for raw in ev.events]
-                await self.spool_and_ack(acc, stream, conn.keepalive(ev.nonce),
-                                         lambda ev=ev: conn.ack(ev.nonce, len(ev.events), clock()),
-                                         len(ev.events), "payload")
+                if not await self.spool_and_ack(
+                        acc, stream, conn.reader, conn.keepalive(ev.nonce),
+                        lambda ev=ev: conn.ack(ev.nonce, len(ev.events), clock()),
+                        len(ev.events), "payload"):
+                    return
             elif isinstance(ev, Ping):
                 await stream.send_all(conn.pong())
             else:       # Overloaded: cannot happen (one payload at a time); be safe

@@ -32,7 +32,10 @@ class LumberjackInput(BaseInput):
                     acc = [json_event(raw, name, peer, opts) for raw in ev.events]
                 if ev.dropped:
                     self.errors["events_beyond_window"] += ev.dropped
-                await self.spool_and_ack(acc, stream, conn.keepalive(),
-                                         lambda ev=ev: conn.ack(ev.count), ev.count, "window")
+                # v1: nothing is sent until the window is spooled (keepalive() is None)
+                if not await self.spool_and_ack(acc, stream, conn, conn.keepalive(),
+                                                lambda ev=ev: conn.ack(ev.count), ev.count,
+                                                "window"):
+                    return
                 continue
             return      # ConnectionClosed

@@ -11,8 +11,9 @@ A window is handed over as one :class:`WindowReceived` only when all its events 
 (all-or-nothing, as go-lumber); the application acknowledges it with :meth:`ack` *after*
 it has made the events durable.  The ACK value is the event count, which equals the last
 sequence number for every known writer (they restart at 1 per window) and is what
-go-lumber sends.  :meth:`keepalive` gives ``2A 0`` (Logstash's Java input does the same,
-also on v1 connections) for a window whose processing takes long.
+go-lumber sends.  :meth:`keepalive` gives ``2A 0`` for a v2 window whose processing takes
+long, and nothing for a v1 window (as go-lumber's v1 server; Logstash's Java input sends
+``2A 0`` on v1 connections too, which logstash-forwarder takes for the ACK of its window).
 
 Bounds (bad input never costs more than these):
 
@@ -141,9 +142,13 @@ class ServerConnection:
         """The ACK for a window of ``count`` events, in the window's protocol version."""
         return encode_ack(count, 2 if self.version == 2 else 1)
 
-    @staticmethod
-    def keepalive() -> bytes:
-        return encode_ack(0, 2)
+    def keepalive(self) -> bytes | None:
+        """The keep-alive for the current window while it waits: ``2A 0`` on v2, None on v1.
+
+        v1 has none (go-lumber's v1 server sends nothing while it waits): logstash-forwarder
+        takes any 6 bytes for the ACK of its whole window, so a ``2A 0`` would make it
+        forget events that are not durable yet."""
+        return encode_ack(0, 2) if self.version == 2 else None
 
     # -- parsing ----------------------------------------------------------------
 

@@ -1,0 +1,209 @@
+"""A Lumberjack v1 sender that takes any 6 bytes as the ACK of its window (logstash-forwarder)
+loses nothing through the real command while the relay's spool is full.
+
+The relay's input must send nothing on a v1 connection while a window waits for the spool
+(go-lumber's v1 server: "keepalive not supported by v1"): a ``2A 0`` keep-alive would move
+the forwarder's registry past what is durable.  The set-up is the issue's: a 1 MiB spool
+that nothing drains (policy block, the output's receiver down), ``ack_interval=1s``, a
+sender whose timeout (2 s here, 15 s in the forwarder) is longer than the keep-alive
+interval.  Figures, in lines of the sender:
+
+* lost: lines in the sender's registry (acknowledged, never sent again) that the output's
+  receiver never got once the relay was back and the spool drained: must be 0;
+* duplicated: lines the receiver got more than once (the documented bound: one window per
+  relay fault, docs/inputs.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+from collections import Counter
+
+import pytest
+import trio
+
+from conftest import free_port
+from forwarder_sender import ForwarderLikeSender
+from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from relay_harness import relay_settings, start_process, stop_process
+from spool_helpers import spooled_records
+from test_memory_ceiling import metric, scrape
+
+WINDOW = 256
+LINES = 40 * WINDOW
+SENDER_TIMEOUT = 2.0
+
+
+def _lines(n: int) -> list[str]:
+    # random hex: zlib cannot shrink a window much, so TCP buffers do not hide the problem
+    return [f"L{i:06d} {secrets.token_hex(80)}" for i in range(n)]
+
+
+def _line_of(body: bytes) -> str | None:
+    return json.loads(body).get("line")
+
+
+class Edge:
+    """The relay under test: a Lumberjack input, a 1 MiB spool, a Lumberjack output whose
+    receiver (port ``out_port``) is down until the test starts it."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.lport, self.out_port = free_port(), free_port()
+        self.settings = relay_settings(tmp_path)
+        self.spool = tmp_path / "spool"
+        self.args = [
+            "--input", f"lumberjack://127.0.0.1:{self.lport}?tls=off&ack_interval=1s&name=lj",
+            "--spool-dir", str(self.spool), "--spool-max-bytes", "1MiB",
+            "--spool-segment-bytes", "256KiB", "--spool-policy", "block",
+            "--output", f"lumberjack://127.0.0.1:{self.out_port}?tls=off&window=500"
+                        "&backoff_min=0.05&backoff_max=0.5&name=out"]
+        self.log = tmp_path / "relay.log"
+        self.proc = None
+
+    async def start(self):
+        self.proc = await trio.to_thread.run_sync(start_process, self.settings, self.args,
+                                                  self.log)
+
+    async def metric(self, name: str, **labels) -> float:
+        text = await trio.to_thread.run_sync(scrape, self.settings.metrics_port)
+        return metric(text, name, **labels)
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if sig == signal.SIGKILL:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(10)
+        return stop_process(self.proc, sig, timeout=30)
+
+
+async def _until(cond, what: str, limit: float = 120):
+    """Poll ``cond`` (async) until true; ``limit`` only guards against a hang."""
+    with trio.fail_after(limit):
+        while not await cond():
+            await trio.sleep(0.2)
+
+
+class Receiver:
+    def __init__(self, port: int):
+        self.got: Counter[str] = Counter()
+        self.reader = LumberjackReader(port=port, keep_windows=False, on_window=self._on)
+
+    def _on(self, w):
+        for ev in w.events:
+            line = _line_of(ev.fields["line"])
+            if line is not None:
+                self.got[line] += 1
+
+
+def _figures(sender: ForwarderLikeSender, got: Counter[str]) -> dict:
+    acked = set(sender.registry)
+    return {"registry": len(acked), "delivered": sum(got.values()),
+            "lost": len(acked - set(got)),
+            "duplicated": sum(n - 1 for n in got.values() if n > 1)}
+
+
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+async def test_forwarder_like_v1_sender_loses_nothing_across_a_full_spool_and_a_stop(
+        tmp_path, stop):
+    edge = Edge(tmp_path)
+    sender = ForwarderLikeSender(edge.lport, _lines(LINES), window=WINDOW,
+                                 timeout=SENDER_TIMEOUT)
+    sig = getattr(signal, stop)
+    await edge.start()
+    try:
+        # ---- 1. the spool fills; the sender waits for an ACK and times out (twice)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+
+            async def stuck():
+                return (sender.done or sender.timeouts >= 2) \
+                    and await edge.metric("logjam_relay_spool_paused") == 1
+            await _until(stuck, "the spool full and the sender stuck")
+            rc = edge.stop(sig)
+            nursery.cancel_scope.cancel()
+        assert rc == (0 if stop == "SIGTERM" else -signal.SIGKILL)
+        spooled = Counter(ln for f in spooled_records([edge.spool])
+                          if f[0] != b"heartbeat" and (ln := _line_of(f[2])) is not None)
+        at_stop = {"registry": len(sender.registry),
+                   "spooled": sum(spooled.values()),
+                   "registry not in the spool": len(set(sender.registry) - set(spooled)),
+                   **sender.stats()}
+        # ---- 2. the relay is back, the output's receiver is up: the spool drains and the
+        # forwarder (still running) resends the window it was on and finishes
+        receiver = Receiver(edge.out_port)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(receiver.reader.serve)
+            await edge.start()
+            await sender.run()
+
+            async def drained():
+                return await edge.metric("logjam_relay_output_backlog_records") == 0
+            await _until(drained, "the spool drained")
+            nursery.cancel_scope.cancel()
+        assert edge.stop() == 0
+    finally:
+        if edge.proc.poll() is None:
+            edge.proc.kill()
+            edge.proc.wait()
+    fig = _figures(sender, receiver.got)
+    print(f"\nv1 forwarder-like sender, {stop} with the spool full: at the stop {at_stop}; "
+          f"after the restart and drain {fig}")
+    assert sender.done and len(sender.registry) == LINES
+    assert at_stop["registry not in the spool"] == 0, at_stop
+    assert fig["lost"] == 0, fig
+    # one window per relay fault: a window spooled whose ACK the stop cut off
+    assert fig["duplicated"] <= WINDOW, fig
+    # the sender never took a keep-alive for an ACK: every ACK it got was a real 1A <n>
+    assert set(sender.acks) == {b"1A" + WINDOW.to_bytes(4, "big")}, sender.acks
+
+
+async def test_forwarder_like_v1_sender_that_times_out_and_resends_while_the_spool_is_full(
+        tmp_path):
+    """The relay stays up; the sender times out 3 times on the same window (closing its
+    connection and resending on a new one each time); then the receiver comes up and the
+    spool drains.  A window whose sender gave up before it was spooled is withdrawn, not
+    spooled once per attempt."""
+    edge = Edge(tmp_path)
+    sender = ForwarderLikeSender(edge.lport, _lines(LINES), window=WINDOW,
+                                 timeout=SENDER_TIMEOUT)
+    receiver = Receiver(edge.out_port)
+    await edge.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+
+            async def resent():
+                return sender.timeouts >= 3 \
+                    and await edge.metric("logjam_relay_spool_paused") == 1
+            await _until(resent, "three timeouts on a full spool")
+            stuck = sender.stats()
+            text = await trio.to_thread.run_sync(scrape, edge.settings.metrics_port)
+            await nursery.start(receiver.reader.serve)
+            with trio.fail_after(120):
+                while not sender.done:
+                    await trio.sleep(0.2)
+
+            async def drained():
+                return await edge.metric("logjam_relay_output_backlog_records") == 0
+            await _until(drained, "the spool drained")
+            text = await trio.to_thread.run_sync(scrape, edge.settings.metrics_port)
+            nursery.cancel_scope.cancel()
+        assert edge.stop() == 0
+    finally:
+        if edge.proc.poll() is None:
+            edge.proc.kill()
+            edge.proc.wait()
+    fig = _figures(sender, receiver.got)
+    withdrawn = metric(text, "logjam_relay_input_errors_total", input="lj", reason="withdrawn")
+    print(f"\nv1 forwarder-like sender resending after timeouts: while stuck {stuck}; "
+          f"after the drain {fig}, final sender {sender.stats()}, windows withdrawn "
+          f"{withdrawn:.0f}")
+    assert len(sender.registry) == LINES and fig["lost"] == 0, fig
+    assert stuck["timeouts"] >= 3
+    # each timeout closed the connection before the window was spooled: withdrawn
+    assert withdrawn >= 3, withdrawn
+    assert fig["duplicated"] == 0, fig
+    assert set(sender.acks) == {b"1A" + WINDOW.to_bytes(4, "big")}, sender.acks
