@@ -72,6 +72,11 @@ class Edge:
         text = await trio.to_thread.run_sync(scrape, self.settings.metrics_port)
         return metric(text, name, **labels)
 
+    async def withdrawn(self) -> float:
+        """Windows this run withdrew (the sender closed while they waited for the spool)."""
+        return await self.metric("logjam_relay_input_errors_total", input="lj",
+                                 reason="withdrawn")
+
     def stop(self, sig=signal.SIGTERM) -> int:
         if sig == signal.SIGKILL:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -105,6 +110,17 @@ def _figures(sender: ForwarderLikeSender, got: Counter[str]) -> dict:
             "duplicated": sum(n - 1 for n in got.values() if n > 1)}
 
 
+def test_keepalive_is_for_v2_windows_only():
+    """go-lumber's v1 server: "keepalive not supported by v1"; v2 (Beats) gets 2A 0."""
+    from logjam_relay.protocols import lumberjack as lj
+    from logjam_relay.protocols import lumberjack_server as ljs
+    c = ljs.ServerConnection()
+    c.receive_data(lj.encode_window(lj.encode_data_frames([{"line": "a"}]), 1))
+    assert c.next_event().version == 1 and c.keepalive() is None
+    c.receive_data(ljs.encode_window_v2([b"{}"]))
+    assert c.next_event().version == 2 and c.keepalive() == b"2A\0\0\0\0"
+
+
 @pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
 async def test_forwarder_like_v1_sender_loses_nothing_across_a_full_spool_and_a_stop(
         tmp_path, stop):
@@ -122,6 +138,7 @@ async def test_forwarder_like_v1_sender_loses_nothing_across_a_full_spool_and_a_
                 return (sender.done or sender.timeouts >= 2) \
                     and await edge.metric("logjam_relay_spool_paused") == 1
             await _until(stuck, "the spool full and the sender stuck")
+            withdrawn = await edge.withdrawn()
             rc = edge.stop(sig)
             nursery.cancel_scope.cancel()
         assert rc == (0 if stop == "SIGTERM" else -signal.SIGKILL)
@@ -142,6 +159,7 @@ async def test_forwarder_like_v1_sender_loses_nothing_across_a_full_spool_and_a_
             async def drained():
                 return await edge.metric("logjam_relay_output_backlog_records") == 0
             await _until(drained, "the spool drained")
+            withdrawn += await edge.withdrawn()
             nursery.cancel_scope.cancel()
         assert edge.stop() == 0
     finally:
@@ -149,13 +167,17 @@ async def test_forwarder_like_v1_sender_loses_nothing_across_a_full_spool_and_a_
             edge.proc.kill()
             edge.proc.wait()
     fig = _figures(sender, receiver.got)
+    # the documented bound: one window per relay fault (a window spooled whose ACK the
+    # stop cut off) and per sender timeout that did not withdraw its window (it fired
+    # while the window was being written to the spool)
+    bound = 1 + max(0, sender.timeouts - withdrawn)
     print(f"\nv1 forwarder-like sender, {stop} with the spool full: at the stop {at_stop}; "
-          f"after the restart and drain {fig}")
+          f"after the restart and drain {fig}; windows withdrawn {withdrawn:.0f}, duplicates "
+          f"allowed {bound} windows")
     assert sender.done and len(sender.registry) == LINES
     assert at_stop["registry not in the spool"] == 0, at_stop
     assert fig["lost"] == 0, fig
-    # one window per relay fault: a window spooled whose ACK the stop cut off
-    assert fig["duplicated"] <= WINDOW, fig
+    assert fig["duplicated"] <= bound * WINDOW, fig
     # the sender never took a keep-alive for an ACK: every ACK it got was a real 1A <n>
     assert set(sender.acks) == {b"1A" + WINDOW.to_bytes(4, "big")}, sender.acks
 
@@ -175,12 +197,15 @@ async def test_forwarder_like_v1_sender_that_times_out_and_resends_while_the_spo
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender.run)
 
-            async def resent():
-                return sender.timeouts >= 3 \
-                    and await edge.metric("logjam_relay_spool_paused") == 1
+            async def paused():
+                return await edge.metric("logjam_relay_spool_paused") == 1
+            await _until(paused, "the spool full")
+            t0 = sender.timeouts
+
+            async def resent():             # three timeouts while the spool is full
+                return sender.timeouts >= t0 + 3
             await _until(resent, "three timeouts on a full spool")
             stuck = sender.stats()
-            text = await trio.to_thread.run_sync(scrape, edge.settings.metrics_port)
             await nursery.start(receiver.reader.serve)
             with trio.fail_after(120):
                 while not sender.done:
@@ -189,7 +214,7 @@ async def test_forwarder_like_v1_sender_that_times_out_and_resends_while_the_spo
             async def drained():
                 return await edge.metric("logjam_relay_output_backlog_records") == 0
             await _until(drained, "the spool drained")
-            text = await trio.to_thread.run_sync(scrape, edge.settings.metrics_port)
+            withdrawn = await edge.withdrawn()
             nursery.cancel_scope.cancel()
         assert edge.stop() == 0
     finally:
@@ -197,13 +222,13 @@ async def test_forwarder_like_v1_sender_that_times_out_and_resends_while_the_spo
             edge.proc.kill()
             edge.proc.wait()
     fig = _figures(sender, receiver.got)
-    withdrawn = metric(text, "logjam_relay_input_errors_total", input="lj", reason="withdrawn")
+    bound = max(0, sender.timeouts - withdrawn)    # timeouts that did not withdraw
     print(f"\nv1 forwarder-like sender resending after timeouts: while stuck {stuck}; "
           f"after the drain {fig}, final sender {sender.stats()}, windows withdrawn "
-          f"{withdrawn:.0f}")
+          f"{withdrawn:.0f}, duplicates allowed {bound} windows")
     assert len(sender.registry) == LINES and fig["lost"] == 0, fig
-    assert stuck["timeouts"] >= 3
-    # each timeout closed the connection before the window was spooled: withdrawn
+    # each timeout on the full spool closed the connection before the window was
+    # spooled: withdrawn, not spooled once per attempt (768 duplicates without that)
     assert withdrawn >= 3, withdrawn
-    assert fig["duplicated"] == 0, fig
+    assert fig["duplicated"] <= bound * WINDOW, fig
     assert set(sender.acks) == {b"1A" + WINDOW.to_bytes(4, "big")}, sender.acks
