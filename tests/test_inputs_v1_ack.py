@@ -232,3 +232,56 @@ async def test_forwarder_like_v1_sender_that_times_out_and_resends_while_the_spo
     assert withdrawn >= 3, withdrawn
     assert fig["duplicated"] <= bound * WINDOW, fig
     assert set(sender.acks) == {b"1A" + WINDOW.to_bytes(4, "big")}, sender.acks
+
+
+@pytest.mark.parametrize("version,more", [(1, 0), (2, 0), (2, 70_000)],
+                         ids=["v1", "v2", "v2-read-ahead-full"])
+async def test_a_sender_gone_while_its_window_waits_is_withdrawn(tmp_path, version, more):
+    """A full spool holds a window (v2: with 2A 0 keep-alives every 0.05 s); the sender
+    resets the connection: the window is withdrawn (reason ``withdrawn``; ``io`` when a
+    keep-alive hits the reset first, as when the sender had sent more than the 64 KiB the
+    input reads ahead), never an internal error, and nothing is held."""
+    import json
+    import socket as so
+    import struct
+
+    from logjam_relay.protocols import lumberjack as lj
+    from logjam_relay.protocols import lumberjack_server as ljs
+    from relay_harness import running_relay
+
+    lport = free_port()
+    async with running_relay(
+            tmp_path, inputs=[f"lumberjack://127.0.0.1:{lport}?tls=off&ack_interval=0.05s"
+                              "&name=lj"],
+            outputs=[f"lumberjack://127.0.0.1:{free_port()}?tls=off"],
+            spool_max_bytes="64KiB", spool_segment_bytes="16KiB") as (relay, _):
+        inp = relay.inputs[0]
+        docs = [json.dumps({"message": "x" * 1000, "i": i}).encode() for i in range(10)]
+        window = (ljs.encode_window_v2(docs, level=0) if version == 2 else
+                  lj.encode_window(lj.encode_data_frames(
+                      [{"line": d.decode()} for d in docs]), 10))
+        with trio.fail_after(30):
+            while True:             # windows until one waits for the spool
+                s = await trio.open_tcp_stream("127.0.0.1", lport)
+                await s.send_all(window)
+                got = b""
+                with trio.move_on_after(0.5):
+                    while len(got) < 6:
+                        got += await s.receive_some(6)
+                if got[:6] in (b"", b"2A\0\0\0\0"):      # v1: nothing; v2: keep-alive
+                    break
+                await s.aclose()
+            assert relay.spool.would_block()
+            if more:        # the start of a next window, more than the input reads ahead
+                await s.send_all(b"2W\0\0\0\1" + b"2J\0\0\0\1" + struct.pack(">I", 2 * more)
+                                 + b"x" * more)
+                await trio.sleep(0.3)
+            # reset: SO_LINGER 0
+            s.socket.setsockopt(so.SOL_SOCKET, so.SO_LINGER, struct.pack("ii", 1, 0))
+            await trio.aclose_forcefully(s)
+            while inp.active:
+                await trio.sleep(0.01)
+        errors = dict(inp.errors)
+        assert "internal" not in errors, errors
+        assert errors.get("withdrawn", 0) + errors.get("io", 0) >= 1, errors
+        assert inp.held.used == 0

@@ -246,14 +246,15 @@ class BaseInput:
             return False, False
         spooled = None
         closed = False
-        async with trio.open_nursery() as nursery:
+        failed = None       # a protocol error in what was read ahead (else it would come
+        async with trio.open_nursery() as nursery:      # out of the nursery as a group)
             async def ingest():
                 nonlocal spooled
                 spooled = await relay.ingest_external(acc)
                 nursery.cancel_scope.cancel()
 
             async def watch():
-                nonlocal closed
+                nonlocal closed, failed
                 while conn.buffered < READ_AHEAD:
                     try:
                         data = await stream.receive_some(65536)
@@ -264,14 +265,28 @@ class BaseInput:
                         nursery.cancel_scope.cancel()       # withdraw unless spooling
                         return
                     self.bytes += len(data)
-                    conn.receive_data(data)
+                    try:
+                        conn.receive_data(data)
+                    except self.error_types as e:
+                        failed = e
+                        nursery.cancel_scope.cancel()
+                        return
 
             nursery.start_soon(ingest)
             nursery.start_soon(watch)
             if keepalive is not None:
-                while True:
-                    await trio.sleep(self.spec.ack_interval)
-                    await stream.send_all(keepalive)
+                try:
+                    while True:
+                        await trio.sleep(self.spec.ack_interval)
+                        await stream.send_all(keepalive)
+                except (trio.BrokenResourceError, OSError):
+                    closed = True                           # the sender is gone
+                    nursery.cancel_scope.cancel()
+        if failed is not None:
+            try:
+                raise failed
+            finally:
+                failed = None       # no cycle through this frame
         return spooled, closed
 
     def stats(self) -> dict:
