@@ -42,3 +42,21 @@ def segment_files(path):
 def fill(sp, start, n, batch=10, size=300):
     for k in range(start, start + n, batch):
         sp.append_batch([msg(i, size) for i in range(k, min(k + batch, start + n))])
+
+
+def spooled_records(dirs) -> list[list[bytes]]:
+    """The frames of every logjam record in the spool (and archive) directories ``dirs``,
+    segment by segment (a segment in two directories is read once); a torn tail (a relay
+    that was SIGKILLed) ends its segment."""
+    segs: dict[int, str] = {}
+    for d in dirs:
+        for name in os.listdir(d) if os.path.isdir(d) else ():
+            p = fmt.parse_segment_name(name)
+            if p is not None and (p[0] not in segs or p[1]):
+                segs[p[0]] = os.path.join(d, name)
+    out = []
+    for segno in sorted(segs):
+        for _off, kind, frames in fmt.iter_records(segs[segno], allow_torn_tail=True):
+            if kind == 0:
+                out.append(frames)
+    return out

@@ -22,8 +22,8 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.io import zmq_trio
-from logjam_relay.spool.segment import iter_records, parse_segment_name
 from relay_harness import meta, relay_settings, start_process, stop_process, unmeta
+from spool_helpers import spooled_records
 
 N = 6000
 WINDOW = 100
@@ -44,22 +44,6 @@ def _backlog(text: str) -> float | None:
     vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith("logjam_relay_output_backlog_records{")]
     return sum(vals) if len(vals) == 2 else None
-
-
-def _central_records(dirs) -> list[tuple[int, list[bytes]]]:
-    """(segno, frames) of every logjam record in the central's spool and archive."""
-    segs: dict[int, str] = {}
-    for d in dirs:
-        for name in os.listdir(d) if os.path.isdir(d) else ():
-            p = parse_segment_name(name)
-            if p is not None and (p[0] not in segs or p[1]):
-                segs[p[0]] = os.path.join(d, name)
-    out = []
-    for segno in sorted(segs):
-        for _off, kind, frames in iter_records(segs[segno], allow_torn_tail=True):
-            if kind == 0:
-                out.append(frames)
-    return out
 
 
 @pytest.mark.slow
@@ -156,7 +140,7 @@ def test_chain_sigkill_and_outage_lose_nothing(tmp_path):
     # ---- what reached the central relay, from its spool + archive
     seqs: list[int] = []
     origins: dict[str, list[int]] = {"lj": [], "cr": []}
-    for frames in _central_records([c_spool, c_archive]):
+    for frames in spooled_records([c_spool, c_archive]):
         _t, _c, _v, device, _created, seq = unmeta(frames[3])
         assert device == 2
         seqs.append(seq)

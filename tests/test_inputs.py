@@ -168,7 +168,8 @@ def test_every_parameter_docs_inputs_md_lists_is_accepted(tls_files):
     assert len(names) >= 15, names
     sample = {"tls": "on", "cert": tls_files["server"], "key": tls_files["server"],
               "ca": tls_files["ca"], "name": "in1", "max_window": "100",
-              "max_event_bytes": "1MiB", "max_batch_bytes": "8MiB", "timeout": "5s",
+              "max_event_bytes": "1MiB", "max_batch_bytes": "8MiB", "max_held_bytes": "512MiB",
+              "timeout": "5s",
               "idle_timeout": "60s", "handshake_timeout": "2s", "max_connections": "10",
               "ack_interval": "1s", "app_field": "fields.app", "env_field": "fields.env",
               "default_app": "a", "default_env": "e", "topic_prefix": "t"}

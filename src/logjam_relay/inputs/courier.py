@@ -6,6 +6,7 @@ import trio
 
 from ..protocols.courier import Ping
 from ..protocols.courier_server import CourierError, InputConnection, Payload
+from ..protocols.lumberjack_server import event_cost
 from .base import BaseInput
 from .mapping import json_event
 
@@ -18,7 +19,23 @@ class CourierInput(BaseInput):
         conn = InputConnection(ack_timeout=spec.ack_interval,
                                max_payload_bytes=spec.max_batch_bytes,
                                max_event_bytes=spec.max_event_bytes)
-        name, opts = self.name, spec.mapping
+        charged = [0]           # what this connection's buffers hold of self.held
+        try:
+            await self._serve(conn, stream, peer, charged)
+        finally:
+            self.held.give(charged[0])
+
+    def _charge(self, conn, charged: list) -> None:
+        """Charge the change in what ``conn`` buffers; over max_held_bytes: closed."""
+        n = conn.held_bytes - charged[0]
+        if n > 0 and not self.held.take(n):
+            raise CourierError("input_memory", "the input's connections hold max_held_bytes")
+        if n < 0:
+            self.held.give(-n)
+        charged[0] += n
+
+    async def _serve(self, conn, stream, peer: str, charged: list) -> None:
+        name, opts = self.name, self.spec.mapping
         clock = trio.current_time
         started = None
         while True:
@@ -28,6 +45,7 @@ class CourierInput(BaseInput):
                 out = conn.data_to_send()       # VERS, PONG, ????
                 if out:
                     await stream.send_all(out)
+            self._charge(conn, charged)
             if ev is None:
                 data, started = await self.read_more(stream, conn.busy, started)
                 if not data:
@@ -35,14 +53,41 @@ class CourierInput(BaseInput):
                         raise CourierError("truncated", "connection closed inside a message")
                     return
                 conn.receive_data(data)
+                self._charge(conn, charged)
                 continue
             if type(ev) is Payload:
                 started = None
-                acc = [json_event(raw, name, peer, opts) for raw in ev.events]
-                await self.spool_and_ack(acc, stream, conn.keepalive(ev.nonce),
-                                         lambda ev=ev: conn.ack(ev.nonce, len(ev.events), clock()),
-                                         len(ev.events), "payload")
+                cost = sum(event_cost(len(e)) for e in ev.events)
+                if not self.held.take(cost):
+                    raise CourierError("input_memory",
+                                       "the input's connections hold max_held_bytes")
+                try:
+                    acc = [json_event(raw, name, peer, opts) for raw in ev.events]
+                    if not await self.spool_and_ack(
+                            acc, stream, _Reader(conn, self, charged),
+                            conn.keepalive(ev.nonce),
+                            lambda ev=ev: conn.ack(ev.nonce, len(ev.events), clock()),
+                            len(ev.events), "payload"):
+                        return
+                finally:
+                    acc = None          # noqa: F841 (not held, uncharged, until the next)
+                    self.held.give(cost)
             elif isinstance(ev, Ping):
                 await stream.send_all(conn.pong())
             else:       # Overloaded: cannot happen (one payload at a time); be safe
                 raise CourierError("overloaded", "too many pending payloads")
+
+
+class _Reader:
+    """What :meth:`BaseInput.spool` reads ahead into, charged like every other read."""
+
+    def __init__(self, conn: InputConnection, inp: CourierInput, charged: list):
+        self.conn, self.inp, self.charged = conn, inp, charged
+
+    @property
+    def buffered(self) -> int:
+        return self.conn.reader.buffered
+
+    def receive_data(self, data: bytes) -> None:
+        self.conn.receive_data(data)
+        self.inp._charge(self.conn, self.charged)

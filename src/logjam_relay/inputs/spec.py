@@ -16,6 +16,8 @@ from ..io.net import parse_hostport
 from .mapping import MappingOptions
 
 DEFAULT_PORTS = {"lumberjack": 5044, "courier": 5043}
+#: default max_held_bytes: this, or 4 x max_batch_bytes if that is larger
+DEFAULT_MAX_HELD_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class InputSpec:
     max_window: int = 10_000               # Lumberjack: events per window
     max_event_bytes: int = 10 * 1024 * 1024
     max_batch_bytes: int = 64 * 1024 * 1024   # a window / payload, inflated
+    # what all connections of the input hold at once (docs/inputs.md, "Memory")
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES
     ack_interval: float = 5.0              # keep-alive while a batch waits for the spool
     mapping: MappingOptions = field(default_factory=MappingOptions)
 
@@ -99,6 +103,11 @@ def parse_input(url: str, *, max_event_bytes: int | None = None) -> InputSpec:
                 if not 1024 <= n <= 1024**3:
                     raise ValueError(f"must be between 1KiB and 1GiB, got {v!r}")
                 kw[k] = n
+            elif k == "max_held_bytes":
+                n = size(v)
+                if not 1024**2 <= n <= 1024**4:
+                    raise ValueError(f"must be between 1MiB and 1TiB, got {v!r}")
+                kw[k] = n
             elif k in ("app_field", "env_field", "default_app", "default_env", "topic_prefix"):
                 if not v:
                     raise ValueError("must not be empty")
@@ -116,6 +125,8 @@ def parse_input(url: str, *, max_event_bytes: int | None = None) -> InputSpec:
         kw["max_event_bytes"] = min(max_event_bytes or InputSpec.max_event_bytes,
                                     kw.get("max_batch_bytes", InputSpec.max_batch_bytes))
     kw.setdefault("name", f"{scheme}-{port}")
+    kw.setdefault("max_held_bytes", max(DEFAULT_MAX_HELD_BYTES,
+                                        4 * kw.get("max_batch_bytes", InputSpec.max_batch_bytes)))
     spec = InputSpec(scheme, host=host, port=port, mapping=MappingOptions(**mkw), **kw)
     if spec.tls and not spec.cert:
         raise ValueError(f"input {url!r}: tls is on (the default) but no cert=...; give "
@@ -124,7 +135,20 @@ def parse_input(url: str, *, max_event_bytes: int | None = None) -> InputSpec:
         raise ValueError(f"input {url!r}: cert/key/ca given with tls=off")
     if spec.max_batch_bytes < spec.max_event_bytes:
         raise ValueError(f"input {url!r}: max_batch_bytes must be >= max_event_bytes")
+    need = min_held_bytes(spec)
+    if spec.max_held_bytes < need:
+        raise ValueError(f"input {url!r}: max_held_bytes must be >= {need} bytes "
+                         f"({need / 2**20:.0f} MiB: a window of max_batch_bytes and max_window "
+                         "events holds about 2 x max_batch_bytes + max_window x 512 bytes), "
+                         f"got {spec.max_held_bytes}")
     return spec
+
+
+def min_held_bytes(spec: InputSpec) -> int:
+    """The smallest ``max_held_bytes`` that holds one window of ``max_batch_bytes``
+    (as :func:`logjam_relay.protocols.lumberjack_server.event_cost` charges it)."""
+    from ..protocols.lumberjack_server import event_cost
+    return event_cost(spec.max_batch_bytes) + spec.max_window * event_cost(0)
 
 
 def parse_inputs(urls: list[str], *, max_event_bytes: int | None = None) -> list[InputSpec]:

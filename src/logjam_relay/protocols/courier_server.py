@@ -44,6 +44,13 @@ class InputConnection(ServerConnection):
         r = self.reader
         return bool(r.buffered or r._skip or r._stream is not None)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes received and not yet handed out as a payload: the read buffer, and what
+        a streamed EVNT has inflated so far."""
+        r = self.reader
+        return r.buffered + (r._stream[3] if r._stream is not None else 0)
+
     def next_event(self, now: float):
         ev = super().next_event(now)
         if type(ev) is Payload:

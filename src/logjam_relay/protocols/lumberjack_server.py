@@ -11,8 +11,9 @@ A window is handed over as one :class:`WindowReceived` only when all its events 
 (all-or-nothing, as go-lumber); the application acknowledges it with :meth:`ack` *after*
 it has made the events durable.  The ACK value is the event count, which equals the last
 sequence number for every known writer (they restart at 1 per window) and is what
-go-lumber sends.  :meth:`keepalive` gives ``2A 0`` (Logstash's Java input does the same,
-also on v1 connections) for a window whose processing takes long.
+go-lumber sends.  :meth:`keepalive` gives ``2A 0`` for a v2 window whose processing takes
+long, and nothing for a v1 window (as go-lumber's v1 server; Logstash's Java input sends
+``2A 0`` on v1 connections too, which logstash-forwarder takes for the ACK of its window).
 
 Bounds (bad input never costs more than these):
 
@@ -21,6 +22,17 @@ Bounds (bad input never costs more than these):
 * ``max_window_bytes`` per window: the frames of one window, compressed and inflated
   (a ``C`` frame is inflated at most up to what is left of this budget, so a
   decompression bomb ends with ``inflate_too_large`` after ``max_window_bytes``).
+
+and, with a ``budget`` shared by the connections of an input, what they hold together: the
+bytes received and not yet parsed, and the events of their windows, each costed as
+:func:`event_cost` (twice its frame bytes plus :data:`EVENT_COST` plus :data:`PAIR_COST`
+per v1 key/value pair: the decoded event and the message the input maps it to, both alive
+until the window is spooled, measured with tracemalloc).  A ``C`` frame is inflated at most
+to what is left of the budget; a connection that would take the input over it ends with
+``input_memory`` (the sender resends the window later).  The events of a complete window
+stay charged (:attr:`WindowReceived.charged`) until the application gives them back with
+``budget.give`` once the window is acknowledged or dropped; :meth:`ServerConnection.release`
+gives back the rest when the connection ends (a protocol error does it at once).
 
 Every protocol error raises :class:`~logjam_relay.protocols.lumberjack.LumberjackError`
 with a short ``reason`` (a metric label); the connection is then dead and the I/O layer
@@ -39,7 +51,8 @@ from .lumberjack import MAX_WINDOW, NEED_DATA, ConnectionClosed, LumberjackError
 
 __all__ = ["ServerConnection", "WindowReceived", "NEED_DATA", "ConnectionClosed",
            "LumberjackError", "MAX_WINDOW", "DEFAULT_MAX_EVENT_BYTES",
-           "DEFAULT_MAX_WINDOW_BYTES", "encode_json_frame", "encode_window_v2"]
+           "DEFAULT_MAX_WINDOW_BYTES", "EVENT_COST", "PAIR_COST", "event_cost",
+           "encode_json_frame", "encode_window_v2"]
 
 DEFAULT_MAX_EVENT_BYTES = 10 * 1024 * 1024
 DEFAULT_MAX_WINDOW_BYTES = 64 * 1024 * 1024
@@ -52,6 +65,35 @@ _u32x2 = _U32x2.unpack_from
 V1, V2 = 0x31, 0x32
 T_WINDOW, T_DATA, T_JSON, T_COMPRESSED = 0x57, 0x44, 0x4A, 0x43
 _MAX_NESTING = 3
+_MAX_KEYS = 256            # distinct v1 key names a connection shares among its events
+
+#: what an event costs in memory beyond twice its frame bytes (the decoded event and the
+#: message it is mapped to), and per v1 key/value pair (a str and a dict slot; the key's
+#: str is shared when the name was seen before, see _MAX_KEYS): tracemalloc of windows of
+#: 10,000 events: 1 tiny pair 474 bytes an event (charged 630), 300 tiny pairs with
+#: names never seen before 28,277 (charged 35,162), 200-byte forwarder lines 1,103
+#: (charged 1,392), 2-byte JSON documents 316 (charged 536)
+EVENT_COST = 512
+PAIR_COST = 80
+
+
+def event_cost(frame_bytes: int, pairs: int = 0) -> int:
+    """The memory charged for one event of ``frame_bytes`` (with ``pairs`` v1 pairs)."""
+    return 2 * frame_bytes + EVENT_COST + PAIR_COST * pairs
+
+
+class _Unbounded:
+    """The budget of a connection that shares none."""
+
+    available = 1 << 62
+
+    @staticmethod
+    def take(n: int) -> bool:
+        return True
+
+    @staticmethod
+    def give(n: int) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +105,7 @@ class WindowReceived:
     count: int
     nbytes: int          # frame bytes of the window (inflated)
     dropped: int = 0     # events of a C frame beyond the announced window (discarded)
+    charged: int = 0     # what its events hold of the budget (give it back when done)
 
 
 class ServerConnection:
@@ -70,15 +113,21 @@ class ServerConnection:
 
     def __init__(self, *, max_window: int = MAX_WINDOW,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
-                 max_window_bytes: int = DEFAULT_MAX_WINDOW_BYTES):
+                 max_window_bytes: int = DEFAULT_MAX_WINDOW_BYTES, budget=None):
+        """``budget``: shared by the connections of an input (``available``,
+        ``take(n) -> bool``, ``give(n)``); None: unbounded."""
         self.max_window = max_window
+        self.budget = budget if budget is not None else _Unbounded()
+        self._charged_buf = 0     # len(_buf) as charged
+        self._charged = 0         # the events of the current window
+        self._keys: dict[bytes, str] = {}   # v1 keys decoded once: one str per name
         self.max_event_bytes = max_event_bytes
         self.max_window_bytes = max_window_bytes
         self._buf = bytearray()
         self._pos = 0
         self._eof = False
         self._closed = False
-        self._error: LumberjackError | None = None
+        self._error: tuple[str, str] | None = None     # (reason, message), no traceback
         self.version = 0          # of the current window
         self._want = 0            # events announced by the current W (0 = between windows)
         self._events: list = []
@@ -114,26 +163,65 @@ class ServerConnection:
                 del self._buf[:self._pos]
                 self._pos = 0
         self._buf += data
+        try:
+            self._charge_buffer()
+        except LumberjackError as e:
+            self._fail(e.reason, str(e))
+            raise LumberjackError(*self._error) from None
 
     def next_event(self):
         """:class:`WindowReceived`, :data:`NEED_DATA` or :class:`ConnectionClosed`."""
         if self._error is not None:
-            raise self._error
+            raise LumberjackError(*self._error)
+        err = None
         try:
             ev = self._parse()
         except LumberjackError as e:
-            self._error = e
-            raise
+            err = (e.reason, str(e))
+        if err is not None:
+            # raised here, outside the except block, a fresh error holds no traceback of
+            # the parse (whose frames hold the inflated data and this connection): a
+            # stored exception with one made a reference cycle that kept every failed
+            # connection's buffers until a full garbage collection (the relay runs those
+            # rarely: stamping.tune_gc), 60 MiB a decompression bomb
+            self._fail(*err)
+            raise LumberjackError(*err)
         if ev is NEED_DATA and self._eof:
             if self.buffered or self._want:
-                self._error = LumberjackError(
-                    "truncated", "end of stream inside a frame or window "
-                    f"({len(self._events)} of {self._want} events, {self.buffered} bytes)")
-                raise self._error
+                self._fail("truncated", "end of stream inside a frame or window "
+                           f"({len(self._events)} of {self._want} events, {self.buffered} "
+                           "bytes)")
+                raise LumberjackError(*self._error)
             if not self._closed:
                 self._closed = True
                 return ConnectionClosed()
         return ev
+
+    def release(self) -> None:
+        """Give back what this connection holds of the budget and drop its buffers (the
+        connection is over; a window already handed out keeps its own ``charged``)."""
+        self.budget.give(self._charged_buf + self._charged)
+        self._charged_buf = self._charged = 0
+        self._buf = bytearray()
+        self._pos = 0
+        self._events = []
+
+    def _fail(self, reason: str, message: str) -> None:
+        self._error = (reason, message)
+        self.release()
+
+    def _charge_buffer(self) -> None:
+        n = len(self._buf) - self._charged_buf
+        if n > 0 and not self.budget.take(n):
+            raise LumberjackError("input_memory", "the input's connections hold max_held_bytes")
+        if n < 0:
+            self.budget.give(-n)
+        self._charged_buf += n
+
+    def _charge(self, n: int) -> None:
+        if not self.budget.take(n):
+            raise LumberjackError("input_memory", "the input's connections hold max_held_bytes")
+        self._charged += n
 
     # -- output -----------------------------------------------------------------
 
@@ -141,9 +229,13 @@ class ServerConnection:
         """The ACK for a window of ``count`` events, in the window's protocol version."""
         return encode_ack(count, 2 if self.version == 2 else 1)
 
-    @staticmethod
-    def keepalive() -> bytes:
-        return encode_ack(0, 2)
+    def keepalive(self) -> bytes | None:
+        """The keep-alive for the current window while it waits: ``2A 0`` on v2, None on v1.
+
+        v1 has none (go-lumber's v1 server sends nothing while it waits): logstash-forwarder
+        takes any 6 bytes for the ACK of its whole window, so a ``2A 0`` would make it
+        forget events that are not durable yet."""
+        return encode_ack(0, 2) if self.version == 2 else None
 
     # -- parsing ----------------------------------------------------------------
 
@@ -169,8 +261,9 @@ class ServerConnection:
                                               f"compressed frame of {n} bytes")
                     if avail < 6 + n:
                         return NEED_DATA
-                    buf[pos:pos + 6 + n] = self._inflate_raw(bytes(buf[pos + 6:pos + 6 + n]),
+                    buf[pos:pos + 6 + n] = self._inflate_raw(buf, pos + 6, n,
                                                              self.max_window_bytes)
+                    self._charge_buffer()
                     continue
                 if typ != T_WINDOW:
                     raise LumberjackError("expected_window",
@@ -198,16 +291,16 @@ class ServerConnection:
                     self._add_bytes(6 + n)          # raises window_bytes_exceeded
                 if avail < 6 + n:
                     return NEED_DATA
-                payload = bytes(buf[pos + 6:pos + 6 + n])
-                self._pos = pos + 6 + n
                 self._wbytes += 6 + n
-                self._inflate(payload, 1)
+                self._inflate(buf, pos + 6, n, 1)
+                self._pos = pos + 6 + n
             elif typ == T_DATA or typ == T_JSON:
                 r = self._frame(buf, pos, len(buf), ver, typ)
                 if r is None:
                     return NEED_DATA
                 ev, end = r
                 self._add_bytes(end - pos)
+                self._charge(event_cost(end - pos, len(ev) if typ == T_DATA else 0))
                 self._pos = end
                 self._events.append(ev)
             elif typ == T_WINDOW:
@@ -224,7 +317,9 @@ class ServerConnection:
         if len(events) > self._want:
             self._dropped += len(events) - self._want
             del events[self._want:]
-        w = WindowReceived(self.version, events, len(events), self._wbytes, self._dropped)
+        w = WindowReceived(self.version, events, len(events), self._wbytes, self._dropped,
+                           self._charged)
+        self._charged = 0
         self._want = 0
         self._events = []
         self.windows += 1
@@ -258,6 +353,7 @@ class ServerConnection:
         _seq, npairs = _u32x2(buf, pos + 2)
         p = pos + 10
         limit = self.max_event_bytes
+        keys = self._keys
         fields: dict[str, str] = {}
         for _ in range(npairs):
             if end - p < 4:
@@ -268,7 +364,12 @@ class ServerConnection:
             p += 4
             if end - p < klen + 4:
                 return self._incomplete(p - pos + klen)
-            k = buf[p:p + klen].decode("utf-8", "surrogateescape")
+            kb = bytes(buf[p:p + klen])
+            k = keys.get(kb)
+            if k is None:
+                k = kb.decode("utf-8", "surrogateescape")
+                if len(keys) < _MAX_KEYS:
+                    keys[kb] = k
             p += klen
             (vlen,) = _u32(buf, p)
             p += 4
@@ -285,24 +386,38 @@ class ServerConnection:
             raise LumberjackError("event_too_large", f"data frame > {self.max_event_bytes} bytes")
         return None
 
-    def _inflate_raw(self, payload: bytes, budget: int) -> bytes:
-        """Inflate with :func:`logjam_relay.limits.inflate_bounded` (never past ``budget``)."""
-        if not payload:
+    def _inflate_raw(self, buf, start: int, n: int, limit: int) -> bytes:
+        """Inflate ``buf[start:start + n]`` with :func:`logjam_relay.limits.inflate_bounded`:
+        never past ``limit`` nor past what is left of the budget (``input_memory``)."""
+        if not n:
             raise LumberjackError("zlib_error", "empty compressed frame")
-        try:
-            return inflate_bounded("zlib", payload, budget)
-        except EventTooLarge:
-            raise LumberjackError("inflate_too_large",
-                                  f"compressed frame inflates beyond the window budget "
-                                  f"({self.max_window_bytes} bytes)") from None
-        except BadBody as e:
-            raise LumberjackError("zlib_error", str(e)) from None
+        room = self.budget.available
+        err = None
+        with memoryview(buf) as mv, mv[start:start + n] as payload:
+            try:
+                return inflate_bounded("zlib", payload, min(limit, max(room, 0)))
+            except EventTooLarge:
+                err = (("input_memory", "the input's connections hold max_held_bytes")
+                       if room < limit else
+                       ("inflate_too_large", "compressed frame inflates beyond the window "
+                        f"budget ({self.max_window_bytes} bytes)"))
+            except BadBody as e:
+                err = ("zlib_error", str(e))
+        raise LumberjackError(*err)     # outside the except: no reference to the output
 
-    def _inflate(self, payload: bytes, depth: int) -> None:
+    def _inflate(self, src, start: int, n: int, depth: int) -> None:
         if depth > _MAX_NESTING:
             raise LumberjackError("nesting", "compressed frames nested too deeply")
-        data = self._inflate_raw(payload, self.max_window_bytes - self._wbytes)
+        data = self._inflate_raw(src, start, n, self.max_window_bytes - self._wbytes)
         self._add_bytes(len(data))
+        self._charge(len(data))         # while it is parsed
+        try:
+            self._parse_inflated(data, depth)
+        finally:
+            self._charged -= len(data)
+            self.budget.give(len(data))
+
+    def _parse_inflated(self, data: bytes, depth: int) -> None:
         pos, end = 0, len(data)
         while pos < end:
             if end - pos < 2:
@@ -316,7 +431,7 @@ class ServerConnection:
                 (n,) = _u32(data, pos + 2)
                 if end - pos - 6 < n:
                     raise LumberjackError("truncated", "partial frame inside compressed frame")
-                self._inflate(data[pos + 6:pos + 6 + n], depth + 1)
+                self._inflate(data, pos + 6, n, depth + 1)
                 pos += 6 + n
                 continue
             if typ != T_DATA and typ != T_JSON:
@@ -326,7 +441,9 @@ class ServerConnection:
             r = self._frame(data, pos, end, ver, typ)
             if r is None:
                 raise LumberjackError("truncated", "partial frame inside compressed frame")
-            ev, pos = r
+            ev, nxt = r
+            self._charge(event_cost(nxt - pos, len(ev) if typ == T_DATA else 0))
+            pos = nxt
             self._events.append(ev)
 
 

@@ -60,12 +60,13 @@ class Ceiling:
     output_workers: int
     connections: int
     slack: int
+    inputs: int = 0
 
     @property
     def total(self) -> int:
         return (self.baseline + self.ingress_queues + self.ingest_batches + self.pub_queue
                 + self.output_windows + self.subscriptions + self.output_workers
-                + self.connections + self.slack)
+                + self.connections + self.slack + self.inputs)
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / MiB:.0f}" for k, v in self.__dict__.items())
@@ -108,6 +109,29 @@ def output_window_bytes(settings: Settings) -> int:
             events = cfg.payload_size * cfg.max_pending
         total += 2 * events * settings.max_event_bytes + 2 * SegmentTail.CHUNK
     return total
+
+
+#: what an input connection holds outside max_held_bytes: its objects (measured 7 KiB
+#: plain, 27 KiB with TLS), a read in flight and TLS's incoming buffer (64 KiB each)
+CONNECTION_BYTES = 160 * 1024
+#: json.loads of one event (the input's mapping) at its worst: 27x its size for
+#: ``[{},{},...]`` (tracemalloc)
+JSON_EXPANSION = 32
+
+
+def input_bytes(settings: Settings) -> int:
+    """What the Lumberjack/Courier inputs may hold (docs/inputs.md, "Memory"): per input,
+    ``max_held_bytes`` shared by its connections plus ``max_connections`` x
+    :data:`CONNECTION_BYTES`; and once, for the one batch being decoded at a time (the
+    event loop decodes one after the other), 3 x ``max_batch_bytes`` (an inflate's
+    blocks, its output and the events decoded from it, before they are charged) and
+    :data:`JSON_EXPANSION` x ``max_event_bytes`` (one event parsed to be mapped)."""
+    from ..inputs import parse_inputs
+    specs = parse_inputs(settings.inputs, max_event_bytes=settings.max_event_bytes)
+    if not specs:
+        return 0
+    return (sum(s.max_held_bytes + s.max_connections * CONNECTION_BYTES for s in specs)
+            + max(3 * s.max_batch_bytes + JSON_EXPANSION * s.max_event_bytes for s in specs))
 
 
 def output_workers(settings: Settings) -> int:
@@ -158,6 +182,9 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int | None = None
                       + SUBSCRIPTION_OVERSHOOT_BYTES) * TRIE_BYTES_PER_TOPIC_BYTE
     workers = output_workers(s) * worker_baseline
     conns = (input_peers + subscriber_peers) * CONNECTION_BYTES
-    subtotal = baseline + ingress + batches + pub + outputs + subs + workers + conns
+    inputs_held = input_bytes(s)
+    subtotal = baseline + ingress + batches + pub + outputs + subs + workers + conns \
+        + inputs_held
     slack = int(subtotal * SLACK_FRACTION) + SLACK_BYTES
-    return Ceiling(baseline, ingress, batches, pub, outputs, subs, workers, conns, slack)
+    return Ceiling(baseline, ingress, batches, pub, outputs, subs, workers, conns, slack,
+                   inputs=inputs_held)
