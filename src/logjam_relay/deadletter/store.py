@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..fdreserve import RESERVE as _FDS
 from ..spool import segment as seg
 
 log = logging.getLogger("logjam_relay.deadletter")
@@ -175,7 +176,9 @@ class DeadLetterStore:
         no = self._next_no
         self._next_no += 1
         path = self.directory / seg.segment_name(no, sealed=False)
-        fh = open(path, "xb")
+        # from the fd reserve when the relay is out of descriptors (fdreserve.py)
+        fh = os.fdopen(_FDS.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                 0o644), "wb")
         fh.write(seg.encode_header(no, int(time.time() * 1000), 0))
         fh.flush()
         self._fh = fh

@@ -65,6 +65,7 @@ class Relay:
         self.outputs: list = []                 # output supervisors (stats())
         self.inputs: list = []                  # Lumberjack/Courier inputs (inputs/)
         self.curve = None                       # io.curve.Curve when CURVE is on
+        self.fd_guard = None                    # io.fdguard.FdGuard (service.build)
         self.spool_write_failures = 0
         self.spool_blocked_seconds = 0.0
         self._outputs_scope: trio.CancelScope | None = None
