@@ -207,12 +207,14 @@ class FdReserve:
             lst.detach()
         return conn.detach()
 
-    def refuse(self, listener_fd: int) -> bool:
+    def refuse(self, listener_fd: int, keep: int = 0) -> bool:
         """Take one pending connection off ``listener_fd`` and close it (the peer sees the
         connection closed at once instead of waiting); the number goes back to the
-        reserve.  False when there was none (or no slot)."""
+        reserve.  False when there was none, or when only ``keep`` slots are left (another
+        thread may take the slot's number between close and accept: the spool's files come
+        first)."""
         with self._lock:
-            if not self._slots or self._null is None:
+            if len(self._slots) <= keep or self._null is None:
                 return False
             os.close(self._slots.pop())
             try:
@@ -228,11 +230,12 @@ class FdReserve:
             self.refused += 1
             return True
 
-    def accept(self, listener_fd: int) -> socket.socket | None:
+    def accept(self, listener_fd: int, keep: int = 0) -> socket.socket | None:
         """Take one pending connection off ``listener_fd`` into a slot; None when there
-        was none (or no slot).  Close what it returns with :meth:`close_socket`."""
+        was none, or when only ``keep`` slots are left.  Close what it returns with
+        :meth:`close_socket`."""
         with self._lock:
-            if not self._slots:
+            if len(self._slots) <= keep:
                 return None
             os.close(self._slots.pop())
             try:

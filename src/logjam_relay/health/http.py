@@ -210,15 +210,16 @@ class HTTPServer:
         through), or close it at once (counted in ``out_of_fds``).  None: nothing to take."""
         fd = listener.socket.fileno()
         try:
+            keep = RESERVE.size // 2            # the spool's files come first
             if self._on_reserve < RESERVE_CONNECTIONS:
-                sock = RESERVE.accept(fd)
+                sock = RESERVE.accept(fd, keep)
                 if sock is not None:
                     self._on_reserve += 1
                     self.reserve_served += 1
                     return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
             elif self._evict_one(reserved=True):
                 return None             # its descriptor is back soon: the next try takes it
-            elif RESERVE.refuse(fd):
+            elif RESERVE.refuse(fd, keep):
                 self.out_of_fds += 1
                 rlog.warning("http_out_of_fds", "metrics endpoint: out of file descriptors: "
                              "closed a new connection at once (%d so far)", self.out_of_fds)

@@ -22,7 +22,8 @@ lost.  While fewer than ``band`` are free:
   socket filter that drops every incoming packet is attached to each (``SO_ATTACH_FILTER``;
   connections made before keep working), so new connection attempts go unanswered (the
   peers retry), and the connections already waiting in their accept queues are taken and
-  closed through the fd reserve (counted as ``accept``).  libzmq then has nothing left to
+  closed through the fd reserve (counted as ``accept``; never below half the reserve, and
+  only while libzmq does not take the numbers first).  libzmq then has nothing left to
   accept and stops spinning.  The filters come off once ``2 x band`` descriptors are free.
 
 Each step is reported in a rate-limited log line.  Peers that did send their greeting are
@@ -304,15 +305,19 @@ class FdGuard:
     async def _drain(self, ports) -> Counter[str]:
         """Close the connections waiting in the paused listeners' accept queues."""
         refused: Counter[str] = Counter()
+        keep = self.reserve.size // 2
         for fd, port in list(self._paused.items()):
             name = ports.get(port, str(port))
             for i in range(4096):
+                lost = self.reserve.lost
                 try:
-                    if not self.reserve.refuse(fd):
+                    if not self.reserve.refuse(fd, keep):
                         break
                 except OSError:
                     break
                 refused[name] += 1
+                if self.reserve.lost != lost:
+                    break       # libzmq still accepting (spinning): leave the rest to it
                 if i % 64 == 63:
                     await trio.lowlevel.checkpoint()
         self.refused.update(refused)

@@ -578,7 +578,7 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
             for r in self.readers.values():
                 r.close()
             if self._fd is not None:
-                os.close(self._fd)
+                _FDS.close(self._fd)
                 self._fd = None
             self._release_lock()
 
