@@ -181,7 +181,8 @@ class RelayCollector:
         res = st["reserve"]
         dl = [d]
         yield _one(_gauge, "logjam_relay_open_fds", "file descriptors open (at the fd "
-                   "guard's last look, every 0.5 s)", dl, st["open"])
+                   "guard's last count: every 0.5 s near the limit, every 5 s below)", dl,
+                   st["open"])
         yield _one(_gauge, "logjam_relay_max_fds", "the soft RLIMIT_NOFILE", dl, st["limit"])
         yield _one(_gauge, "logjam_relay_fd_reserve", "descriptors held in reserve for the "
                    "relay's own files", dl, res["held"])

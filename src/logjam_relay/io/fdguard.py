@@ -7,10 +7,11 @@ is freed, before the relay can.  The relay's own files are covered by the fd res
 (:mod:`logjam_relay.fdreserve`); this guard gives numbers back and keeps libzmq from
 taking them.
 
-Every ``period`` seconds (:meth:`FdGuard.run`) it counts the open descriptors
-(``/proc/self/fd``, in a worker thread; a count that fails with ``EMFILE`` means all of
-them) against the soft ``RLIMIT_NOFILE`` and takes back slots of the reserve that were
-lost.  While fewer than ``band`` are free:
+Every ``period`` seconds (:meth:`FdGuard.run`) it takes back slots of the reserve that were
+lost and counts the open descriptors (``/proc/self/fd``, in a worker thread; a count that
+fails with ``EMFILE`` means all of them) against the soft ``RLIMIT_NOFILE`` -- every 10th
+look only while the descriptor table (``FDSize``) ends below the top ``band`` numbers, which
+are then all free.  While fewer than ``band`` are free:
 
 * every TCP connection on a ZeroMQ port (``ports()``: port -> socket name) that has not
   received a single byte in ``silent_after`` seconds is disconnected (``shutdown`` and a
@@ -109,6 +110,19 @@ _abort = _tcp_abort()
 def soft_limit() -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def table_size() -> int | None:
+    """The size of the process's descriptor table (``FDSize``: above the highest open
+    descriptor; it never shrinks), or None."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"FDSize:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def open_fds() -> list[int] | None:
@@ -213,7 +227,8 @@ class FdGuard:
         self._paused: dict[int, int] = {}       # listener fd -> port, filter attached
         # figures (exported as metrics)
         self.limit = soft_limit()
-        self.open = 0                  # descriptors open at the last look
+        self.open = 0                  # descriptors open at the last count
+        self._looks = 0
         self.short = 0                 # looks that found fewer than band free
         self.pauses = 0                # times the ZeroMQ listeners were paused
         self.dropped: Counter[str] = Counter()     # socket name -> silent connections dropped
@@ -255,6 +270,13 @@ class FdGuard:
         """One look (see the module's doc)."""
         self.reserve.refill()
         if not self.enabled:
+            return
+        self._looks += 1
+        # listing /proc/self/fd costs ~3 us a descriptor: while the table is below the top
+        # band every number there is free, so it is counted only every 10th look
+        size = table_size()
+        if size is not None and size <= soft_limit() - self.band and not self._paused \
+                and self._looks % 10:
             return
         free, fds = await self._free()
         ports = self.ports()
