@@ -7,9 +7,10 @@ dead-letter store and a listening socket, then takes every free descriptor.  Wit
 left it: appends across many segment rolls (new segment, directory sync, state file),
 fdatasyncs off the loop (``sync_async``: a duplicate), compacts a cursor log, rewrites
 the sequence state, writes a dead letter in a new file, syncs an archive directory, and
-closes two pending connections at accept.  Asserted: all of it worked, the reserve is full
-again afterwards (every number went back with ``dup2``), and the same run without a
-reserve fails with ``EMFILE`` (so the test can fail).
+closes two pending connections at accept; an inline Courier and Lumberjack output whose
+connects fail for want of a descriptor back off (no crash).  Asserted: all of it worked,
+the reserve is full again afterwards (every number went back with ``dup2``), and the same
+run without a reserve fails with ``EMFILE`` (so the test can fail).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ CHILD = textwrap.dedent("""
     from logjam_relay.relay.sequence import SequenceState
     from logjam_relay.deadletter import DeadLetterStore
     from logjam_relay.outputs import archive
+    from logjam_relay.outputs.courier import CourierOutput
+    from logjam_relay.outputs.courier import parse_url as co_url
+    from logjam_relay.outputs.lumberjack import LumberjackOutput
+    from logjam_relay.outputs.lumberjack import parse_url as lj_url
     from pathlib import Path
     from spool_helpers import fill, open_spool
 
@@ -113,6 +118,20 @@ CHILD = textwrap.dedent("""
             n = sum(RESERVE.refuse(lst.fileno()) for _ in range(2))
             assert n == 2, n
         await step("refuse at accept", refuse)
+
+        async def connects():
+            # inline outputs: a connect with no descriptor free fails and backs off
+            port = lst.getsockname()[1]
+            outs = [CourierOutput(co_url(f"courier://127.0.0.1:{port}?tls=off&backoff=0.05"
+                                         "&backoff_max=0.1&name=a"), sp.reader("a")),
+                    LumberjackOutput(sp.reader("a"), lj_url(
+                        f"lumberjack://127.0.0.1:{port}?tls=off&backoff_min=0.05"
+                        "&backoff_max=0.1&name=a"))]
+            for o in outs:
+                with trio.move_on_after(1):
+                    await o.run()
+                assert o.connect_failures >= 2 and o.connections == 0, o.stats()
+        await step("output connects back off", connects)
         sp.close()
         dl.close()
         out["reserve"] = RESERVE.stats()
