@@ -10,7 +10,9 @@ it:
 
 * :meth:`FdReserve.open` tries ``os.open``; on ``EMFILE``/``ENFILE`` it closes one reserve
   slot and opens again.  Another thread (libzmq's accepting one) may take the freed number
-  in between: the slot is then lost (``lost``) and the next one is tried.
+  in between: the slot is then lost (``lost``) and the next one is tried.  The numbers it
+  gave up are listed by :meth:`FdReserve.given_up`: the fd guard drops the connection
+  libzmq accepted into one, so that the number comes back (``io/fdguard.py``).
 * :meth:`FdReserve.dup` needs no free number at all: on ``EMFILE`` it ``dup2``'s the fd onto
   a slot (atomic: the slot's ``/dev/null`` is replaced by the duplicate).
 * :meth:`FdReserve.close` gives the number back: while the reserve is short of ``size`` it
@@ -50,6 +52,7 @@ class FdReserve:
         self._lock = threading.Lock()
         self._null: int | None = None   # /dev/null: what the slots are dup2'd from
         self._slots: list[int] = []
+        self._given: set[int] = set()  # numbers closed and not taken back (see given_up)
         self.size = 0
         # counters
         self.used = 0           # opens, dups and accepts served from a slot
@@ -73,9 +76,11 @@ class FdReserve:
         with self._lock:
             while self._null is not None and len(self._slots) < self.size:
                 try:
-                    self._slots.append(os.dup(self._null))
+                    fd = os.dup(self._null)
                 except OSError:
                     break
+                self._slots.append(fd)
+                self._given.discard(fd)
                 self.refilled += 1
             return len(self._slots)
 
@@ -94,6 +99,21 @@ class FdReserve:
     def held(self) -> int:
         return len(self._slots)
 
+    def given_up(self) -> list[int]:
+        """Numbers the reserve closed and did not get back (another thread may hold them
+        now: the fd guard looks at them); :meth:`forget` one once it is accounted for."""
+        with self._lock:
+            return sorted(self._given)
+
+    def forget(self, fd: int) -> None:
+        with self._lock:
+            self._given.discard(fd)
+
+    def keep(self, share: float) -> int:
+        """Slots a lesser use (refusing a connection, serving a scrape) leaves for the
+        spool's files: ``share`` of the reserve."""
+        return int(self.size * share)
+
     def stats(self) -> dict:
         return {"size": self.size, "held": len(self._slots), "used": self.used,
                 "lost": self.lost, "refused": self.refused, "refilled": self.refilled,
@@ -111,15 +131,18 @@ class FdReserve:
         path = os.fsencode(path)        # nothing left to do between close and open
         with self._lock:
             while self._slots:
-                os.close(self._slots.pop())
+                slot = self._slots.pop()
+                os.close(slot)
                 try:
                     fd = os.open(path, flags, mode, dir_fd=dir_fd)
                 except OSError as e:
                     if e.errno not in OUT_OF_FDS:
-                        self._take_back()
+                        self._take_back(slot)
                         raise
                     self.lost += 1      # another thread took the number
+                    self._given.add(slot)
                     continue
+                self._given.discard(fd)
                 self.used += 1
                 return fd
             self.exhausted += 1
@@ -149,6 +172,7 @@ class FdReserve:
     def close(self, fd: int) -> None:
         """Close ``fd``; while the reserve is short its number becomes a slot again."""
         with self._lock:
+            self._given.discard(fd)
             if self._null is not None and len(self._slots) < self.size and fd != self._null:
                 try:
                     os.dup2(self._null, fd, inheritable=False)
@@ -178,7 +202,9 @@ class FdReserve:
         with self._lock:
             freed = 0
             while self._slots and freed < n:
-                os.close(self._slots.pop())
+                slot = self._slots.pop()
+                os.close(slot)
+                self._given.add(slot)       # the block's, or taken by another thread
                 freed += 1
         try:
             yield freed
@@ -187,8 +213,8 @@ class FdReserve:
                 self.refill()
 
     # ---------------------------------------------------------------- accepting
-    def _accept_one(self, listener_fd: int) -> int | None:
-        """With the lock held and a slot closed: accept one pending connection."""
+    def _accept_one(self, listener_fd: int, slot: int) -> int | None:
+        """With the lock held and ``slot`` closed: accept one pending connection."""
         if os.get_blocking(listener_fd):
             # libzmq leaves its listening sockets blocking; its accept copes with EAGAIN
             os.set_blocking(listener_fd, False)
@@ -200,6 +226,7 @@ class FdReserve:
         except OSError as e:
             if e.errno in OUT_OF_FDS:
                 self.lost += 1
+                self._given.add(slot)
             elif e.errno not in (errno.ECONNABORTED, errno.EPROTO):
                 raise
             return None
@@ -216,14 +243,15 @@ class FdReserve:
         with self._lock:
             if len(self._slots) <= keep or self._null is None:
                 return False
-            os.close(self._slots.pop())
+            slot = self._slots.pop()
+            os.close(slot)
             try:
-                conn = self._accept_one(listener_fd)
+                conn = self._accept_one(listener_fd, slot)
             except OSError:
-                self._take_back()
+                self._take_back(slot)
                 raise
             if conn is None:
-                self._take_back()
+                self._take_back(slot)
                 return False
             os.dup2(self._null, conn, inheritable=False)    # closes it; a slot again
             self._slots.append(conn)
@@ -237,24 +265,30 @@ class FdReserve:
         with self._lock:
             if len(self._slots) <= keep:
                 return None
-            os.close(self._slots.pop())
+            slot = self._slots.pop()
+            os.close(slot)
             try:
-                conn = self._accept_one(listener_fd)
+                conn = self._accept_one(listener_fd, slot)
             except OSError:
-                self._take_back()
+                self._take_back(slot)
                 raise
             if conn is None:
-                self._take_back()
+                self._take_back(slot)
                 return None
             self.used += 1
             return socket.socket(fileno=conn)
 
-    def _take_back(self) -> None:
-        """A closed slot was not used: take its number again (if still free)."""
+    def _take_back(self, slot: int) -> None:
+        """A closed slot was not used: take a number again (if one is free)."""
         try:
-            self._slots.append(os.dup(self._null))
+            fd = os.dup(self._null)
         except OSError:
-            self.lost += 1
+            if slot not in self._given:
+                self.lost += 1
+                self._given.add(slot)
+            return
+        self._slots.append(fd)
+        self._given.discard(fd)
 
 
 #: the process's reserve (filled by the relay at start-up)

@@ -210,7 +210,7 @@ class HTTPServer:
         through), or close it at once (counted in ``out_of_fds``).  None: nothing to take."""
         fd = listener.socket.fileno()
         try:
-            keep = RESERVE.size // 2            # the spool's files come first
+            keep = RESERVE.keep(0.25)           # the spool's files come first
             if self._on_reserve < RESERVE_CONNECTIONS:
                 sock = RESERVE.accept(fd, keep)
                 if sock is not None:

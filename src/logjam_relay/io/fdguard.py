@@ -23,10 +23,13 @@ are then all free.  While fewer than ``band`` are free:
   socket filter that drops every incoming packet is attached to each (``SO_ATTACH_FILTER``;
   connections made before keep working), so new connection attempts go unanswered (the
   peers retry), and the connections already waiting in their accept queues are taken and
-  closed through the fd reserve (counted as ``accept``; never below half the reserve, and
-  only while libzmq does not take the numbers first).  libzmq then has nothing left to
+  closed through the fd reserve (counted as ``accept``; never below three quarters of the
+  reserve, and only while libzmq does not take the numbers first).  libzmq then has nothing left to
   accept and stops spinning.  The filters come off once ``2 x band`` descriptors are free.
 
+Each look first takes back the numbers the reserve lost to libzmq (its accept was quicker
+than the relay's open): the connection accepted into such a number came while the relay
+was out of descriptors and is dropped (counted as ``accept``), so the number comes free.
 Each step is reported in a rate-limited log line.  Peers that did send their greeting are
 never dropped here: bounding them is the ZAP handler's job (docs/operations.md, "Open
 files").  Linux only (``/proc``, ``TCP_INFO``, socket filters); elsewhere the guard only
@@ -134,9 +137,11 @@ def open_fds() -> list[int] | None:
 
 
 def classify(fd: int, ports, silent_ms: int):
-    """What ``fd`` is to the guard, never closing it: ``("listener", port, None)`` for a
-    listening socket on one of ``ports``, ``("silent", port, peer)`` for an established
-    connection on one of them that has received nothing for ``silent_ms`` ms, else None."""
+    """What ``fd`` is to the guard, never closing it, for a TCP socket on one of ``ports``:
+    ``("listener", port, None)``, ``("silent", port, peer)`` for an established connection
+    that has received nothing for ``silent_ms`` ms, ``("conn", port, peer)`` for another
+    established one, ``("ending", port, None)`` for one that is not established any more;
+    None for anything else (a free number, a file, another socket)."""
     try:
         s = socket.socket(fileno=fd)
     except OSError:
@@ -153,10 +158,10 @@ def classify(fd: int, ports, silent_ms: int):
         if info[0] == _TCP_LISTEN:
             return "listener", port, None
         if info[0] != _TCP_ESTABLISHED:
-            return None             # a connection already ending
+            return "ending", port, None
         if _BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_AT)[0] or \
                 _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0] < silent_ms:
-            return None
+            return "conn", port, s.getpeername()
         return "silent", port, s.getpeername()
     except (OSError, IndexError, TypeError):
         return None
@@ -175,14 +180,15 @@ def scan(fds, ports, silent_ms: int) -> list[tuple[str, int, int, object]]:
         except OSError:
             continue
         hit = classify(fd, ports, silent_ms)
-        if hit is not None:
+        if hit is not None and hit[0] in ("listener", "silent"):
             out.append((hit[0], fd, hit[1], hit[2]))
     return out
 
 
-def drop(fd: int, port: int, peer, ports, silent_ms: int) -> bool:
-    """Disconnect ``fd`` if it still is that silent connection (the relay's thread)."""
-    if classify(fd, ports, silent_ms) != ("silent", port, peer):
+def drop(fd: int, port: int, peer, ports, silent_ms: int, kind: str = "silent") -> bool:
+    """Disconnect ``fd`` if it still is that connection (of that ``kind``; run on the relay's
+    thread)."""
+    if classify(fd, ports, silent_ms) != (kind, port, peer):
         return False
     s = socket.socket(fileno=fd)
     try:
@@ -268,6 +274,8 @@ class FdGuard:
 
     async def check(self) -> None:
         """One look (see the module's doc)."""
+        if self.enabled:
+            self._reclaim()
         self.reserve.refill()
         if not self.enabled:
             return
@@ -324,14 +332,33 @@ class FdGuard:
                            "%d of %d): %s", self.open, self.limit, self.reserve.held,
                            self.reserve.size, "; ".join(what) or "nothing to drop")
 
+    def _reclaim(self) -> None:
+        """Numbers the reserve gave up that libzmq took meanwhile (its accept was quicker
+        than the relay's open): the connection it accepted into one came while the relay
+        was out of descriptors, and is dropped, so the number comes free again (libzmq may
+        take it once more for the next waiting connection, dropped at the next look)."""
+        given = self.reserve.given_up()
+        if not given:
+            return
+        ports = self.ports()
+        dropped: Counter[str] = Counter()
+        for fd in given:
+            hit = classify(fd, ports, 0)
+            if hit is None:
+                self.reserve.forget(fd)         # free again, or the relay's own
+            elif hit[0] in ("conn", "silent") and \
+                    drop(fd, hit[1], hit[2], ports, 0, kind=hit[0]):
+                dropped[ports[hit[1]]] += 1
+        self.refused.update(dropped)
+
     async def _drain(self, ports) -> Counter[str]:
         """Close the connections waiting in the paused listeners' accept queues."""
         refused: Counter[str] = Counter()
-        keep = self.reserve.size // 2
+        keep = self.reserve.keep(0.75)          # the spool and a scrape come first
+        lost = self.reserve.lost
         for fd, port in list(self._paused.items()):
             name = ports.get(port, str(port))
             for i in range(4096):
-                lost = self.reserve.lost
                 try:
                     if not self.reserve.refuse(fd, keep):
                         break
@@ -339,9 +366,11 @@ class FdGuard:
                     break
                 refused[name] += 1
                 if self.reserve.lost != lost:
-                    break       # libzmq still accepting (spinning): leave the rest to it
+                    break       # libzmq took the number first: it is still accepting
                 if i % 64 == 63:
                     await trio.lowlevel.checkpoint()
+            if self.reserve.lost != lost:
+                break           # this look; the next one tries again
         self.refused.update(refused)
         return refused
 

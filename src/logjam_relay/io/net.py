@@ -97,7 +97,7 @@ class RefusingListener(trio.abc.Listener[trio.SocketStream]):
                 if not out_of_fds(e):
                     raise
             try:
-                refused = RESERVE.refuse(self.socket.fileno(), RESERVE.size // 2)
+                refused = RESERVE.refuse(self.socket.fileno(), RESERVE.keep(0.75))
             except OSError:
                 refused = False
             if refused:
