@@ -105,9 +105,13 @@ class FdReserve:
         with self._lock:
             return sorted(self._given)
 
-    def forget(self, fd: int) -> None:
+    def forget(self, fd: int | None = None) -> None:
+        """Stop listing ``fd`` (all of them: None) among :meth:`given_up`."""
         with self._lock:
-            self._given.discard(fd)
+            if fd is None:
+                self._given.clear()
+            else:
+                self._given.discard(fd)
 
     def keep(self, share: float) -> int:
         """Slots a lesser use (refusing a connection, serving a scrape) leaves for the
@@ -200,17 +204,16 @@ class FdReserve:
         child process), in case the process is out of them; :meth:`refill` afterwards
         takes back what the block did not keep."""
         with self._lock:
-            freed = 0
-            while self._slots and freed < n:
-                slot = self._slots.pop()
-                os.close(slot)
-                self._given.add(slot)       # the block's, or taken by another thread
-                freed += 1
+            freed = []
+            while self._slots and len(freed) < n:
+                freed.append(self._slots.pop())
+                os.close(freed[-1])
         try:
-            yield freed
+            yield len(freed)
         finally:
-            if freed:
-                self.refill()
+            if freed and self.refill() < self.size:
+                with self._lock:            # out of numbers: some may be another thread's
+                    self._given.update(freed)
 
     # ---------------------------------------------------------------- accepting
     def _accept_one(self, listener_fd: int, slot: int) -> int | None:

@@ -274,9 +274,11 @@ class FdGuard:
 
     async def check(self) -> None:
         """One look (see the module's doc)."""
-        if self.enabled:
+        if self.reserve.refill() >= self.reserve.size:
+            self.reserve.forget()       # numbers are free again: nothing to take back
+        elif self.enabled:
             self._reclaim()
-        self.reserve.refill()
+            self.reserve.refill()
         if not self.enabled:
             return
         self._looks += 1
@@ -333,10 +335,11 @@ class FdGuard:
                            self.reserve.size, "; ".join(what) or "nothing to drop")
 
     def _reclaim(self) -> None:
-        """Numbers the reserve gave up that libzmq took meanwhile (its accept was quicker
-        than the relay's open): the connection it accepted into one came while the relay
-        was out of descriptors, and is dropped, so the number comes free again (libzmq may
-        take it once more for the next waiting connection, dropped at the next look)."""
+        """The reserve is short and no number is free: the numbers it gave up that libzmq
+        took meanwhile (its accept was quicker than the relay's open) hold connections
+        accepted while the relay was out of descriptors; they are dropped, so the numbers
+        come free again (libzmq may take one once more for the next waiting connection,
+        dropped at the next look).  Once the reserve is full the list is forgotten."""
         given = self.reserve.given_up()
         if not given:
             return
