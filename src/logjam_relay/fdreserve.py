@@ -23,7 +23,8 @@ it:
 * :meth:`FdReserve.refuse` and :meth:`FdReserve.accept` take a pending connection from a
   listening socket when ``accept`` failed with ``EMFILE``: ``refuse`` closes it at once
   (the number goes straight back to the reserve), ``accept`` hands it over (closed later
-  with :meth:`close`).  The listening socket is made non-blocking if it is not.
+  with :meth:`close_socket`); both leave ``keep`` slots for the spool's files.  The
+  listening socket is made non-blocking if it is not.
 
 Before :meth:`FdReserve.fill` (tests, tools) the reserve is empty and every call is the
 plain ``os`` call.  Thread-safe (the HTTP endpoint runs its own thread).
@@ -83,17 +84,6 @@ class FdReserve:
                 self._given.discard(fd)
                 self.refilled += 1
             return len(self._slots)
-
-    def release_all(self) -> None:
-        """Close every slot (and /dev/null); the reserve is empty afterwards."""
-        with self._lock:
-            for fd in self._slots:
-                os.close(fd)
-            self._slots.clear()
-            if self._null is not None:
-                os.close(self._null)
-                self._null = None
-            self.size = 0
 
     @property
     def held(self) -> int:
