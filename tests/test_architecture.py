@@ -33,7 +33,8 @@ DOC = ROOT / "docs" / "architecture.md"
 #: of logjam_relay ("__init__" is the package's own __init__.py).  A part may import its own
 #: modules and the parts of the floors below it, nothing on its floor or above.
 FLOORS: list[tuple[str, set[str]]] = [
-    ("base", {"__init__", "_native", "units", "limits", "redact", "ratelimit", "gc_tuning"}),
+    ("base", {"__init__", "_native", "units", "limits", "redact", "ratelimit", "gc_tuning",
+              "fdreserve"}),
     ("config", {"config"}),
     ("protocols", {"protocols"}),
     ("io", {"io"}),

@@ -58,6 +58,7 @@ ENUMERATED = {
     "logjam_relay_spool_lost_records_total": "reason",
     "logjam_relay_dead_letters_total": "reason",
     "logjam_relay_curve_refused_total": "reason",
+    "logjam_relay_fd_refused_connections_total": "reason",
 }
 
 NAME = r"logjam(?::[a-z_]+)+|logjam_relay_[a-z0-9_]+"

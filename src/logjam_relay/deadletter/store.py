@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..fdreserve import RESERVE as _FDS
 from ..spool import segment as seg
 
 log = logging.getLogger("logjam_relay.deadletter")
@@ -175,7 +176,9 @@ class DeadLetterStore:
         no = self._next_no
         self._next_no += 1
         path = self.directory / seg.segment_name(no, sealed=False)
-        fh = open(path, "xb")
+        # from the fd reserve when the relay is out of descriptors (fdreserve.py)
+        fh = os.fdopen(_FDS.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                 0o644), "wb", closefd=False)
         fh.write(seg.encode_header(no, int(time.time() * 1000), 0))
         fh.flush()
         self._fh = fh
@@ -195,7 +198,7 @@ class DeadLetterStore:
             fh.flush()
             os.fdatasync(fh.fileno())
         finally:
-            fh.close()
+            _close(fh)
         sealed = cur[1].with_name(seg.segment_name(cur[0], sealed=True))
         os.rename(cur[1], sealed)
         cur[1] = sealed
@@ -223,9 +226,19 @@ class DeadLetterStore:
     def close(self) -> None:
         with self._lock:
             if self._fh is not None:
-                self._fh.close()
+                _close(self._fh)
                 self._fh = None
                 self._cur = None
+
+
+def _close(fh) -> None:
+    """Close a file opened with ``closefd=False``: its descriptor goes back to the fd
+    reserve if that is short."""
+    fd = fh.fileno()
+    try:
+        fh.close()
+    finally:
+        _FDS.close(fd)
 
 
 def _decode(no: int, off: int, kind: int, frames: list[bytes]) -> DeadLetter:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..fdreserve import RESERVE, out_of_fds
 from ..protocols.http import (
     CLOSED,
     MAX_REQUEST,
@@ -52,12 +53,15 @@ Handler = Callable[[], tuple[int, str, bytes]]   # -> (status, content type, bod
 Authorize = Callable[[str, str, dict[str, str]], bool]
 
 STALE_OK = frozenset({"/metrics"})      # may be answered from the last rendering
+#: connections served on descriptors of the fd reserve while the relay is out of them
+RESERVE_CONNECTIONS = 2
 
 
 @dataclass(eq=False)
 class _Conn:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     reading: bool = True                 # still waiting for its request
+    reserved: bool = False               # on a descriptor of the fd reserve
 
 
 class HTTPServer:
@@ -94,6 +98,9 @@ class HTTPServer:
         self.bad_requests_by_reason: dict[str, int] = {}
         self.unauthorized = 0
         self.loop_timeouts = 0      # the relay's loop did not run a handler in time
+        self.out_of_fds = 0         # closed at accept: the relay was out of descriptors
+        self.reserve_served = 0     # served on a descriptor of the fd reserve instead
+        self._on_reserve = 0        # such connections open now
 
     @property
     def open_connections(self) -> int:
@@ -106,7 +113,8 @@ class HTTPServer:
                 "bad_requests": self.bad_requests,
                 "bad_requests_by_reason": dict(self.bad_requests_by_reason),
                 "unauthorized": self.unauthorized,
-                "loop_timeouts": self.loop_timeouts}
+                "loop_timeouts": self.loop_timeouts, "out_of_fds": self.out_of_fds,
+                "reserve_served": self.reserve_served}
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -171,12 +179,19 @@ class HTTPServer:
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         try:
             while True:
+                reserved = False
                 try:
                     stream = await listener.accept()
                 except OSError as e:        # EMFILE and friends: back off, keep serving
-                    rlog.error("http_accept", "metrics endpoint: accept failed: %s", e)
-                    await trio.sleep(0.1)
-                    continue
+                    if not out_of_fds(e):
+                        rlog.error("http_accept", "metrics endpoint: accept failed: %s", e)
+                        await trio.sleep(0.1)
+                        continue
+                    stream = self._accept_out_of_fds(listener)
+                    if stream is None:
+                        await trio.sleep(0.1)
+                        continue
+                    reserved = True
                 self.connections += 1
                 if len(self._conns) >= self.max_connections and not self._evict_one():
                     self.rejected += 1
@@ -184,15 +199,44 @@ class HTTPServer:
                     continue
                 cid = self._next_id
                 self._next_id += 1
-                conn = self._conns[cid] = _Conn()
-                nursery.start_soon(self._handle, stream, cid, conn)
+                conn = self._conns[cid] = _Conn(reserved=reserved)
+                nursery.start_soon(self._handle, stream, cid, conn, reserved)
         finally:
             await trio.aclose_forcefully(listener)
 
-    def _evict_one(self) -> bool:
-        """Close the oldest connection that has not sent its request yet."""
+    def _accept_out_of_fds(self, listener: trio.SocketListener) -> trio.SocketStream | None:
+        """``accept`` failed for want of descriptors: serve the connection on one of the fd
+        reserve's (at most :data:`RESERVE_CONNECTIONS` at a time, so a scrape still gets
+        through), or close it at once (counted in ``out_of_fds``).  None: nothing to take."""
+        fd = listener.socket.fileno()
+        try:
+            keep = RESERVE.keep(0.25)           # the spool's files come first
+            if self._on_reserve < RESERVE_CONNECTIONS:
+                sock = RESERVE.accept(fd, keep)
+                if sock is not None:
+                    self._on_reserve += 1
+                    self.reserve_served += 1
+                    return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+            elif self._evict_one(reserved=True):
+                return None             # its descriptor is back soon: the next try takes it
+            elif RESERVE.refuse(fd, keep):
+                self.out_of_fds += 1
+                rlog.warning("http_out_of_fds", "metrics endpoint: out of file descriptors: "
+                             "closed a new connection at once (%d so far)", self.out_of_fds)
+                return None
+        except OSError as e:
+            rlog.error("http_accept", "metrics endpoint: accept failed: %s", e)
+            return None
+        if not RESERVE.held:
+            rlog.error("http_accept", "metrics endpoint: accept failed: out of file "
+                       "descriptors and the fd reserve is empty")
+        return None
+
+    def _evict_one(self, reserved: bool = False) -> bool:
+        """Close the oldest connection that has not sent its request yet (of those on the
+        fd reserve's descriptors, with ``reserved``)."""
         for cid, conn in self._conns.items():
-            if conn.reading:
+            if conn.reading and (conn.reserved or not reserved):
                 conn.scope.cancel()
                 del self._conns[cid]
                 self.evicted += 1
@@ -200,7 +244,8 @@ class HTTPServer:
         return False
 
     # --------------------------------------------------------------- requests
-    async def _handle(self, stream: trio.SocketStream, cid: int, conn: _Conn) -> None:
+    async def _handle(self, stream: trio.SocketStream, cid: int, conn: _Conn,
+                      reserved: bool = False) -> None:
         try:
             with conn.scope:
                 await self._request(stream, conn)
@@ -208,6 +253,9 @@ class HTTPServer:
             pass
         finally:
             self._conns.pop(cid, None)
+            if reserved:            # its descriptor goes back to the fd reserve
+                self._on_reserve -= 1
+                RESERVE.close_socket(stream.socket)
             await trio.aclose_forcefully(stream)
 
     async def _request(self, stream, conn: _Conn) -> None:

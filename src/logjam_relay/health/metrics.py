@@ -129,6 +129,7 @@ class RelayCollector:
             yield _one(_counter, "logjam_relay_http_loop_timeouts", "requests the relay's "
                        "event loop did not answer in time (stale /metrics or 503)", dl,
                        hs["loop_timeouts"])
+        yield from self._fds(d, http)
         yield _one(_counter, "logjam_relay_published", "messages published on PUB (incl. heartbeats)",
                    dl, r.pub.published if r.pub else 0)
         yield _one(_counter, "logjam_relay_pub_drops", "messages a PUB subscriber missed because its queue was at the HWM",
@@ -175,6 +176,44 @@ class RelayCollector:
             yield from self._samwise(d, r.samwise)
         for extra in self.extra:
             yield from extra.collect()
+
+    def _fds(self, d: str, http):
+        """File descriptors: the count, the reserve, connections refused for want of them."""
+        guard = getattr(self.relay, "fd_guard", None)
+        if guard is None:
+            return
+        st = guard.stats()
+        res = st["reserve"]
+        dl = [d]
+        yield _one(_gauge, "logjam_relay_open_fds", "file descriptors open (at the fd "
+                   "guard's last count: every 0.5 s near the limit, every 5 s below)", dl,
+                   st["open"])
+        yield _one(_gauge, "logjam_relay_max_fds", "the soft RLIMIT_NOFILE", dl, st["limit"])
+        yield _one(_gauge, "logjam_relay_fd_reserve", "descriptors held in reserve for the "
+                   "relay's own files", dl, res["held"])
+        yield _one(_counter, "logjam_relay_fd_reserve_used", "descriptors the relay took "
+                   "from its reserve because the process was out of them", dl, res["used"])
+        yield _one(_counter, "logjam_relay_fd_reserve_lost", "reserve descriptors another "
+                   "thread took between close and open (taken back once free)", dl,
+                   res["lost"])
+        yield _one(_counter, "logjam_relay_fd_short", "looks of the fd guard (every 0.5 s) "
+                   "that found fewer free descriptors than it keeps", dl, st["short"])
+        yield _one(_gauge, "logjam_relay_fd_paused", "1 while the ZeroMQ sockets take no "
+                   "new connections because the relay is out of file descriptors", dl,
+                   st["paused"])
+        m = _counter("logjam_relay_fd_refused_connections", "connections refused for want "
+                     "of file descriptors, by listener and reason (silent: a ZeroMQ "
+                     "connection that sent nothing, dropped; accept: closed at accept)",
+                     ("device", "listener", "reason"))
+        names = set(guard.ports().values()) | set(st["dropped"]) | set(st["refused"])
+        for name in sorted(names):
+            m.add_metric([d, name, "silent"], st["dropped"].get(name, 0))
+            m.add_metric([d, name, "accept"], st["refused"].get(name, 0))
+        if http is not None and hasattr(http, "stats"):
+            m.add_metric([d, "metrics", "accept"], http.stats().get("out_of_fds", 0))
+        for inp in getattr(self.relay, "inputs", None) or ():
+            m.add_metric([d, f"input_{inp.name}", "accept"], getattr(inp, "out_of_fds", 0))
+        yield m
 
     def _outputs_and_spool(self, d: str):
         r = self.relay

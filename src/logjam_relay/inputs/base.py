@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import trio
 
-from ..io.net import server_context
+from ..io.net import RefusingListener, server_context
 from ..ratelimit import RateLimitedLog
 from .spec import InputSpec
 
@@ -104,6 +104,7 @@ class BaseInput:
         self.bytes = 0                      # bytes read from the network
         self.acks = 0
         self.unacked_at_close = 0           # batches complete but not acked (shutdown/close)
+        self.out_of_fds = 0                 # closed at accept: out of file descriptors
         self.errors: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ serving
@@ -121,10 +122,18 @@ class BaseInput:
         try:
             async with trio.open_nursery() as nursery:
                 task_status.started(self.port)
-                await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+                await trio.serve_listeners(self._handle, [RefusingListener(ln, self._no_fds)
+                                                          for ln in listeners],
+                                           handler_nursery=nursery)
         finally:
             for ln in listeners:
                 await trio.aclose_forcefully(ln)
+
+    def _no_fds(self) -> None:
+        """A connection closed at accept: the relay was out of file descriptors."""
+        self.out_of_fds += 1
+        self.rlog.warning("out_of_fds", "input %s: out of file descriptors: closed a new "
+                          "connection at once", self.name)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         peer = _peer(stream)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
+
+from ..fdreserve import RESERVE, out_of_fds
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +74,36 @@ def parse_hostport(s: str, default_port: int) -> tuple[str, int]:
         host, port = s.split(":")
         return host, int(port)
     return s, default_port
+
+
+class RefusingListener(trio.abc.Listener[trio.SocketStream]):
+    """A :class:`trio.SocketListener` for :func:`trio.serve_listeners` that copes with
+    running out of file descriptors: when ``accept`` fails with ``EMFILE``/``ENFILE``, the
+    pending connections are closed at once through the fd reserve (``on_refused`` is
+    called for each; the peer sees the connection closed instead of waiting), and while
+    that is impossible it waits 0.1 s (trio's own loop would log a traceback every
+    0.1 s).  Other errors are left to ``serve_listeners``."""
+
+    def __init__(self, inner: trio.SocketListener, on_refused: Callable[[], None]):
+        self.inner = inner
+        self.socket = inner.socket
+        self.on_refused = on_refused
+
+    async def accept(self) -> trio.SocketStream:
+        while True:
+            try:
+                return await self.inner.accept()
+            except OSError as e:
+                if not out_of_fds(e):
+                    raise
+            try:
+                refused = RESERVE.refuse(self.socket.fileno(), RESERVE.keep(0.75))
+            except OSError:
+                refused = False
+            if refused:
+                self.on_refused()
+            else:
+                await trio.sleep(0.1)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import trio
 
+from ..fdreserve import RESERVE as _FDS
 from ..ratelimit import RateLimitedLog
 from ..spool import segment as fmt
 
@@ -47,11 +48,11 @@ _LINK_FALLBACK = {errno.EXDEV, errno.EPERM, errno.EACCES, errno.EMLINK, errno.EN
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = _FDS.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
-        os.close(fd)
+        _FDS.close(fd)
 
 
 archived_segments = fmt.sealed_segments

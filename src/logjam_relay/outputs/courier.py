@@ -203,6 +203,7 @@ class CourierOutput:
             host, port = cfg.hosts[idx % len(cfg.hosts)]
             self._progress = False
             bisecting = False
+            connections = self.connections
             try:
                 await self._connection(host, port)
             except _NET_ERRORS as e:
@@ -210,10 +211,15 @@ class CourierOutput:
                 self.errors[reason] = self.errors.get(reason, 0) + 1
                 self._rl.warning(reason, "courier %s %s:%d: %s: %s", cfg.name, host, port,
                                  reason, describe_error(e))
-                if reason in ("eof", "io"):
+                # only a receiver that took the connection (and then closed it before the
+                # head payload advanced) refuses a payload; one that is down refuses the
+                # connect, which backs off like any other connect failure
+                if reason in ("eof", "io") and self.connections > connections:
                     bisecting = await self._refused()
             finally:
                 self.connected_to = None
+                for b in self._batches:     # "sent on the current connection": none now
+                    b.sent = False
             if self._finished:
                 return
             self.reconnects += 1

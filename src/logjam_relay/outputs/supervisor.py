@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 import trio
 
 from ..config import ConfigError, Settings
+from ..fdreserve import out_of_fds
 
 log = logging.getLogger("logjam_relay.outputs")
 
@@ -149,8 +150,12 @@ class OutputSupervisor:
                 failures += 1
                 delay = min(self.backoff_max, self.backoff_min * 2 ** (failures - 1))
                 delay *= random.uniform(0.5, 1.0)
-                log.exception("output %s crashed (%d so far); restarting in %.1fs",
-                              self.name, self.crashes, delay)
+                if out_of_fds(e):           # starting it needs descriptors: no traceback
+                    log.error("output %s could not start (%d so far): %s; retrying in %.1fs",
+                              self.name, self.crashes, e, delay)
+                else:
+                    log.exception("output %s crashed (%d so far); restarting in %.1fs",
+                                  self.name, self.crashes, delay)
                 await trio.sleep(delay)
             try:
                 self.reader.rewind()

@@ -81,6 +81,7 @@ from collections import deque
 
 import trio
 
+from ..fdreserve import RESERVE as _FDS
 from ..spool.api import Position, Record
 from ..spool.errors import SpoolError
 from .ackgate import ConfirmedReader
@@ -221,18 +222,24 @@ class ProcessOutput:
             pass
 
     async def run(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for s in (ours, theirs):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        fd = theirs.fileno()
-        # the output's name on the command line: ps/top show which worker is which
-        argv = [sys.executable, "-m", "logjam_relay.outputs.worker", str(fd), self.name]
-        try:
-            proc = await trio.lowlevel.open_process(argv, pass_fds=(fd,),
-                                                    start_new_session=True)
-        finally:
-            theirs.close()
+        # a socket pair and a child process: room from the fd reserve when the relay is out
+        # of descriptors (the pair's two, the exec pipe's two, a pidfd)
+        with _FDS.room(5):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            for s in (ours, theirs):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            fd = theirs.fileno()
+            # the output's name on the command line: ps/top show which worker is which
+            argv = [sys.executable, "-m", "logjam_relay.outputs.worker", str(fd), self.name]
+            try:
+                proc = await trio.lowlevel.open_process(argv, pass_fds=(fd,),
+                                                        start_new_session=True)
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                _FDS.close_socket(theirs)
         self.pid = proc.pid
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
         self._stream = stream

@@ -70,6 +70,7 @@ class Relay:
         self.inputs: list = []                  # Lumberjack/Courier inputs (inputs/)
         self.curve = None                       # io.curve.Curve when CURVE is on
         self.peer_limit = None                  # io.peers.PeerLimit (zmq_max_peers, ZAP)
+        self.fd_guard = None                    # io.fdguard.FdGuard (service.build)
         self.spool_write_failures = 0
         self.spool_blocked_seconds = 0.0
         self._outputs_scope: trio.CancelScope | None = None

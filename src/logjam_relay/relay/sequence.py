@@ -23,6 +23,8 @@ import os
 import time
 from pathlib import Path
 
+from ..fdreserve import RESERVE as _FDS
+
 log = logging.getLogger("logjam_relay.sequence")
 
 MAX_SEQUENCE = 2**64 - 1
@@ -153,10 +155,15 @@ class SequenceState:
         tmp = self.path.with_suffix(".tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as fh:
-                json.dump(payload, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
+            # from the fd reserve when the relay is out of descriptors (fdreserve.py)
+            fd = _FDS.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                data = json.dumps(payload).encode()
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, "short write of the sequence state")
+                os.fsync(fd)
+            finally:
+                _FDS.close(fd)
             os.replace(tmp, self.path)
         except OSError as e:
             self.write_errors += 1

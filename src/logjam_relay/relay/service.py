@@ -316,6 +316,42 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
              ", ".join(b.name for b in cfg.brokers), spool_dir)
 
 
+def zmq_ports(relay: Relay) -> dict[int, str]:
+    """The TCP ports the relay's ZeroMQ sockets are bound to -> the socket's name."""
+    eps: list[tuple[str, str]] = [(k, v) for k, v in relay.endpoints.items()
+                                  if not k.startswith("input_")]
+    if relay.cmdp is not None and getattr(relay.cmdp, "port", None):
+        eps.append(("cmdp", f"tcp://*:{relay.cmdp.port}"))
+    if relay.samwise is not None:
+        eps += [("samwise", ep) for ep in relay.samwise.bound]
+    if relay.curve is not None:
+        for name, plain in relay.curve.plain_endpoints.items():
+            eps += [(f"{name}_plain", ep) for ep in plain]
+    out: dict[int, str] = {}
+    for name, ep in eps:
+        if ep.startswith("tcp://"):
+            try:
+                out[int(ep.rsplit(":", 1)[1])] = name
+            except ValueError:
+                pass
+    return out
+
+
+def attach_fd_guard(relay: Relay) -> None:
+    """The fd reserve (taken now, while descriptors are free) and the guard that drops
+    silent ZeroMQ connections when the process runs out of them (docs/operations.md,
+    "Open files")."""
+    from ..fdreserve import RESERVE
+    from ..io.fdguard import FdGuard
+    RESERVE.fill()
+    guard = FdGuard(lambda: zmq_ports(relay))
+    relay.fd_guard = guard
+
+    async def start_guard(nursery):
+        await nursery.start(guard.run)
+    relay.add_task(start_guard)
+
+
 def build(settings: Settings) -> Relay:
     """Create a relay with everything the settings ask for attached."""
     from ..redact import install_log_redaction
@@ -326,6 +362,7 @@ def build(settings: Settings) -> Relay:
     # it touches the spool
     relay.acquire_state()
     try:
+        attach_fd_guard(relay)
         attach_spool_and_outputs(relay, settings)
         attach_inputs(relay, settings)
         attach_curve(relay, settings)

@@ -24,6 +24,8 @@ import os
 import struct
 import zlib
 
+from ..fdreserve import RESERVE as _FDS
+
 ENTRY = struct.Struct("<QQQI4s")
 ENTRY_LEN = ENTRY.size                 # 32
 TAG = b"CUR1"
@@ -124,8 +126,8 @@ class CursorLog:
     def _open(self) -> int:
         if self._fd is None:
             created = self._sync and not os.path.exists(self.path)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                               0o644)
+            self._fd = _FDS.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                                 0o644)
             self._entries = os.fstat(self._fd).st_size // ENTRY_LEN
             if created:
                 _sync_dir(self.path)        # the new log's name is durable too
@@ -152,7 +154,7 @@ class CursorLog:
 
     def compact(self, segment: int, offset: int, seq: int) -> None:
         tmp = self.path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = _FDS.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             if _write(fd, encode(segment, offset, seq)) != ENTRY_LEN:
                 import errno
@@ -160,13 +162,13 @@ class CursorLog:
             if self._sync:
                 os.fsync(fd)
         except BaseException:
-            os.close(fd)
+            _FDS.close(fd)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise
-        os.close(fd)
+        _FDS.close(fd)
         os.replace(tmp, self.path)
         if self._sync:
             # the rename too: else a power loss may bring back the old log, whose older
@@ -189,7 +191,7 @@ class CursorLog:
         None when there is nothing to sync."""
         if not self.dirty or self._fd is None:
             return None
-        fd = os.dup(self._fd)
+        fd = _FDS.dup(self._fd)
         self.dirty = False
         return fd
 
@@ -200,5 +202,5 @@ class CursorLog:
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            _FDS.close(self._fd)
             self._fd = None

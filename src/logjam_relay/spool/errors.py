@@ -36,6 +36,7 @@ def reason_of(e: OSError) -> str:
         _errno.ENOSPC: "enospc", _errno.EDQUOT: "edquot", _errno.EACCES: "eacces",
         _errno.EPERM: "eperm", _errno.EROFS: "erofs", _errno.ENOTDIR: "enotdir",
         _errno.ENOENT: "enoent", _errno.EIO: "eio", _errno.EEXIST: "eexist",
+        _errno.EMFILE: "emfile", _errno.ENFILE: "enfile",
     }.get(e.errno, "oserror")
 
 
@@ -48,6 +49,9 @@ HINTS = {
     "enotdir": "a path component of the spool directory is not a directory",
     "enoent": "the spool directory disappeared",
     "eio": "I/O error from the storage device",
+    "emfile": "the relay is out of file descriptors and its reserve is used up (RLIMIT_NOFILE; "
+              "docs/operations.md, \"Open files\")",
+    "enfile": "the system is out of file descriptors (fs.file-max)",
 }
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..fdreserve import RESERVE as _FDS
 from . import segment as fmt
 from .api import Position, Record
 from .cursors import CursorLog
@@ -151,7 +152,7 @@ class SpoolReader:
 
     def _forget(self, segno: int) -> None:
         if self._fd_seg == segno and self._fd is not None:
-            os.close(self._fd)
+            _FDS.close(self._fd)
             self._fd, self._fd_seg = None, -1
         if self._buf_seg == segno:
             self._buf, self._buf_seg = b"", -1
@@ -159,9 +160,9 @@ class SpoolReader:
     def _fd_for(self, seg: _Seg) -> int:
         if self._fd_seg != seg.segno:
             if self._fd is not None:
-                os.close(self._fd)
+                _FDS.close(self._fd)
                 self._fd, self._fd_seg = None, -1
-            self._fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fd = _FDS.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
             self._fd_seg = seg.segno
         return self._fd
 
@@ -375,7 +376,7 @@ class SpoolReader:
             self.cursor_errors += 1
             self._spool._count_error(write_error("syncing cursor", log.path, e))
         finally:
-            os.close(fd)
+            _FDS.close(fd)
 
     def close(self) -> None:
         if self._pending:

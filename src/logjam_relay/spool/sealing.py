@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from ..fdreserve import RESERVE as _FDS
 from . import segment as fmt
 from .errors import SpoolWriteError, is_disk_full
 from .errors import write_error as _write_error
@@ -41,7 +42,7 @@ class SealMixin:
     def _seal_active(self, notify: bool = True) -> None:
         seg, fd = self._active, self._fd
         if seg.count == 0:
-            os.close(fd)
+            _FDS.close(fd)
             self._active, self._fd = None, None
             del self._segs[seg.segno]
             self._bytes -= seg.size
@@ -68,7 +69,7 @@ class SealMixin:
             self._dirty_tail = True
             raise self._count_error(_write_error("sealing", seg.path, e)) from None
         self.fsyncs += 1
-        os.close(fd)
+        _FDS.close(fd)
         self._active, self._fd = None, None
         self._unsynced = False
         seg.sealed = True
@@ -115,7 +116,7 @@ class SealMixin:
         except OSError:
             return False
         self._count_error(_write_error("sealing", seg.path, err))
-        os.close(fd)
+        _FDS.close(fd)
         self._active, self._fd = None, None
         self._unsynced = False
         self._dirty_tail = False
@@ -136,7 +137,7 @@ class SealMixin:
                 continue
             rec = fmt.encode_seal(seg.end_seq, seg.count, seg.data_end, self._now_ms())
             try:
-                fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                fd = _FDS.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             except OSError:
                 continue
             try:
@@ -149,7 +150,7 @@ class SealMixin:
                     pass
                 continue
             finally:
-                os.close(fd)
+                _FDS.close(fd)
             self._pending_seals.remove(seg)
             try:
                 if not self._sealed_on_disk(seg, len(rec), save_state=False):

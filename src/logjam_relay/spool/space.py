@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..fdreserve import RESERVE as _FDS
 from . import segment as fmt
 from .errors import SpoolWriteError, is_disk_full
 from .errors import write_error as _write_error
@@ -90,11 +91,11 @@ class SpaceMixin:
         except OSError:
             pass
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _FDS.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 os.posix_fallocate(fd, 0, RESERVE_BYTES)
             finally:
-                os.close(fd)
+                _FDS.close(fd)
             self._reserve_ok = True
         except OSError:
             _unlink_quiet(path)

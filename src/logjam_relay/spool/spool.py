@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..fdreserve import RESERVE as _FDS
 from ..ratelimit import RateLimitedLog
 from . import segment as fmt
 from .api import KIND_LOGJAM, Position, Record  # noqa: F401  (re-exported)
@@ -219,13 +220,13 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         tmp = path + ".tmp"
         data = json.dumps(obj).encode()
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = _FDS.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
                 _write_all(fd, data, path)    # a short write must not replace the file
                 if self.fsync != "never":
                     os.fsync(fd)
             finally:
-                os.close(fd)
+                _FDS.close(fd)
             os.replace(tmp, path)
         except OSError as e:
             raise self._count_error(_write_error("writing", path, e)) from None
@@ -238,11 +239,11 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
 
     def _fsync_dir(self) -> None:
         try:
-            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = _FDS.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 os.fsync(fd)
             finally:
-                os.close(fd)
+                _FDS.close(fd)
         except OSError as e:
             raise self._count_error(_write_error("syncing directory", self.directory, e)) from None
 
@@ -392,19 +393,23 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         Works on a duplicate of the segment's descriptor, so sealing or rolling the segment
         meanwhile is harmless (sealing fsyncs by itself).  Everything appended before the
         call started is durable when it returns; raises :class:`SpoolWriteError` otherwise.
+        The duplicate comes from the fd reserve when the process is out of descriptors.
         """
         if not self._unsynced or self._fd is None:
             return
         upto = self.bytes_appended
         seg = self._active
-        fd = os.dup(self._fd)
+        path = seg.path if seg else "?"
+        try:
+            fd = _FDS.dup(self._fd)
+        except OSError as e:
+            raise self._count_error(_write_error("syncing", path, e)) from None
         try:
             await trio.to_thread.run_sync(_fdatasync, fd)
         except OSError as e:
-            raise self._count_error(_write_error("syncing", seg.path if seg else "?", e)) \
-                from None
+            raise self._count_error(_write_error("syncing", path, e)) from None
         finally:
-            os.close(fd)
+            _FDS.close(fd)
         self.fsyncs += 1
         self._last_fsync = self._mono()
         if self.bytes_appended == upto:
@@ -415,21 +420,21 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         path = os.path.join(self.directory, fmt.segment_name(segno, False))
         header = fmt.encode_header(segno, now_ms, self._next_seq)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                         0o644)
+            fd = _FDS.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
+                           0o644)
         except OSError as e:
             raise self._count_error(_write_error("creating segment", path, e)) from None
         try:
             _write_all(fd, header, "segment header")
         except OSError as e:
-            os.close(fd)
+            _FDS.close(fd)
             _unlink_quiet(path)
             raise self._count_error(_write_error("writing segment header to", path, e)) from None
         if self.fsync != "never":
             try:
                 self._fsync_dir()
             except SpoolWriteError:
-                os.close(fd)
+                _FDS.close(fd)
                 _unlink_quiet(path)
                 raise
         seg = _Seg(segno, path, now_ms, self._next_seq, 0, fmt.HEADER_LEN, fmt.HEADER_LEN, False)
@@ -486,6 +491,8 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
                 self.tick()
             except SpoolWriteError:
                 pass                            # counted and logged (rate-limited)
+            except OSError as e:                # never the end of the relay: retried
+                self._count_error(_write_error("running periodic work in", self.directory, e))
             await trio.sleep(period)
 
     # -- info -------------------------------------------------------------------
@@ -571,7 +578,7 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
             for r in self.readers.values():
                 r.close()
             if self._fd is not None:
-                os.close(self._fd)
+                _FDS.close(self._fd)
                 self._fd = None
             self._release_lock()
 
