@@ -39,7 +39,7 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.io import zmq_trio
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, relay_argv, relay_settings, stop_process, wait_http
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),

@@ -27,8 +27,8 @@ import trio
 import zmq
 
 from conftest import free_port
-from logjam_relay.peers.courier_receiver import CourierReceiver
-from logjam_relay.peers.lumberjack_reader import LumberjackReader
+from peers.courier_receiver import CourierReceiver
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import relay_settings, start_process, stop_process
 from spool_requests import send_requests
 
