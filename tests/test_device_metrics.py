@@ -548,6 +548,29 @@ def test_thread_cpu_labels_and_stays_monotonic(tmp_path):
     assert cpu.sample(named, {}, total=1 / tick)["other"] == got2["other"]
 
 
+def test_thread_cpu_out_of_descriptors_repeats_the_last_values(tmp_path, monkeypatch):
+    """A scrape that cannot open /proc files takes no live thread for ended (which would
+    count its time twice once it can read it again)."""
+    from logjam_relay.health import cpu as cpu_mod
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = ThreadCpu(str(tmp_path))
+    _task(tmp_path, 10, "logjam-relay", 100, 0)
+    _task(tmp_path, 11, "compressor0", 20, 0)
+    named = {10: "main", 11: "compressor0"}
+    before = cpu.sample(named, {}, total=150 / tick)
+    real = cpu_mod.stat_cpu
+
+    def emfile(path):
+        if path.endswith("/11/stat"):
+            raise OSError(24, "Too many open files")
+        return real(path)
+    monkeypatch.setattr(cpu_mod, "stat_cpu", emfile)
+    assert cpu.sample(named, {}, total=160 / tick) == before
+    monkeypatch.setattr(cpu_mod, "stat_cpu", real)
+    _task(tmp_path, 11, "compressor0", 25, 0)
+    assert cpu.sample(named, {}, total=170 / tick)["compressor0"] == pytest.approx(25 / tick)
+
+
 def test_thread_cpu_of_output_workers_survives_restarts(tmp_path):
     cpu = ThreadCpu(str(tmp_path))
     me = stat_cpu(f"/proc/{os.getpid()}/stat")[1]

@@ -19,8 +19,9 @@ Read from ``/proc/self/task/<tid>/stat`` at scrape time (clock ticks, 10 ms).  E
 series is monotonic: a thread that ends keeps the last value read for its label, and
 ``other`` is the process total (``os.times()``, which keeps what ended threads used)
 minus the named series, never going down; an output worker that is restarted adds to
-the value its predecessor reached.  Where ``/proc`` cannot be read, ``main`` is the whole
-process.
+the value its predecessor reached.  A scrape that cannot read ``/proc`` (out of file
+descriptors) repeats the last values; where there is no ``/proc`` at all, ``main`` is
+the whole process.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ _ZMQ_IO = re.compile(r"ZMQbg/IO/(\d+)$")
 
 
 def stat_cpu(path: str) -> tuple[str, float] | None:
-    """``(comm, utime + stime in seconds)`` of a ``/proc/.../stat`` file, or None."""
+    """``(comm, utime + stime in seconds)`` of a ``/proc/.../stat`` file, or None when the
+    thread or process is gone; OSError when it could not be read (out of descriptors)."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     left, right = data.find(b"("), data.rfind(b")")
     fields = data[right + 2:].split()
@@ -67,6 +69,7 @@ class ThreadCpu:
         self._other = 0.0
         self._workers: dict[str, tuple[int, float]] = {}  # output -> (pid, cpu) last read
         self._workers_carried: dict[str, float] = {}
+        self._out: dict[str, float] | None = None         # the last sample
 
     @staticmethod
     def label(tid: int, comm: str, named: dict[int, str]) -> str | None:
@@ -83,21 +86,24 @@ class ThreadCpu:
         ``total``: the process's CPU (``os.times()`` when None)."""
         total = process_cpu() if total is None else total
         out = dict.fromkeys(named.values(), 0.0)
-        try:
-            tids = [int(t) for t in os.listdir(self.task_dir)]
-        except (OSError, ValueError):
-            tids = None
-        if tids is None:                # no /proc: the whole process is "main"
+        if not os.path.isdir(self.task_dir):     # no /proc: the whole process is "main"
             out["main"] = total
-            return out | self._sample_workers(workers or {})
+            return out
         now: dict[int, tuple[str, float]] = {}
-        for tid in tids:
-            got = stat_cpu(f"{self.task_dir}/{tid}/stat")
-            if got is None:
-                continue
-            lbl = self.label(tid, got[0], named)
-            if lbl is not None:
-                now[tid] = (lbl, got[1])
+        try:
+            for tid in map(int, os.listdir(self.task_dir)):
+                got = stat_cpu(f"{self.task_dir}/{tid}/stat")
+                if got is None:
+                    continue
+                lbl = self.label(tid, got[0], named)
+                if lbl is not None:
+                    now[tid] = (lbl, got[1])
+            wout = self._sample_workers(workers or {})
+        except (OSError, ValueError):
+            # not now (out of descriptors): the last values, nothing taken for ended
+            if self._out is not None:
+                return self._out
+            return out | {"other": self._other}
         for tid, (lbl, cpu) in self._last.items():
             cur = now.get(tid)
             if cur is None or cur[0] != lbl or cur[1] < cpu:   # ended (or tid reused)
@@ -109,14 +115,18 @@ class ThreadCpu:
             out[lbl] = out.get(lbl, 0.0) + cpu
         self._other = max(self._other, round(total - sum(out.values()), 6))
         out["other"] = self._other
-        return out | self._sample_workers(workers or {})
+        self._out = out | wout
+        return self._out
 
     def _sample_workers(self, workers: dict[str, int]) -> dict[str, float]:
+        """Raises OSError (nothing changed) when a worker's stat cannot be read."""
+        got_all = {name: stat_cpu(f"/proc/{pid}/stat") if pid else None
+                   for name, pid in workers.items()}
         out = {}
         for name, pid in workers.items():
             label = f"output:{name}"
             last_pid, last_cpu = self._workers.get(name, (0, 0.0))
-            got = stat_cpu(f"/proc/{pid}/stat") if pid else None
+            got = got_all[name]
             if pid != last_pid or (got is not None and got[1] < last_cpu):
                 # a new worker (or none now): its predecessor's CPU stays in the series
                 self._workers_carried[name] = self._workers_carried.get(name, 0.0) + last_cpu
