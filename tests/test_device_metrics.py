@@ -448,21 +448,26 @@ def test_largest_body_is_the_last_ticks():
     assert c.max_bytes_last_second == 0          # a tick without messages
 
 
-async def test_the_stats_tick_rolls_the_largest_body(tmp_path):
+async def test_the_stats_tick_rolls_the_largest_body(tmp_path, monkeypatch):
+    """The relay's stats tick rolls the gauge: the tick after a message shows its body,
+    the next one (no message meanwhile) 0."""
+    rolled = []
+    real = stamping.Counters.roll_max
+
+    def roll(self):
+        real(self)
+        rolled.append(self.max_bytes_last_second)
+    monkeypatch.setattr(stamping.Counters, "roll_max", roll)
     async with running_relay(tmp_path, stats_interval=0.05) as (relay, cl):
         push = cl.push()
-        c = relay.pipeline.counters
         await send(push, [b"big-test", b"logs", b"x" * 777, META_OK])
-        seen = []
         with trio.fail_after(10):
-            while not seen or seen[-1] != 0 or 777 not in seen:
-                v = c.max_bytes_last_second
-                if not seen or seen[-1] != v:
-                    seen.append(v)
-                await trio.sleep(0.001)
-        assert seen[-2:] == [777, 0]
+            while 777 not in rolled or rolled[-1] != 0:
+                await trio.sleep(0.01)
         text = await trio.to_thread.run_sync(scrape, cl.settings.metrics_port)
-        assert 'logjam:device:msgs_received_max_bytes{device="0"} 0.0' in text
+    assert set(rolled) == {0, 777} and rolled.count(777) == 1
+    assert rolled[rolled.index(777) + 1] == 0
+    assert 'logjam:device:msgs_received_max_bytes{device="0"} 0.0' in text
 
 
 # ------------------------------------------------------------------ exposer_*

@@ -70,6 +70,7 @@ class ThreadCpu:
         self._workers: dict[str, tuple[int, float]] = {}  # output -> (pid, cpu) last read
         self._workers_carried: dict[str, float] = {}
         self._out: dict[str, float] | None = None         # the last sample
+        self._unnamed: set[int] = set()    # tids seen with no label: not read again
 
     @staticmethod
     def label(tid: int, comm: str, named: dict[int, str]) -> str | None:
@@ -91,13 +92,19 @@ class ThreadCpu:
             return out
         now: dict[int, tuple[str, float]] = {}
         try:
-            for tid in map(int, os.listdir(self.task_dir)):
+            tids = set(map(int, os.listdir(self.task_dir)))
+            self._unnamed &= tids
+            for tid in tids:
+                if tid in self._unnamed and tid not in named:
+                    continue                    # in "other": its time is in the total
                 got = stat_cpu(f"{self.task_dir}/{tid}/stat")
                 if got is None:
                     continue
                 lbl = self.label(tid, got[0], named)
                 if lbl is not None:
                     now[tid] = (lbl, got[1])
+                else:
+                    self._unnamed.add(tid)
             wout = self._sample_workers(workers or {})
         except (OSError, ValueError):
             # not now (out of descriptors): the last values, nothing taken for ended
