@@ -23,13 +23,19 @@
 Requests are small GETs; every response closes the connection.  The request head is
 parsed by the sans-IO core ``protocols/http.py`` (malformed requests get 400, a head over
 8 KiB 431, counted in ``bad_requests`` by reason).
+
+Scrapes of ``/metrics`` are counted as prometheus-cpp's exposer counts them (the
+``exposer_*`` families logjam-device serves, :class:`ScrapeStats`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import ssl
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,8 +59,52 @@ Handler = Callable[[], tuple[int, str, bytes]]   # -> (status, content type, bod
 Authorize = Callable[[str, str, dict[str, str]], bool]
 
 STALE_OK = frozenset({"/metrics"})      # may be answered from the last rendering
+SCRAPES = frozenset({"/metrics"})       # counted in ScrapeStats (exposer_*)
 #: connections served on descriptors of the fd reserve while the relay is out of them
 RESERVE_CONNECTIONS = 2
+
+
+class ScrapeStats:
+    """prometheus-cpp's exposer figures for the scrapes served (``handler.cc``): after
+    each 200 answer to ``GET /metrics``, the body's bytes, one scrape, and the time from
+    the request read to the answer written, in whole microseconds.  Its latency summary
+    has the quantiles 0.5, 0.9 and 0.99 of the last ``window`` seconds (prometheus-cpp:
+    60 s, in five rotating buckets; here exact, over at most ``max_samples`` of them;
+    NaN when there was none), and a count and sum since start.  Written by the server's
+    thread, read by the collector's: under a lock."""
+
+    QUANTILES = (0.5, 0.9, 0.99)
+
+    def __init__(self, window: float = 60.0, max_samples: int = 4096, clock=time.monotonic):
+        self.window = window
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.scrapes = 0
+        self.bytes = 0
+        self.latency_count = 0
+        self.latency_sum = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=max_samples)
+
+    def observe(self, nbytes: int, micros: int) -> None:
+        with self._lock:
+            self.scrapes += 1
+            self.bytes += nbytes
+            self.latency_count += 1
+            self.latency_sum += micros
+            self._recent.append((self.clock(), micros))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            horizon = self.clock() - self.window
+            while self._recent and self._recent[0][0] < horizon:
+                self._recent.popleft()
+            values = sorted(v for _, v in self._recent)
+            snap = {"scrapes": self.scrapes, "bytes": self.bytes,
+                    "latency_count": self.latency_count, "latency_sum": self.latency_sum}
+        n = len(values)
+        snap["quantiles"] = {q: float(values[min(n - 1, max(0, math.ceil(q * n) - 1))])
+                             if n else math.nan for q in self.QUANTILES}
+        return snap
 
 
 @dataclass(eq=False)
@@ -101,6 +151,8 @@ class HTTPServer:
         self.out_of_fds = 0         # closed at accept: the relay was out of descriptors
         self.reserve_served = 0     # served on a descriptor of the fd reserve instead
         self._on_reserve = 0        # such connections open now
+        self.scrape_stats = ScrapeStats()
+        self.thread_id: int | None = None   # the server's native thread id (threaded)
 
     @property
     def open_connections(self) -> int:
@@ -137,6 +189,7 @@ class HTTPServer:
                 pass
 
         async def thread_main():
+            self.thread_id = threading.get_native_id()
             try:
                 listeners = await trio.open_tcp_listeners(self.port, host=self.host or None)
             except BaseException as e:  # noqa: BLE001 -- handed to the relay's loop
@@ -159,9 +212,10 @@ class HTTPServer:
 
         async with trio.open_nursery() as nursery:
             # its own limiter: the server's thread never takes a slot of the shared pool
+            # named for the OS too ("metrics-http": top -H, the per-thread CPU metric)
             nursery.start_soon(lambda: trio.to_thread.run_sync(
                 trio.run, thread_main, abandon_on_cancel=False,
-                limiter=trio.CapacityLimiter(1)))
+                limiter=trio.CapacityLimiter(1), thread_name="metrics-http"))
             try:
                 await started.wait()
                 if "error" in box:
@@ -313,10 +367,13 @@ class HTTPServer:
         if method not in ("GET", "HEAD"):
             await self._respond(stream, 405, "text/plain", b"GET only\n")
             return
+        t0 = time.monotonic()
         status, ctype, body, extra = await self._call(path, handler)
         with trio.move_on_after(self.header_timeout):
             await self._respond(stream, status, ctype, b"" if method == "HEAD" else body,
                                 length=len(body), extra=extra)
+            if status == 200 and method == "GET" and path in SCRAPES:
+                self.scrape_stats.observe(len(body), int((time.monotonic() - t0) * 1e6))
 
     async def _call(self, path: str, handler: Handler) -> tuple[int, str, bytes, str]:
         """Run ``handler`` on the relay's event loop (or here when not threaded)."""

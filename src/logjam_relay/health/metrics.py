@@ -1,20 +1,25 @@
 """Prometheus export of the relay's plain counters, at scrape time.
 
-logjam-device's metric names are kept exactly (``logjam:device:*``,
-``logjam:msgbus:sequence``, labelled ``device``) so existing dashboards and
-alerts keep working; the relay's own metrics are ``logjam_relay_*``.
+logjam-device's families are kept exactly (``logjam:device:*``,
+``logjam:msgbus:sequence`` and prometheus-cpp's ``exposer_*``: names, types, help
+texts, label sets, counting rules) so existing dashboards and alerts keep working
+(tests/test_device_metrics.py); the relay's own metrics are ``logjam_relay_*``.
 Components keep ints on the hot path; this collector turns them into metric
 families only when Prometheus asks.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+
+from .cpu import ThreadCpu
 
 
 def _counter(name, doc, labels=("device",)):
@@ -46,6 +51,50 @@ class RelayCollector:
     def __init__(self, relay):
         self.relay = relay
         self.extra: list = []      # more collectors: objects with collect() -> families
+        self.thread_cpu = ThreadCpu()
+
+    def _cpu(self) -> dict[str, float]:
+        """``logjam:device:cpu_seconds_total`` by ``thread`` (health/cpu.py): main and
+        compressorN as logjam-device's, then the relay's other threads and processes."""
+        r = self.relay
+        named = {getattr(r, "loop_thread_id", None) or os.getpid(): "main"}
+        pool = getattr(r, "compressors", None)
+        names = pool.names if pool is not None else \
+            [f"compressor{i}" for i in range(r.settings.compressors)]
+        tids = pool.tids if pool is not None else [0] * len(names)
+        zero = {}
+        for name, tid in zip(names, tids, strict=True):
+            if tid:
+                named[tid] = name
+            else:
+                zero[name] = 0.0            # not running (no -x): none used
+        http = getattr(r, "http", None)
+        if http is not None and getattr(http, "thread_id", None):
+            named[http.thread_id] = "metrics_http"
+        workers = {}
+        for sup in r.outputs:
+            pid = sup.stats().get("worker_pid")
+            if pid is not None:
+                workers[sup.name] = pid
+        return zero | self.thread_cpu.sample(named, workers)
+
+    def _exposer(self):
+        """prometheus-cpp's own families, as logjam-device serves them (no labels)."""
+        http = getattr(self.relay, "http", None)
+        if http is None or not hasattr(http, "scrape_stats"):
+            return
+        st = http.scrape_stats.snapshot()
+        yield _one(CounterMetricFamily, "exposer_transferred_bytes",
+                   "Transferred bytes to metrics services", [], st["bytes"])
+        yield _one(CounterMetricFamily, "exposer_scrapes", "Number of times metrics were "
+                   "scraped", [], st["scrapes"])
+        m = Metric("exposer_request_latencies", "Latencies of serving scrape requests, in "
+                   "microseconds", "summary")
+        m.add_sample("exposer_request_latencies_count", {}, st["latency_count"])
+        m.add_sample("exposer_request_latencies_sum", {}, st["latency_sum"])
+        for q, v in st["quantiles"].items():
+            m.add_sample("exposer_request_latencies", {"quantile": str(q)}, v)
+        yield m
 
     def collect(self):
         r = self.relay
@@ -56,36 +105,54 @@ class RelayCollector:
         d = str(r.settings.device_id)
         dl = [d]
 
-        # ---- logjam-device names
-        yield _one(_counter, "logjam:device:msgs_received", "messages received", dl, c.received)
-        yield _one(_counter, "logjam:device:msgs_invalid", "invalid messages dropped",
-                   dl, c.invalid)
-        yield _one(_counter, "logjam:device:msgs_received_bytes", "body bytes received",
+        # ---- logjam-device's families: names, types, help texts and labels as
+        # logjam-device 0.21.4 serves them (device-prometheus-client.cpp, measured in
+        # shared/specs/reference/logjam-device.md)
+        yield from self._exposer()
+        yield _one(_counter, "logjam:device:msgs_received",
+                   "How many logjam messages has this device received", dl, c.received)
+        yield _one(_counter, "logjam:device:msgs_invalid",
+                   "How many broken logjam messages have reached this device", dl, c.invalid)
+        yield _one(_counter, "logjam:device:msgs_received_bytes",
+                   "How many bytes of logjam messages has this device received",
                    dl, c.received_bytes)
-        yield _one(_counter, "logjam:device:msgs_compressed", "messages compressed by the relay",
-                   dl, c.compressed)
-        yield _one(_counter, "logjam:device:msgs_compressed_bytes", "bytes after compression",
+        yield _one(_counter, "logjam:device:msgs_compressed",
+                   "How many logjam messages has this device compressed", dl, c.compressed)
+        yield _one(_counter, "logjam:device:msgs_compressed_bytes",
+                   "How many bytes of logjam messages has this device compressed",
                    dl, c.compressed_bytes)
-        yield _one(_counter, "logjam:device:cpu_seconds", "CPU seconds used (user+system)",
-                   dl, r.cpu_seconds())
-        yield _one(_counter, "logjam:device:ping_count", "pings answered", dl, c.pings)
-        m = _counter("logjam:device:ping_count_by_stream", "pings by stream",
+        m = _counter("logjam:device:cpu_seconds",
+                     "Sum of user and system CPU usage per thread", ("device", "thread"))
+        for thread, seconds in self._cpu().items():
+            m.add_metric([d, thread], seconds)
+        yield m
+        yield _one(_counter, "logjam:device:ping_count",
+                   "How many ping requests this device has processed", dl, c.pings)
+        m = _counter("logjam:device:ping_count_by_stream",
+                     "How many ping requests this device has processed for a given stream",
                      ("device", "stream"))
         for stream, n in c.pings_by_stream.items():
             m.add_metric([d, stream], n)
         yield m
-        yield _one(_counter, "logjam:device:broken_meta_count", "messages with a broken meta frame",
-                   dl, c.broken_meta)
+        yield _one(_counter, "logjam:device:broken_meta_count",
+                   "How many requests with broken meta information this device has "
+                   "processed", dl, c.broken_meta)
         m = _counter("logjam:device:broken_meta_count_by_stream",
-                     "messages with a broken meta frame by stream", ("device", "stream"))
+                     "How many requests with broken meta information this device has "
+                     "processed for a given stream", ("device", "stream"))
         for stream, n in c.broken_meta_by_stream.items():
             m.add_metric([d, stream], n)
         yield m
-        yield _one(_gauge, "logjam:device:app_start_time", "start time (unix seconds)",
-                   dl, r.start_time)
-        yield _one(_gauge, "logjam:msgbus:sequence", "last sequence number used", dl, p.seq)
-        yield _one(_gauge, "logjam:device:msgs_received_max_bytes", "largest body received",
-                   dl, c.received_max_bytes)
+        # prometheus-cpp's SetToCurrentTime: whole seconds
+        yield _one(_gauge, "logjam:device:app_start_time", "Timestamp when the device started",
+                   dl, int(r.start_time))
+        m = _gauge("logjam:msgbus:sequence", "Current sequence number for the given logjam "
+                   "device", ("device", "app"))
+        m.add_metric([d, "logjam-device"], p.seq)
+        yield m
+        yield _one(_gauge, "logjam:device:msgs_received_max_bytes",
+                   "Size of the largest messge recived by this device", dl,
+                   c.max_bytes_last_second)
 
         # ---- the relay's own
         m = _counter("logjam_relay_messages", "messages by socket and outcome",

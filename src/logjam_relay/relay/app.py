@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
+import threading
 import time
 
 import trio
@@ -18,6 +18,7 @@ from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from . import ingestpass
 from .binding import bind_cause  # noqa: F401  (re-exported)
+from .compressors import CompressorPool
 from .sequence import SequenceState, StateDirError
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
 
@@ -81,7 +82,10 @@ class Relay:
         self.endpoints: dict[str, str] = {}
         method = L.COMPRESSION_BY_NAME.get(s.compress or "none", 0)
         self.compress_method = method
-        self._compress_limiter = trio.CapacityLimiter(s.compressors)
+        # -x: logjam-device's compressor threads, named compressor0.. (their CPU is
+        # exported per thread); started by run() when the relay compresses
+        self.compressors = CompressorPool(s.compressors)
+        self.loop_thread_id = threading.get_native_id()  # "main" CPU; set again by run()
 
     # ------------------------------------------------------------ life cycle
     def shutdown(self) -> None:
@@ -113,6 +117,7 @@ class Relay:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
+        self.loop_thread_id = threading.get_native_id()
         self.acquire_state()
         spool_last = self.spool.last_sequence() if self.spool is not None else None
         try:
@@ -129,6 +134,8 @@ class Relay:
                                      fqdn=self.fqdn.encode(), allow_invalid_meta=s.allow_invalid_meta,
                                      compress_method=self.compress_method)
             self.sequence_state.reserve(self.pipeline.seq)
+            if self.compress_method:
+                self.compressors.start()
             stats_sock = self._bind(zmq.XPUB, "stats_port",
                                     {zmq.SNDHWM: 1000, **zmq_trio.xpub_options()}) \
                 if s.stats_port else None
@@ -299,6 +306,7 @@ class Relay:
 
     def _close(self) -> None:
         p = self.pipeline
+        self.compressors.close()
         if self.spool is not None:
             try:
                 self.spool.close()          # persists every output's cursor
@@ -479,8 +487,7 @@ class Relay:
         n = len(idx)
         workers = min(self.settings.compressors, max(1, n // 128))
         if workers == 1:
-            await trio.to_thread.run_sync(p.compress_in_place, acc, idx,
-                                          limiter=self._compress_limiter)
+            await self.compressors.run(p.compress_in_place, acc, idx)
         else:
             step = math.ceil(n / workers)
             async with trio.open_nursery() as nursery:
@@ -489,8 +496,7 @@ class Relay:
         p.count_compressed(acc, idx)
 
     async def _compress_chunk(self, acc, idx, start, stop) -> None:
-        await trio.to_thread.run_sync(self.pipeline.compress_in_place, acc, idx, start, stop,
-                                      limiter=self._compress_limiter)
+        await self.compressors.run(self.pipeline.compress_in_place, acc, idx, start, stop)
 
     async def _drain_final(self, router, pull) -> None:
         """After ingest stopped: take what is already queued in the sockets, then stop."""
@@ -544,6 +550,9 @@ class Relay:
                 next_st += st_every
                 if next_st < t:
                     next_st = t + st_every
+                # logjam-device's timer: msgs_received_max_bytes is the largest body of
+                # the tick that ends (stats_interval, 1 s by default: 0 when idle)
+                p.counters.roll_max()
                 if stats_sock is not None:
                     try:
                         zmq_trio.send_multipart_nowait(stats_sock,
@@ -601,10 +610,6 @@ class Relay:
         if paused:
             problems.append(paused)             # ingress paused: spool or disk full
         return problems
-
-    def cpu_seconds(self) -> float:
-        t = os.times()
-        return t.user + t.system
 
     def stats(self) -> dict:
         p = self.pipeline

@@ -51,30 +51,38 @@ _stamp = _load_stamp()
 log = RateLimitedLog(logging.getLogger("logjam_relay.ingest"))
 
 _ZERO8 = b"\0" * 8
+_MAX_LABELS = 1000  # bound label cardinality of per-stream counters
 _TAGS = (b"\xca\xbd", b"\xbd\xca")
 _EMPTY = b""
 
 
 class Counters:
-    """Plain counters read by the metrics collector at scrape time."""
+    """Plain counters read by the metrics collector at scrape time.
 
-    __slots__ = ("received", "received_bytes", "received_max_bytes", "published", "invalid",
-                 "invalid_by_reason", "broken_meta", "broken_meta_by_stream", "pings",
-                 "pings_by_stream", "bad_pings", "replies_202", "replies_400", "compressed",
-                 "compressed_bytes", "compress_errors", "router", "pull", "legacy")
+    ``invalid``, ``broken_meta*`` and ``pings*`` count as logjam-device counts
+    (:meth:`Pipeline._slow`); ``received_max_bytes`` is the largest body since the last
+    :meth:`roll_max` (the relay's stats tick, 1 s), ``max_bytes_last_second`` the
+    largest of the tick before: logjam-device's ``msgs_received_max_bytes``."""
+
+    __slots__ = ("received", "received_bytes", "received_max_bytes", "max_bytes_last_second",
+                 "published", "invalid", "invalid_by_reason", "broken_meta",
+                 "broken_meta_by_stream", "pings", "pings_by_stream", "bad_pings",
+                 "replies_202", "replies_400", "compressed", "compressed_bytes",
+                 "compress_errors", "router", "pull", "legacy")
 
     def __init__(self):
         self.received = 0           # valid data messages accepted
         self.received_bytes = 0     # their body bytes (as received)
-        self.received_max_bytes = 0
+        self.received_max_bytes = 0     # the largest since the last roll_max()
+        self.max_bytes_last_second = 0  # the largest of the last tick (0 when idle)
         self.published = 0
         self.invalid = 0
         self.invalid_by_reason: Counter[str] = Counter()
         self.broken_meta = 0
         self.broken_meta_by_stream: Counter[str] = Counter()
-        self.pings = 0
+        self.pings = 0              # pings that asked for a reply (logjam-device's count)
         self.pings_by_stream: Counter[str] = Counter()
-        self.bad_pings = 0
+        self.bad_pings = 0          # of those, answered 400
         self.replies_202 = 0
         self.replies_400 = 0
         self.compressed = 0
@@ -90,9 +98,22 @@ class Counters:
         if max_bytes > self.received_max_bytes:
             self.received_max_bytes = max_bytes
 
+    def roll_max(self) -> None:
+        """The stats tick: the largest body of the tick that ends becomes the gauge, and
+        the next tick starts from 0 (logjam-device's timer does the same every second)."""
+        self.max_bytes_last_second = self.received_max_bytes
+        self.received_max_bytes = 0
 
-_BROKEN_META = frozenset({"meta_size", "meta_tag", "meta_version"})
-_MAX_LABELS = 1000  # bound label cardinality of per-stream counters
+    def count_invalid(self, reason: str) -> None:
+        self.invalid += 1
+        self.invalid_by_reason[reason] += 1
+
+    def count_broken_meta(self, stream: str) -> None:
+        self.broken_meta += 1
+        if len(self.broken_meta_by_stream) < _MAX_LABELS or stream in self.broken_meta_by_stream:
+            self.broken_meta_by_stream[stream] += 1
+
+
 
 
 def safe_label(b: bytes) -> str:
@@ -107,6 +128,18 @@ def _label(b: bytes | None) -> str:
     if not b:
         return "unknown-unknown"
     return b[:80].decode("ascii", "replace")
+
+
+def _broken_meta(frames: list[bytes], router: bool) -> tuple[str, bytes] | None:
+    """``(reason, first frame)`` when the message has as many frames as logjam-device
+    wants (4 on PULL; 4 after the empty frame of a ROUTER request, 4 without it) and the
+    last one, its meta frame, does not decode: the device then counts a broken meta under
+    the message's first frame (``ping`` for a ping).  ``frames`` without the routing id."""
+    k = 1 if router and frames and frames[0] == _EMPTY else 0
+    if len(frames) != 4 + k:
+        return None
+    why = L.meta_problem(frames[-1])
+    return None if why is None else (why, frames[k])
 
 
 class Pipeline:
@@ -247,15 +280,30 @@ class Pipeline:
 
     def _slow(self, frames: list[bytes], ident: bytes | None, acc: list[tuple],
               replies: list[list[bytes]] | None = None) -> None:
-        """Everything off the fast path: first sight of a stream, legacy, pings, errors."""
+        """Everything off the fast path: first sight of a stream, legacy, pings, errors.
+
+        Counted as logjam-device 0.21.4 counts (``read_router_message_and_forward`` and
+        ``read_zmq_message_and_forward`` in logjam-device.c; the probe of
+        shared/specs/reference/logjam-device.md): a ping counts in ``pings`` (and by the
+        stream it names, when it names one) only when it asks for a reply; a bad ping
+        (not 4 frames after ``ping``, or a broken meta) is invalid too; a message whose
+        meta frame is where the device reads it (the full frame count) and does not
+        decode counts as broken meta under its first frame (``ping`` for a ping), whatever
+        else is wrong with it, and as invalid -- also when ``allow_invalid_meta`` then
+        accepts it."""
         c = self.counters
-        if ident is None:
-            ev = L.classify_pull(frames, validator=self.validator,
-                                 allow_invalid_meta=self.allow_invalid_meta)
-        else:
+        router = ident is not None
+        if router:
             ev = L.classify_router(frames, self.fqdn, validator=self.validator,
                                    allow_invalid_meta=self.allow_invalid_meta)
+        else:
+            ev = L.classify_pull(frames, validator=self.validator,
+                                 allow_invalid_meta=self.allow_invalid_meta)
+        broken = _broken_meta(frames, router)
         if isinstance(ev, L.Data):
+            if broken is not None:              # allow_invalid_meta took it anyway
+                c.count_invalid(broken[0])
+                c.count_broken_meta(_label(broken[1]))
             if ev.meta is None:
                 c.legacy += 1
                 acc.append((ev.app_env, ev.topic, ev.body, 0, _ZERO8))
@@ -271,28 +319,38 @@ class Pipeline:
                 c.replies_202 += 1
             return
         if isinstance(ev, L.Ping):
-            c.pings += 1
-            if len(c.pings_by_stream) < _MAX_LABELS or _label(ev.app_env) in c.pings_by_stream:
-                c.pings_by_stream[_label(ev.app_env)] += 1
-            if not ev.valid:
-                c.bad_pings += 1
             if ev.reply is not None:
+                c.pings += 1
+                if ev.app_env is not None:      # the stream frame is there
+                    lbl = _label(ev.app_env)
+                    if len(c.pings_by_stream) < _MAX_LABELS or lbl in c.pings_by_stream:
+                        c.pings_by_stream[lbl] += 1
                 replies.append([ident, *ev.reply])
                 if not ev.valid:
+                    c.bad_pings += 1
                     c.replies_400 += 1
+            if broken is not None:
+                c.count_broken_meta(_label(broken[1]))
+            if not ev.valid:
+                reason = "ping_" + (broken[0] if broken is not None else "frame_count")
+                c.count_invalid(reason)
+                log.warning(reason, "invalid ping (%s) from %s: %d frames", reason,
+                            _label(ev.app_env), len(frames))
             return
-        # Invalid
-        c.invalid += 1
-        c.invalid_by_reason[ev.reason] += 1
-        if ev.reason in _BROKEN_META:
-            c.broken_meta += 1
-            lbl = _label(ev.app_env)
-            if len(c.broken_meta_by_stream) < _MAX_LABELS or lbl in c.broken_meta_by_stream:
-                c.broken_meta_by_stream[lbl] += 1
+        # Invalid: the device checks the frame count, then the meta, then the stream name
+        # and the topic; with allow_invalid_meta a broken meta counts and the checks go on
+        reason = ev.reason
+        if broken is not None:
+            c.count_broken_meta(_label(broken[1]))
+            if self.allow_invalid_meta:
+                c.count_invalid(broken[0])
+            else:
+                reason = broken[0]
+        c.count_invalid(reason)
         if ev.reply is not None:
             replies.append([ident, *ev.reply])
             c.replies_400 += 1
-        log.warning(ev.reason, "invalid message (%s) from %s: %d frames", ev.reason,
+        log.warning(reason, "invalid message (%s) from %s: %d frames", reason,
                     _label(ev.app_env), len(frames))
 
     def drop_oversize(self, batch: list[list[bytes]], is_router: bool,
