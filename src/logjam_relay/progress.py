@@ -58,7 +58,7 @@ class Progress:
                note: str | None = None, force: bool = False) -> None:
         """New figures; redrawn when ``interval`` has passed since the last draw (the first
         update is always drawn), or with ``force``."""
-        if not self.enabled:
+        if not self.enabled or self._closed:
             return
         with self._lock:
             if done is not None:
@@ -124,7 +124,7 @@ class Progress:
             return
         self.update(force=True)
         self.clear()
-        self._closed = True
+        self._closed = True         # later updates draw nothing
 
     def __enter__(self) -> Progress:
         return self

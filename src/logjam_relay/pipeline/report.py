@@ -209,7 +209,7 @@ def summary_html(d: dict) -> str:
              "last-minute": minute_label(s["last_minute_ms"]), "minutes": s["minutes"],
              "requests": s["requests"], "apps": s["apps"], "app-envs": s["app_envs"],
              "worst-p99": repr(w["p99"]) if w else "", "loss": "yes" if s["loss"] else "no",
-             "missing": s["missing"], "http-5xx": s["http_5xx"],
+             "missing": s["missing"], "http5xx": s["http_5xx"],
              "exceptions": s["exceptions"]}
     a = " ".join(f'data-{k}="{_e(v)}"' for k, v in attrs.items())
     loss = (f'<b class="bad">loss: yes</b>, {s["missing"]:,} sequence numbers missing on '
