@@ -187,7 +187,7 @@ def test_report_is_one_self_contained_file(report, data):
     # scripts' text aside), and a policy forbidding the page any connection (the browser
     # test below sees no request but the file)
     markup = re.sub(r"(?s)(<script[^>]*>).*?</script>", r"\1</script>", page)
-    assert markup.count("<script") == 3                      # bundle, specs, start-up
+    assert markup.count("<script") == 4                      # bundle, specs, data, start-up
     assert not re.search(r"<(script|link|img|iframe|object|embed)[^>]*\s(src|href)=",
                          markup, re.I)
     assert "@import" not in markup and "url(" not in markup
@@ -357,6 +357,28 @@ def test_menu_switches_the_action(page, tables):
     page.evaluate(f"(() => {{ const s = document.getElementById('series'); "
                   f"s.value = {json.dumps(options[0])}; "
                   "s.dispatchEvent(new Event('change')); return true; })()")
+    assert page.console_errors() == []
+
+
+def test_time_axis_zooms_with_the_wheel(page):
+    """The mouse wheel over a chart zooms its time axis (a double click resets it)."""
+    page.evaluate("document.getElementById('chart-requests').scrollIntoView(); true")
+    box = page.evaluate("(() => { const r = document.querySelector('#chart-requests svg')"
+                        ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()")
+    before = page.evaluate("window.reportViews.requests.scale('x').domain().map(Number)")
+    x, y = box[0] + box[2] / 2, box[1] + box[3] / 2
+    page.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x, "y": y})
+    page.send("Input.dispatchMouseEvent", {"type": "mouseWheel", "x": x, "y": y,
+                                           "deltaX": 0, "deltaY": -400})
+    after = page.wait_for("(() => { const d = window.reportViews.requests.scale('x').domain()"
+                          f".map(Number); return d[1] - d[0] < {before[1] - before[0]} && d; }})()")
+    assert before[0] <= after[0] < after[1] <= before[1]
+    page.send("Input.dispatchMouseEvent", {"type": "mousePressed", "x": x, "y": y,
+                                           "button": "left", "clickCount": 2})
+    page.send("Input.dispatchMouseEvent", {"type": "mouseReleased", "x": x, "y": y,
+                                           "button": "left", "clickCount": 2})
+    page.wait_for("(() => { const d = window.reportViews.requests.scale('x').domain()"
+                  f".map(Number); return d[0] === {before[0]} && d[1] === {before[1]}; }})()")
     assert page.console_errors() == []
 
 

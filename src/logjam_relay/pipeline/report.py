@@ -76,92 +76,116 @@ def _tooltip(*fields) -> list[dict]:
     return out
 
 
-def _labelled(rows: list[dict]) -> list[dict]:
-    return [{**r, "minute": minute_label(r["minute_ms"])} for r in rows]
+#: the minute as a person reads it, for the tooltips (computed in the page: no copy of it
+#: in the data)
+_MINUTE = {"calculate": "utcFormat(datum.minute_ms, '%Y-%m-%d %H:%M')", "as": "minute"}
 
 
-def _line(x: dict, name: str, rows, y: dict, color: dict, tooltip, height=220):
+#: the time axis zooms (mouse wheel) and pans (drag); a double click resets it
+_ZOOM = {"name": "zoom", "select": {"type": "interval", "encodings": ["x"]}, "bind": "scales"}
+
+
+def _spec(name: str, height: int, params=(), **kw) -> dict:
+    """A single-view spec whose data set ``name`` the page fills in (:func:`pack`)."""
     return {"$schema": VEGA_LITE_SCHEMA, "width": "container", "height": height,
-            "data": {"name": name, "values": rows},
-            "mark": {"type": "line", "point": len(rows) <= MAX_POINTS, "strokeWidth": 1.5},
-            "encoding": {"x": x, "y": y, "color": color, "tooltip": tooltip}}
+            "data": {"name": name}, "params": [*params, _ZOOM], **kw}
 
 
-def _bars(x: dict, name: str, rows, y: str, title: str, color: dict, tooltip, height=180):
-    return {"$schema": VEGA_LITE_SCHEMA, "width": "container", "height": height,
-            "data": {"name": name, "values": rows},
-            "mark": {"type": "bar"},
-            "encoding": {"x": {**x, "timeUnit": "utcyearmonthdatehoursminutes"},
-                         "y": {"field": y, "type": "quantitative", "title": title,
-                               "stack": "zero"},
-                         "color": color, "tooltip": tooltip}}
+def _line(x: dict, name: str, n: int, y: dict, color: dict, tooltip, height=220):
+    return _spec(name, height, transform=[_MINUTE],
+                 mark={"type": "line", "point": n <= MAX_POINTS, "strokeWidth": 1.5},
+                 encoding={"x": x, "y": y, "color": color, "tooltip": tooltip})
 
 
-def chart_specs(d: dict) -> dict[str, dict]:
-    """Name -> Vega-Lite spec of every chart with data (the name is also the data set's)."""
-    specs = {}
+def _bars(x: dict, name: str, y: str, title: str, color: dict, tooltip, height=180,
+          transform=()):
+    return _spec(name, height, transform=[_MINUTE, *transform], mark={"type": "bar"},
+                 encoding={"x": {**x, "timeUnit": "utcyearmonthdatehoursminutes"},
+                           "y": {"field": y, "type": "quantitative", "title": title,
+                                 "stack": "zero"},
+                           "color": color, "tooltip": tooltip})
+
+
+def chart_specs(d: dict) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    """(name -> Vega-Lite spec, name -> its rows) of every chart with data; the name is
+    also the data set's (``view.data(name)`` in the page)."""
+    specs, data = {}, {}
     legend = {"orient": "top", "title": None, "labelLimit": 320}
     s = d["summary"]
     long = s["first_minute_ms"] is not None and \
         s["last_minute_ms"] - s["first_minute_ms"] >= 86_400_000
     x = _x("%b %d %H:%M" if long else "%H:%M")
     if d["requests"]:
-        rows = _labelled(d["requests"])
+        data["requests"] = d["requests"]
         specs["requests"] = _line(
-            x, "requests", rows, {"field": "requests", "type": "quantitative",
-                               "title": "requests per minute"},
+            x, "requests", len(d["requests"]),
+            {"field": "requests", "type": "quantitative", "title": "requests per minute"},
             {"field": "app_env", "type": "nominal", "legend": legend},
             _tooltip({"field": "app_env", "title": "app-env"}, "requests", "http_5xx"))
     if d["latency"]:
         first = d["series"][0]
-        rows = _labelled(d["latency"])
-        specs["latency"] = {
-            "$schema": VEGA_LITE_SCHEMA, "width": "container", "height": 240,
-            "params": [{"name": "series", "value": first}],
-            "data": {"name": "latency", "values": rows},
-            "transform": [{"filter": "datum.series == series"},
-                          {"fold": ["p50", "p95", "p99"], "as": ["percentile", "ms"]}],
-            "mark": {"type": "line", "point": True, "strokeWidth": 1.5},
-            "encoding": {
+        data["latency"] = data["apdex"] = d["latency"]
+        specs["latency"] = _spec(
+            "latency", 240, params=[{"name": "series", "value": first}],
+            transform=[{"filter": "datum.series == series"}, _MINUTE,
+                       {"fold": ["p50", "p95", "p99"], "as": ["percentile", "ms"]}],
+            mark={"type": "line", "point": True, "strokeWidth": 1.5},
+            encoding={
                 "x": x, "y": {"field": "ms", "type": "quantitative",
-                                 "title": "total_time (ms)"},
+                              "title": "total_time (ms)"},
                 "color": {"field": "percentile", "type": "nominal", "legend": legend,
                           "scale": {"domain": ["p50", "p95", "p99"],
                                     "range": ["#4c78a8", "#f58518", "#e45756"]}},
                 "tooltip": _tooltip({"field": "percentile"},
                                     {"field": "ms", "type": "quantitative",
-                                     "format": ",.1f", "title": "ms"}, "requests")}}
-        specs["apdex"] = {
-            "$schema": VEGA_LITE_SCHEMA, "width": "container", "height": 130,
-            "params": [{"name": "series", "value": first}],
-            "data": {"name": "apdex", "values": rows},
-            "transform": [{"filter": "datum.series == series && datum.apdex != null"}],
-            "mark": {"type": "line", "point": True, "strokeWidth": 1.5, "color": "#54a24b"},
-            "encoding": {"x": x, "y": {"field": "apdex", "type": "quantitative",
-                                          "scale": {"domain": [0, 1]}, "title": "apdex"},
-                         "tooltip": _tooltip({"field": "apdex", "type": "quantitative",
-                                              "format": ".3f"}, "requests")}}
-    errors = [r for r in _labelled(d["requests"]) if r["http_5xx"]]
+                                     "format": ",.1f", "title": "ms"}, "requests")})
+        specs["apdex"] = _spec(
+            "apdex", 130, params=[{"name": "series", "value": first}],
+            transform=[{"filter": "datum.series == series && datum.apdex != null"},
+                       _MINUTE],
+            mark={"type": "line", "point": True, "strokeWidth": 1.5, "color": "#54a24b"},
+            encoding={"x": x, "y": {"field": "apdex", "type": "quantitative",
+                                    "scale": {"domain": [0, 1]}, "title": "apdex"},
+                      "tooltip": _tooltip({"field": "apdex", "type": "quantitative",
+                                           "format": ".3f"}, "requests")})
+    errors = [r for r in d["requests"] if r["http_5xx"]]
     if errors:
+        data["http_5xx"] = errors
         specs["http_5xx"] = _bars(
-            x, "http_5xx", errors, "http_5xx", "HTTP 5xx per minute",
+            x, "http_5xx", "http_5xx", "HTTP 5xx per minute",
             {"field": "app_env", "type": "nominal", "legend": legend},
             _tooltip({"field": "app_env", "title": "app-env"}, "http_5xx", "requests"))
     if d["exceptions"]:
+        data["exceptions"] = d["exceptions"]
         specs["exceptions"] = _bars(
-            x, "exceptions", _labelled(d["exceptions"]), "count", "exceptions per minute",
+            x, "exceptions", "count", "exceptions per minute",
             {"field": "exception", "type": "nominal", "legend": legend},
             _tooltip({"field": "exception"}, "count"))
     if d["gap_minutes"]:
-        rows = [{**r, "device_name": f"device {r['device']}"}
-                for r in _labelled(d["gap_minutes"])]
+        data["loss"] = d["gap_minutes"]
         specs["loss"] = _bars(
-            x, "loss", rows, "missing", "missing sequence numbers",
+            x, "loss", "missing", "missing sequence numbers",
             {"field": "device_name", "type": "nominal", "legend": legend},
             _tooltip({"field": "device_name", "title": "device"}, "missing", "received",
                      {"field": "first_sequence", "title": "lowest number"},
-                     {"field": "last_sequence", "title": "highest number"}))
-    return specs
+                     {"field": "last_sequence", "title": "highest number"}),
+            transform=[{"calculate": "'device ' + datum.device", "as": "device_name"}])
+    return specs, data
+
+
+def pack(rows: list[dict]) -> dict:
+    """Rows as columns of the page's data (the page rebuilds the rows): the keys once, and
+    each string column as indexes into its distinct values."""
+    cols = list(rows[0]) if rows else []
+    dicts: dict[str, list] = {}
+    index: dict[str, dict] = {}
+    for c in cols:
+        vals = {r[c] for r in rows}
+        if all(isinstance(v, str) for v in vals):
+            dicts[c] = sorted(vals)
+            index[c] = {v: i for i, v in enumerate(dicts[c])}
+    return {"columns": cols, "dicts": dicts,
+            "rows": [[index[c][r[c]] if c in index else r[c] for c in cols] for r in rows]}
 
 
 # ------------------------------------------------------------------------------ HTML
@@ -333,6 +357,18 @@ nav a{color:#b8c0cf;margin-right:14px;font-size:12px}
 SCRIPT = """
 (function () {
   const specs = JSON.parse(document.getElementById("specs").textContent);
+  const data = JSON.parse(document.getElementById("data").textContent);
+  function unpack(p) {
+    return p.rows.map(function (r) {
+      const o = {};
+      p.columns.forEach(function (c, i) { const d = p.dicts[c]; o[c] = d ? d[r[i]] : r[i]; });
+      return o;
+    });
+  }
+  Object.keys(specs).forEach(function (name) {
+    const p = data[name];
+    specs[name].data.values = unpack(p.same ? data[p.same] : p);
+  });
   const opts = {renderer: "svg", actions: false};
   window.reportViews = {};
   const jobs = Object.keys(specs).map(function (name) {
@@ -365,12 +401,18 @@ def _chart(name: str, specs: dict, empty: str) -> str:
 
 def render(d: dict, bundle: str, generated: str | None = None) -> str:
     """The whole page."""
-    specs = chart_specs(d)
+    specs, data = chart_specs(d)
     s = d["summary"]
     span = (f"{minute_label(s['first_minute_ms'])} → {minute_label(s['last_minute_ms'])} UTC"
             if s["first_minute_ms"] is not None else "no data")
     generated = generated or time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    spec_json = json.dumps(specs, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    def js(x) -> str:
+        return json.dumps(x, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+
+    packed, seen = {}, {}
+    for name, rows in data.items():     # latency and apdex share their rows: once
+        packed[name] = {"same": seen[id(rows)]} if id(rows) in seen else pack(rows)
+        seen.setdefault(id(rows), name)
     options = "".join(f'<option value="{_e(n)}">{_e(n)}</option>' for n in d["series"])
     missing = (f'<p class="note">Not in {_e(d["tables_dir"])}: '
                f'{_e(", ".join(d["missing_tables"]))}.</p>' if d["missing_tables"] else "")
@@ -408,7 +450,8 @@ minute's totals over all app-envs.</p>{worst_html(d)}</section>
 <style>{STYLE}</style>
 <script>{bundle}</script>
 </head><body>{body}
-<script type="application/json" id="specs">{spec_json}</script>
+<script type="application/json" id="specs">{js(specs)}</script>
+<script type="application/json" id="data">{js(packed)}</script>
 <script>{SCRIPT}</script>
 </body></html>
 """

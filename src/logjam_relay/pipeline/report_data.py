@@ -157,11 +157,11 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
 
     # requests and HTTP errors per minute and app-env (exact sums)
     per_app = _group(req, ["minute_ms", "app", "env"],
-                     [("count", "sum"), ("http_4xx", "sum"), ("http_5xx", "sum")],
+                     [("count", "sum"), ("http_5xx", "sum")],
                      [("minute_ms", "ascending"), ("app", "ascending"), ("env", "ascending")])
     requests = [{"minute_ms": r["minute_ms"], "app_env": _app_env(r["app"], r["env"]),
-                 "requests": r["count_sum"], "http_4xx": r["http_4xx_sum"],
-                 "http_5xx": r["http_5xx_sum"]} for r in per_app]
+                 "requests": r["count_sum"], "http_5xx": r["http_5xx_sum"]}
+                for r in per_app]
 
     # the busiest (app, env, action) series, with their per-minute percentiles and apdex
     totals = _group(req, ["app", "env", "action"], [("count", "sum")],
@@ -173,14 +173,14 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
         keys = {(r["app"], r["env"], r["action"]): n for r, n in
                 zip(totals, series_names, strict=True)}
         for r in req.select(["minute_ms", "app", "env", "action", "count", "total_time_p50",
-                             "total_time_p95", "total_time_p99", "total_time_max", "apdex"]
+                             "total_time_p95", "total_time_p99", "apdex"]
                             ).to_pylist():
             name = keys.get((r["app"], r["env"], r["action"]))
             if name is not None:
                 latency.append({"series": name, "minute_ms": r["minute_ms"],
                                 "requests": r["count"], "p50": r["total_time_p50"],
                                 "p95": r["total_time_p95"], "p99": r["total_time_p99"],
-                                "max": r["total_time_max"], "apdex": r["apdex"]})
+                                "apdex": r["apdex"]})
         order = {n: i for i, n in enumerate(series_names)}
         latency.sort(key=lambda r: (order[r["series"]], r["minute_ms"]))
 
