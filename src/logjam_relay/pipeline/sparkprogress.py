@@ -1,5 +1,7 @@
-"""Progress of ``pipeline stats`` on a terminal: the current step (the command's last log
-line) and the Spark stages that run, polled from Spark's status tracker by a thread.
+"""Progress of ``pipeline stats`` on a terminal: the Spark stages that run (tasks done of
+all), polled from Spark's status tracker by a thread, else the command's last log line.
+Nothing is drawn before the session is up: the JVM writes its start-up lines to the same
+terminal.
 
 Nothing is drawn when standard error is not a terminal (:class:`..progress.Progress`), and
 then no thread is started either.  Spark's own console progress bar is turned off by the
@@ -28,8 +30,9 @@ class SparkProgress:
         """Print a log line (stdout) without mixing it with the progress line, and make it
         the step shown."""
         self.progress.print(msg)
-        self.step = msg.split("] ", 1)[-1]
-        self.progress.update(note=self.step)
+        self.step = msg.split("] ", 1)[-1].strip()
+        if self._thread is not None:
+            self.progress.update(note=self.step)
 
     def attach(self, sc) -> None:
         """Start polling the stages of a SparkContext."""
@@ -54,7 +57,7 @@ class SparkProgress:
                 stages = self._stages()
             except Exception:       # the context is stopping: keep the last line
                 stages = ""
-            self.progress.update(note=" · ".join(x for x in (self.step, stages) if x))
+            self.progress.update(note=stages or self.step)
 
     def stop(self) -> None:
         """Stop polling (before the SparkContext stops)."""
