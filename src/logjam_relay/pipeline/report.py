@@ -419,8 +419,8 @@ def render(d: dict, bundle: str, generated: str | None = None) -> str:
     body = f"""
 <header><h1>logjam-relay report · {_e(span)}</h1>
 <p>tables {_e(d["tables_dir"])} · generated {_e(generated)} ·
-<nav style="display:inline"><a href="#requests">requests</a><a href="#latency">latency</a>
-<a href="#errors">errors</a><a href="#worst">worst minutes</a><a href="#loss">loss</a></nav></p>
+<nav style="display:inline"><a href="#requests">requests</a><a href="#latency">latency</a><a
+href="#errors">errors</a><a href="#worst">worst minutes</a><a href="#loss">loss</a></nav></p>
 </header>
 <main>
 {summary_html(d)}{missing}
