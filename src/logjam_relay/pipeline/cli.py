@@ -3,6 +3,7 @@
     logjam-relay pipeline stats --input ARCHIVE --output OUT [--master local[*]]
     logjam-relay pipeline stats --input ARCHIVE --output OUT --stream --checkpoint CKPT
                                 [--available-now] [--trigger-interval 10s]
+    logjam-relay pipeline report --tables OUT [--archive ARCHIVE] REPORT.html
 
 Also runnable as ``spark-submit -m``-style module: ``python -m logjam_relay.pipeline.cli
 stats ...`` or ``spark-submit src/logjam_relay/pipeline/cli.py stats ...`` (``--master`` is
@@ -157,7 +158,23 @@ def _parser() -> argparse.ArgumentParser:
                          "and mapped by later ones (about half the JVM's start-up; "
                          "120-200 MB): auto = $XDG_CACHE_HOME/logjam-relay/jvm or "
                          "~/.cache/logjam-relay/jvm, off = none")
+    st.add_argument("--report", metavar="FILE.html",
+                    help="then write the report of the tables (as `pipeline report`); "
+                         "batch runs and --stream --available-now")
     st.add_argument("-q", "--quiet", action="store_true", help="only the summary")
+    rp = sub.add_parser("report", help="one self-contained HTML file of charts from the "
+                                       "tables of `pipeline stats` (no Spark needed)")
+    rp.add_argument("html", metavar="FILE.html", help="the report to write")
+    rp.add_argument("--tables", required=True, metavar="DIR",
+                    help="the output directory of `pipeline stats`")
+    rp.add_argument("--archive", metavar="DIR",
+                    help="the archive the tables were made from: list the exact missing "
+                         "sequence numbers (a walk of its meta frames)")
+    rp.add_argument("--from", dest="start", metavar="TIME",
+                    help="first minute (ISO-8601, UTC unless an offset is given)")
+    rp.add_argument("--to", dest="end", metavar="TIME", help="end (exclusive)")
+    rp.add_argument("--last", metavar="DURATION",
+                    help="only the last DURATION of the tables (e.g. 6h)")
     return ap
 
 
@@ -168,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "package":
         print(package_zip(a.zip))
         return 0
+    if a.command == "report":       # pyarrow and vl-convert only: no Spark, no JVM
+        from .report import main as report_main
+        return report_main(a)
     if a.command == "jar":
         os.environ.update(ensure_java())
         from .jvmreader import BuildError, build_jar
@@ -186,6 +206,16 @@ def main(argv: list[str] | None = None) -> int:
         conf[k.strip()] = v
     if a.stream and not a.checkpoint:
         ap.error("--stream needs --checkpoint DIR")
+    if a.report:
+        if a.stream and not a.available_now:
+            ap.error("--report needs a run that ends: a batch run or --stream "
+                     "--available-now (else run `pipeline report` on the tables)")
+        from .report import ReportError, javascript_bundle
+        try:
+            javascript_bundle()         # before Spark: the extra is missing, say so now
+        except ReportError as e:
+            print(f"logjam-relay pipeline: --report: {e}", file=sys.stderr)
+            return 2
     if not os.path.isdir(a.input):
         print(f"logjam-relay pipeline: input {a.input} is not a directory", file=sys.stderr)
         return 2
@@ -211,9 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         # re-planning only adds jobs and planning time
         conf.setdefault("spark.sql.adaptive.enabled", "false")
 
+    # a progress line on stderr when it is a terminal (Spark's own bar off: it also wrote
+    # to pipes and files)
+    conf.setdefault("spark.ui.showConsoleProgress", "false")
+    from .sparkprogress import SparkProgress
+    progress = SparkProgress(stream=None if not a.quiet else _Null())
+
     def log(msg: str) -> None:
         if not a.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+            progress.log(f"[{time.strftime('%H:%M:%S')}] {msg}")
 
     t0 = time.perf_counter()
     archive = _class_archive(a.jvm_cache, conf, launching, log)
@@ -225,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         spark = make_session(master, extra_conf=conf, ship=ship, datasource=a.stream,
                              jvm_reader=False)
     except JavaNotFound as e:
+        progress.close()
         print(f"logjam-relay pipeline: {e}", file=sys.stderr)
         return 2
+    progress.attach(spark.sparkContext)
     from .datasource import LateSegment
     from .stats import run_batch, run_stream
     try:
@@ -238,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             s = run_batch(spark, a.input, a.output, a.apdex_ms, log=log)
     except Exception as e:
+        progress.close()
         msg = str(e)
         if LateSegment.MARK in msg:       # refused: one line, exit status 2
             line = msg[msg.index(LateSegment.MARK):].splitlines()[0]
@@ -245,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     finally:
+        progress.stop()
         spark.stop()
         if launching:
             from .jvmcache import wait_for_jvm_exit
@@ -260,9 +300,25 @@ def main(argv: list[str] | None = None) -> int:
     if "bad_records" in s:
         extra = (f" ({s['bad_records']} undecodable, {s['corrupt_segments']} corrupt regions,"
                  f" {s['bad_json']} not JSON)")
+    progress.close()
     print(f"summary: rows in {s['rows_in']}{extra}, rows out {s['rows_out']} [{parts}], "
           f"time {dt:.1f} s", flush=True)
+    if a.report:
+        from .report import ReportError, summary_line, write_report
+        try:
+            r = write_report(a.output, a.report, archive=a.input)
+        except (ReportError, OSError) as e:
+            print(f"logjam-relay pipeline: --report: {e}", file=sys.stderr)
+            return 1
+        print(summary_line(r), flush=True)
     return 0
+
+
+class _Null:
+    """A stream that is not a terminal (-q: no progress line)."""
+
+    def isatty(self) -> bool:
+        return False
 
 
 if __name__ == "__main__":

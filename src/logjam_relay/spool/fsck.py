@@ -61,13 +61,16 @@ def scan_damage(path: str, limit: int, first_seq: int, end_seq: int) -> list[tup
     return out
 
 
-def check(directory: str) -> tuple[list[str], int]:
-    """Report lines and the number of problems, without changing anything."""
+def check(directory: str, progress=None) -> tuple[list[str], int]:
+    """Report lines and the number of problems, without changing anything;
+    ``progress(files_done, files, name)`` is called before each file."""
     lines: list[str] = []
     problems = 0
     names = sorted(os.listdir(directory))
     segs = []
-    for fn in names:
+    for i, fn in enumerate(names):
+        if progress is not None:
+            progress(i, len(names), fn)
         parsed = fmt.parse_segment_name(fn)
         if parsed is None:
             if fn.endswith(".corrupt"):
@@ -114,6 +117,8 @@ def check(directory: str) -> tuple[list[str], int]:
                      f"({readable} readable records)" +
                      ("; " + "; ".join(notes) if notes else ": ok"))
         segs.append((segno, h.first_seq, end_seq))
+    if progress is not None:
+        progress(len(names), len(names), "")
     for (a_no, _a_lo, a_hi), (b_no, b_lo, _b_hi) in zip(segs, segs[1:], strict=False):
         if b_lo > a_hi:
             problems += 1
@@ -223,8 +228,10 @@ def main(argv: list[str]) -> int:
     if not os.path.isdir(d):
         print(f"spool fsck: {d}: not a directory", file=sys.stderr)
         return 2
+    from ..progress import Progress
     try:
-        lines, problems = check(d)
+        with Progress("spool fsck", unit="files") as p:     # on a terminal only
+            lines, problems = check(d, lambda i, n, fn: p.update(i, total=n, note=fn))
     except OSError as e:
         print(f"spool fsck: {d}: {e}", file=sys.stderr)
         return 2

@@ -111,9 +111,12 @@ def main(argv: list[str] | None = None, out=None) -> int:
         print(f"logjam-relay deadletters resend: no dead letters selected in {directory}",
               file=sys.stderr)
         return 1
+    from ..progress import Progress
     try:
-        delivered = resend(letters, args.to, max_event_bytes=settings.max_event_bytes,
-                           timeout=args.timeout, relay_host=settings.resolved_fqdn())
+        with Progress("deadletters resend", unit="letters", total=len(letters)) as p:
+            delivered = resend(letters, args.to, max_event_bytes=settings.max_event_bytes,
+                               timeout=args.timeout, relay_host=settings.resolved_fqdn(),
+                               progress=p)
     except ValueError as e:
         print(f"logjam-relay deadletters resend: {e}", file=sys.stderr)
         return 2
@@ -140,12 +143,13 @@ def _show(directory, args, settings, out) -> int:
 
 
 def resend(letters, url: str, *, max_event_bytes: int, timeout: float,
-           relay_host: str) -> int:
+           relay_host: str, progress=None) -> int:
     """Deliver ``letters`` to ``url``; returns how many were acknowledged (for tcp://: how
-    many were queued to a connected PULL peer; ZeroMQ PUSH has no acknowledgement)."""
+    many were queued to a connected PULL peer; ZeroMQ PUSH has no acknowledgement).
+    ``progress``: a :class:`~logjam_relay.progress.Progress`, updated as they go."""
     scheme = url.partition("://")[0].lower()
     if scheme == "tcp":
-        return _resend_zmq(letters, url, timeout)
+        return _resend_zmq(letters, url, timeout, progress)
     if scheme not in ("lumberjack", "courier"):
         raise ValueError(f"--to {url!r}: use lumberjack://, courier:// or tcp://")
     import trio
@@ -164,10 +168,16 @@ def resend(letters, url: str, *, max_event_bytes: int, timeout: float,
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(output.run)
                 while not src.all_acked:
+                    if progress is not None:
+                        progress.update(len(letters) - src.stats()["backlog_records"],
+                                        note="acknowledged")
                     await trio.sleep(0.02)
                 nursery.cancel_scope.cancel()
 
     trio.run(run)
+    if progress is not None:
+        progress.update(len(letters) - src.stats()["backlog_records"])
+        progress.close()
     acked = len(letters) - src.stats()["backlog_records"]
     # an output acknowledges what it diverts too (too large for --max-event-bytes, or
     # refused again by the receiver): those were not delivered
@@ -181,7 +191,7 @@ def resend(letters, url: str, *, max_event_bytes: int, timeout: float,
     return acked - not_sent
 
 
-def _resend_zmq(letters, url: str, timeout: float) -> int:
+def _resend_zmq(letters, url: str, timeout: float, progress=None) -> int:
     import zmq
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
@@ -201,6 +211,8 @@ def _resend_zmq(letters, url: str, timeout: float) -> int:
             except zmq.Again:
                 break
             n += 1
+            if progress is not None:
+                progress.update(n, note="sent")
     finally:
         sock.close()
         ctx.term()

@@ -1,0 +1,471 @@
+"""`logjam-relay pipeline report` and `pipeline stats --report`, through the real commands,
+in a real browser (Debian's headless Chromium over the DevTools protocol, tests/cdp.py).
+
+One small sample archive; `pipeline stats --report` runs once piped (the tables and a
+report) and once with standard error on a terminal (its progress line).  The browser loads
+the report from a file:// URL and the test asserts: every chart drew its marks (one SVG
+mark per value), no console error, no request but the file itself; every number of the
+charts' data, the tables and the summary equals the Parquet tables (read here with
+pyarrow, aggregated here in plain Python) and the archive's sequence numbers.  The
+screenshot goes to $LOGJAM_RELAY_TEST_REPORT_SCREENSHOT (else the test's temporary directory).
+
+Without Chromium the browser tests skip (one line); under CI=true they fail (.ci/run
+installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+CI = bool(os.environ.get("CI"))
+
+
+def _need(module: str):
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        msg = f"{module} is not installed (the 'spark' extra)"
+        if CI:
+            pytest.fail(msg + ": CI installs it", pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+
+
+pa = _need("pyarrow")
+_need("pyspark")
+_need("vl_convert")
+
+from cdp import Browser, chromium_binary  # noqa: E402
+from logjam_relay.pipeline import sample  # noqa: E402
+from logjam_relay.progress import ERASE  # noqa: E402
+from terminal import run_on_terminal  # noqa: E402
+
+CMD = [sys.executable, "-m", "logjam_relay", "pipeline"]
+N_MSGS = 3000
+SPREAD_MS = 20 * 60_000
+#: the charts the sample's report has (it has every kind of figure)
+CHARTS = ("requests", "latency", "apdex", "http_5xx", "exceptions", "loss")
+
+
+def stats_cmd(archive, out, *extra):
+    return CMD + ["stats", "--input", str(archive), "--output", str(out),
+                  "--master", "local[2]", "--jvm-cache", "off",
+                  "--conf", "spark.default.parallelism=2", *extra]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    msgs = sample.make_messages(N_MSGS, seed=11, spread_ms=SPREAD_MS)
+    sample.write_archive(d / "spool", d / "archive", msgs, segment_bytes=128 << 10)
+    r = subprocess.run(stats_cmd(d / "archive", d / "out", "--report", d / "stats.html"),
+                       capture_output=True, timeout=900)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    return {"dir": d, "msgs": msgs, "archive": d / "archive", "out": d / "out",
+            "stats_html": d / "stats.html", "piped": r}
+
+
+@pytest.fixture(scope="module")
+def report(data):
+    """The report of the standalone command (with the archive: exact gaps)."""
+    path = data["dir"] / "report.html"
+    r = subprocess.run(CMD + ["report", "--tables", str(data["out"]), "--archive",
+                              str(data["archive"]), str(path)], capture_output=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stderr == b""
+    return path, r.stdout.decode()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    binary = chromium_binary()
+    if binary is None:
+        msg = "chromium is not installed (Debian packages chromium, chromium-driver)"
+        if CI:
+            pytest.fail(msg + ": .ci/run installs them", pytrace=False)
+        pytest.skip(msg)
+    b = Browser(binary)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, report):
+    p = browser.open(report[0].as_uri())
+    rendered = p.wait_for("document.body.dataset.rendered", timeout=120)
+    assert rendered == str(len(CHARTS)), (rendered, p.console_errors())
+    return p
+
+
+# ------------------------------------------------------------------ the tables, read here
+
+def table(out, name) -> list[dict]:
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+    t = ds.dataset(str(out / name), format="parquet", partitioning="hive",
+                   ignore_prefixes=[".", "_"]).to_table()
+    ms = pc.cast(pc.cast(t["minute"], pa.timestamp("ms")), pa.int64())
+    t = t.drop_columns(["minute", "date"]).append_column("minute_ms", ms)
+    return t.to_pylist()
+
+
+def app_env(r) -> str:
+    return f"{r['app']}-{r['env']}" if r["env"] else r["app"]
+
+
+@pytest.fixture(scope="module")
+def tables(data):
+    return {n: table(data["out"], n) for n in ("request_stats", "exceptions", "loss", "topics")}
+
+
+def expected_gaps(msgs) -> list[dict]:
+    """The missing numbers of the archive, from the messages written (arrival order)."""
+    first_minute: dict[tuple, int] = {}
+    for m in msgs:
+        first_minute.setdefault((m.device, m.sequence), m.created_ms - m.created_ms % 60000)
+    out = []
+    for dev in sorted({m.device for m in msgs}):
+        seqs = sorted({s for d, s in first_minute if d == dev})
+        for a, b in zip(seqs, seqs[1:], strict=False):
+            if b > a + 1:
+                out.append({"device": dev, "minute_ms": first_minute[(dev, a)],
+                            "from_sequence": a + 1, "to_sequence": b - 1,
+                            "missing": b - a - 1})
+    return out
+
+
+def dom_tables(page) -> dict[str, list[list[dict]]]:
+    """Every report table: rows of cells {text, v (data-v), from, to}."""
+    return page.evaluate("""(() => {
+        const out = {};
+        for (const t of document.querySelectorAll('table[data-table]')) {
+            out[t.dataset.table] = [...t.querySelectorAll('tbody tr')].map(r =>
+                [...r.cells].map(c => ({text: c.textContent, v: c.dataset.v ?? null,
+                                        from: c.dataset.from ?? null,
+                                        to: c.dataset.to ?? null})));
+        }
+        return out;
+    })()""")
+
+
+def marks(page, chart: str, kind: str) -> list[str]:
+    """The ``d`` of every data mark (not legend symbols) of one kind in a chart's SVG."""
+    return page.evaluate(
+        f"[...document.querySelectorAll('#chart-{chart} svg g.mark-{kind}.role-mark path')]"
+        ".map(p => p.getAttribute('d') || '')")
+
+
+def view_data(page, chart: str) -> list[dict]:
+    return page.evaluate(f"window.reportViews[{json.dumps(chart)}].data({json.dumps(chart)})"
+                         ".map(r => Object.assign({}, r))")
+
+
+# ------------------------------------------------------------------ the commands
+
+def test_stats_piped_stays_quiet_and_writes_the_report(data):
+    r = data["piped"]
+    err = r.stderr.decode()
+    assert "\r" not in err and "\x1b[" not in err and "[Stage" not in err, err[-2000:]
+    assert "pipeline stats:" not in err
+    out = r.stdout.decode().splitlines()
+    assert out[-2].startswith(f"summary: rows in {N_MSGS + 1}")      # +1: the duplicate
+    assert out[-1].startswith(f"report: {data['stats_html']} (") and "loss: yes" in out[-1]
+
+
+def test_report_is_one_self_contained_file(report, data):
+    path, stdout = report
+    page = path.read_text(encoding="utf-8")
+    # nothing to fetch: no external script, style, font or image in the markup (the
+    # scripts' text aside), and a policy forbidding the page any connection (the browser
+    # test below sees no request but the file)
+    markup = re.sub(r"(?s)(<script[^>]*>).*?</script>", r"\1</script>", page)
+    assert markup.count("<script") == 4                      # bundle, specs, data, start-up
+    assert not re.search(r"<(script|link|img|iframe|object|embed)[^>]*\s(src|href)=",
+                         markup, re.I)
+    assert "@import" not in markup and "url(" not in markup
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+    assert "window.vegaEmbed=" in page                      # the bundle, inline
+    assert path.stat().st_size < 2_000_000, path.stat().st_size
+    assert stdout.startswith(f"report: {path} (") and "loss: yes" in stdout
+    # `stats --report` wrote the same page (it passes the archive too), but for its time
+    def strip(s):
+        return re.sub(r"generated [0-9: -]+UTC", "", s).replace(str(data["out"]), "")
+    assert strip(page) == strip(data["stats_html"].read_text(encoding="utf-8"))
+
+
+def test_report_needs_no_spark(data, tmp_path):
+    """A pyspark that cannot be imported: `pipeline report` still writes the report."""
+    fake = tmp_path / "fake"
+    (fake / "pyspark").mkdir(parents=True)
+    (fake / "pyspark" / "__init__.py").write_text("raise ImportError('no Spark here')\n")
+    env = dict(os.environ, PYTHONPATH=str(fake))
+    r = subprocess.run(CMD + ["report", "--tables", str(data["out"]),
+                              str(tmp_path / "r.html")], capture_output=True, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "r.html").stat().st_size > 100_000
+
+
+def test_report_errors_are_one_line(data, tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "vl_convert.py").write_text("raise ImportError('not installed')\n")
+    env = dict(os.environ, PYTHONPATH=str(fake))
+    cases = [
+        (["report", "--tables", str(data["out"]), str(tmp_path / "a.html")], env,
+         "needs vl-convert-python"),
+        (["report", "--tables", str(tmp_path), str(tmp_path / "b.html")], None,
+         "no stats tables"),
+        (["report", "--tables", str(tmp_path / "nope"), str(tmp_path / "c.html")], None,
+         "is not a directory"),
+        (["report", "--tables", str(data["out"]), "--from", "yesterday",
+          str(tmp_path / "d.html")], None, "--from/--to"),
+        # before Spark starts: the extra is missing
+        (["stats", "--input", str(data["archive"]), "--output", str(tmp_path / "o"),
+          "--report", str(tmp_path / "e.html")], env, "needs vl-convert-python"),
+    ]
+    for args, e, want in cases:
+        r = subprocess.run(CMD + args, capture_output=True, env=e, timeout=120)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and want in err and len(err.splitlines()) == 1, (args, err)
+    assert not list(tmp_path.glob("*.html")) and not (tmp_path / "o").exists()
+
+
+def test_report_time_range(data, tables, tmp_path):
+    minutes = sorted({r["minute_ms"] for r in tables["request_stats"]})
+    lo, hi = minutes[5], minutes[9]
+    fmt = "%Y-%m-%dT%H:%M"
+    import time as _t
+    path = tmp_path / "part.html"
+    r = subprocess.run(CMD + ["report", "--tables", str(data["out"]),
+                              "--from", _t.strftime(fmt, _t.gmtime(lo / 1000)),
+                              "--to", _t.strftime(fmt, _t.gmtime(hi / 1000)), str(path)],
+                       capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    page = path.read_text(encoding="utf-8")
+    want = sum(x["count"] for x in tables["request_stats"] if lo <= x["minute_ms"] < hi)
+    assert f'data-requests="{want}"' in page
+    assert f'data-first-minute="{_t.strftime("%Y-%m-%d %H:%M", _t.gmtime(lo / 1000))}"' in page
+    r = subprocess.run(CMD + ["report", "--tables", str(data["out"]), "--last", "3m",
+                              str(path)], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    last = max(x["minute_ms"] for t in tables.values() for x in t)
+    want = sum(x["count"] for x in tables["request_stats"] if x["minute_ms"] > last - 180_000)
+    assert f'data-requests="{want}"' in path.read_text(encoding="utf-8")
+
+
+def test_stats_progress_on_a_terminal(data, tmp_path):
+    rc, out, term = run_on_terminal(stats_cmd(data["archive"], tmp_path / "out"),
+                                    timeout=900)
+    text = term.decode("utf-8", "replace")
+    assert rc == 0, text[-3000:]
+    assert ERASE + "pipeline stats: " in text                     # drawn, in place
+    last = text.rsplit(ERASE + "pipeline stats: ", 1)[1]
+    assert ERASE in last                                         # and erased at the end
+    assert "[Stage" not in text                                  # Spark's bar stays off
+    o = out.decode()
+    assert "\r" not in o and "\x1b[" not in o                    # stdout stays clean
+    assert f"summary: rows in {N_MSGS + 1}" in o
+
+
+# ------------------------------------------------------------------ in the browser
+
+def test_report_renders_in_chromium(page, report, tmp_path):
+    assert page.console_errors() == []
+    assert page.requests() == [report[0].as_uri()]               # nothing but the file
+    assert page.evaluate("Object.keys(window.reportViews).sort()") == sorted(CHARTS)
+    for chart in CHARTS:
+        n = page.evaluate(f"document.querySelectorAll('#chart-{chart} svg').length")
+        assert n == 1, chart
+        kinds = {"requests": "symbol", "latency": "symbol", "apdex": "symbol"}
+        d = marks(page, chart, kinds.get(chart, "rect"))
+        assert d and all(x for x in d), chart                   # marks, with a shape
+    shot = os.environ.get("LOGJAM_RELAY_TEST_REPORT_SCREENSHOT") or str(tmp_path / "report.png")
+    w, h = page.screenshot(shot)
+    png = open(shot, "rb").read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[16:20], "big") == w and int.from_bytes(png[20:24], "big") == h
+    assert h > 2000 and len(png) > 100_000                      # a long page, not blank
+    assert page.console_errors() == []
+
+
+def test_chart_numbers_equal_the_tables(page, tables):
+    req = tables["request_stats"]
+    # requests per minute per app-env, with their 5xx
+    want = defaultdict(lambda: [0, 0])
+    for r in req:
+        w = want[(r["minute_ms"], app_env(r))]
+        w[0] += r["count"]
+        w[1] += r["http_5xx"]
+    got = {(r["minute_ms"], r["app_env"]): [r["requests"], r["http_5xx"]]
+           for r in view_data(page, "requests")}
+    assert got == dict(want)
+    assert len(marks(page, "requests", "symbol")) == len(want)      # a point per value
+    rows_5xx = {k for k, v in want.items() if v[1]}
+    assert {(r["minute_ms"], r["app_env"]) for r in view_data(page, "http_5xx")} == rows_5xx
+    assert len(marks(page, "http_5xx", "rect")) == len(rows_5xx)
+    # exceptions per minute and name
+    exc = defaultdict(int)
+    for r in tables["exceptions"]:
+        exc[(r["minute_ms"], r["exception"])] += r["count"]
+    got = {(r["minute_ms"], r["exception"]): r["count"] for r in view_data(page, "exceptions")}
+    assert got == dict(exc)
+    assert len(marks(page, "exceptions", "rect")) == len(exc)
+    # latency and apdex: the busiest action first (shown), its rows exactly
+    totals = defaultdict(int)
+    for r in req:
+        totals[(app_env(r), r["action"])] += r["count"]
+    busiest = sorted(totals, key=lambda k: (-totals[k], k))[0]
+    rows = sorted((r for r in req if (app_env(r), r["action"]) == busiest),
+                  key=lambda r: r["minute_ms"])
+    shown = page.evaluate("document.getElementById('series').value")
+    assert shown == f"{busiest[0]} · {busiest[1]}"
+    got = [r for r in view_data(page, "latency") if r["series"] == shown]
+    assert [(r["minute_ms"], r["p50"], r["p95"], r["p99"], r["apdex"], r["requests"])
+            for r in got] == \
+        [(r["minute_ms"], r["total_time_p50"], r["total_time_p95"], r["total_time_p99"],
+          r["apdex"], r["count"]) for r in rows]
+    assert len(marks(page, "latency", "symbol")) == 3 * len(rows)   # p50, p95, p99
+    assert len(marks(page, "apdex", "symbol")) == len(rows)
+    # loss: the minutes with missing numbers, per device
+    lost = {(r["minute_ms"], r["device"]): r["missing"] for r in tables["loss"] if r["missing"]}
+    got = {(r["minute_ms"], r["device"]): r["missing"] for r in view_data(page, "loss")}
+    assert got == lost and lost
+    assert len(marks(page, "loss", "rect")) == len(lost)
+
+
+def test_menu_switches_the_action(page, tables):
+    options = page.evaluate("[...document.getElementById('series').options].map(o => o.value)")
+    second = options[1]
+    n = sum(1 for r in tables["request_stats"]
+            if f"{app_env(r)} · {r['action']}" == second)
+    page.evaluate(f"(() => {{ const s = document.getElementById('series'); "
+                  f"s.value = {json.dumps(second)}; "
+                  "s.dispatchEvent(new Event('change')); return true; })()")
+    page.wait_for(f"document.querySelectorAll('#chart-latency svg g.mark-symbol.role-mark "
+                  f"path').length === {3 * n}")
+    page.wait_for(f"document.querySelectorAll('#chart-apdex svg g.mark-symbol.role-mark "
+                  f"path').length === {n}")
+    page.evaluate(f"(() => {{ const s = document.getElementById('series'); "
+                  f"s.value = {json.dumps(options[0])}; "
+                  "s.dispatchEvent(new Event('change')); return true; })()")
+    assert page.console_errors() == []
+
+
+def test_time_axis_zooms_with_the_wheel(page):
+    """The mouse wheel over a chart zooms its time axis (a double click resets it)."""
+    page.evaluate("document.getElementById('chart-requests').scrollIntoView(); true")
+    box = page.evaluate("(() => { const r = document.querySelector('#chart-requests svg')"
+                        ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()")
+    before = page.evaluate("window.reportViews.requests.scale('x').domain().map(Number)")
+    x, y = box[0] + box[2] / 2, box[1] + box[3] / 2
+    page.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x, "y": y})
+    page.send("Input.dispatchMouseEvent", {"type": "mouseWheel", "x": x, "y": y,
+                                           "deltaX": 0, "deltaY": -400})
+    after = page.wait_for("(() => { const d = window.reportViews.requests.scale('x').domain()"
+                          f".map(Number); return d[1] - d[0] < {before[1] - before[0]} && d; }})()")
+    assert before[0] <= after[0] < after[1] <= before[1]
+    page.send("Input.dispatchMouseEvent", {"type": "mousePressed", "x": x, "y": y,
+                                           "button": "left", "clickCount": 2})
+    page.send("Input.dispatchMouseEvent", {"type": "mouseReleased", "x": x, "y": y,
+                                           "button": "left", "clickCount": 2})
+    page.wait_for("(() => { const d = window.reportViews.requests.scale('x').domain()"
+                  f".map(Number); return d[0] === {before[0]} && d[1] === {before[1]}; }})()")
+    assert page.console_errors() == []
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def test_table_numbers_equal_the_tables_and_the_archive(page, tables, data):
+    t = dom_tables(page)
+    # every shown number is its exact value, rounded for display
+    for name, rows in t.items():
+        for row in rows:
+            for c in row:
+                if c["v"] and re.fullmatch(r"-?[0-9.e+-]+", c["v"]) and \
+                        re.fullmatch(r"-?[0-9,]+(\.[0-9])?", c["text"]):
+                    assert abs(_num(c["text"]) - float(c["v"])) <= 0.05, (name, c)
+    # devices
+    loss = tables["loss"]
+    devs = sorted({r["device"] for r in loss})
+    want = [[d, sum(r["received"] for r in loss if r["device"] == d),
+             sum(r["missing"] for r in loss if r["device"] == d),
+             sum(r["duplicates"] for r in loss if r["device"] == d),
+             sum(r["out_of_order"] for r in loss if r["device"] == d),
+             min(r["first_sequence"] for r in loss if r["device"] == d),
+             max(r["last_sequence"] for r in loss if r["device"] == d)] for d in devs]
+    assert [[int(c["v"]) for c in row[:7]] for row in t["devices"]] == want
+    # the exact gaps, from the archive's numbers; they add up to the tables' missing
+    gaps = expected_gaps(data["msgs"])
+    assert [[int(row[0]["v"]), int(row[1]["v"]), int(row[2]["from"]), int(row[2]["to"]),
+             int(row[3]["v"])] for row in t["gaps"]] == \
+        [[g["device"], g["minute_ms"], g["from_sequence"], g["to_sequence"], g["missing"]]
+         for g in gaps]
+    for d in devs:
+        assert sum(g["missing"] for g in gaps if g["device"] == d) == \
+            sum(r["missing"] for r in loss if r["device"] == d)
+    # minutes with gaps, from the loss table
+    assert [[int(row[0]["v"]), int(row[1]["v"]), int(row[2]["v"]), int(row[3]["v"]),
+             int(row[4]["from"]), int(row[4]["to"])] for row in t["gap_minutes"]] == \
+        [[r["device"], r["minute_ms"], r["missing"], r["received"], r["first_sequence"],
+          r["last_sequence"]]
+         for r in sorted(loss, key=lambda r: (r["device"], r["minute_ms"])) if r["missing"]]
+    # the worst minutes: the highest p99 of any action per minute
+    req = tables["request_stats"]
+    best: dict[int, dict] = {}
+    for r in req:
+        if r["total_time_p99"] is None:
+            continue
+        b = best.get(r["minute_ms"])
+        if b is None or (r["total_time_p99"], r["count"]) > (b["total_time_p99"], b["count"]):
+            best[r["minute_ms"]] = r
+    worst = sorted(best.values(), key=lambda r: (-r["total_time_p99"], -r["count"],
+                                                 r["minute_ms"]))[:10]
+
+    def minute_sum(rows, col, m):
+        return sum(x[col] for x in rows if x["minute_ms"] == m)
+
+    assert [[int(row[0]["v"]), float(row[1]["v"]), row[2]["v"], row[3]["v"],
+             int(row[4]["v"]), int(row[5]["v"]), int(row[6]["v"]), int(row[7]["v"]),
+             int(row[8]["v"])] for row in t["worst"]] == \
+        [[r["minute_ms"], r["total_time_p99"], app_env(r), r["action"], r["count"],
+          minute_sum(req, "count", r["minute_ms"]), minute_sum(req, "http_5xx", r["minute_ms"]),
+          minute_sum(tables["exceptions"], "count", r["minute_ms"]),
+          minute_sum(loss, "missing", r["minute_ms"])] for r in worst]
+
+
+def test_summary_equals_the_tables(page, tables):
+    import time as _t
+    s = page.evaluate("Object.assign({}, document.getElementById('summary').dataset)")
+    allm = [r["minute_ms"] for t in tables.values() for r in t]
+    req = tables["request_stats"]
+
+    def label(ms):
+        return _t.strftime("%Y-%m-%d %H:%M", _t.gmtime(ms / 1000))
+
+    missing = sum(r["missing"] for r in tables["loss"])
+    assert s == {
+        "firstMinute": label(min(allm)), "lastMinute": label(max(allm)),
+        "minutes": str((max(allm) - min(allm)) // 60_000 + 1),
+        "requests": str(sum(r["count"] for r in req)),
+        "apps": str(len({r["app"] for r in req})),
+        "appEnvs": str(len({app_env(r) for r in req})),
+        "worstP99": repr(max(r["total_time_p99"] for r in req
+                             if r["total_time_p99"] is not None)),
+        "loss": "yes" if missing else "no", "missing": str(missing),
+        "http5xx": str(sum(r["http_5xx"] for r in req)),
+        "exceptions": str(sum(r["count"] for r in tables["exceptions"]))}
+    assert missing > 0
+    # what a person reads first: the headline
+    head = page.evaluate("document.querySelector('#summary .headline').textContent")
+    assert head.startswith(f"{label(min(allm))} → {label(max(allm))} UTC")
+    assert f"{sum(r['count'] for r in req):,} requests" in head and "loss: yes" in head
