@@ -102,11 +102,11 @@ def write_entry(cdir: str, name: str, segment: int, offset: int, seq: int) -> No
 
 def _sync_dir(path: str) -> None:
     """fsync the directory that holds ``path`` (its entry is then durable)."""
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = _FDS.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
-        os.close(fd)
+        _FDS.close(fd)
 
 
 class CursorLog:
