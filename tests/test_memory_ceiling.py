@@ -397,17 +397,16 @@ def test_300k_subscriptions_are_cut_at_the_cap_and_memory_comes_back(tmp_path):
                            ("cmdp", cmdp_port)):
             results[name] = zmtp_sub_flood(port, 300_000)
         flooded = proc_status(proc.pid)
-        deadline = time.monotonic() + 10
-        last = 0
+        # the pairs stop counting when a connection ends; libzmq's queue of their
+        # unsubscriptions drains (and malloc_trim runs) a little later, later still on a
+        # loaded machine: wait for both (the deadline only bounds a failure)
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            # the pairs stop counting when a connection ends; libzmq's queue of their
-            # unsubscriptions drains (and malloc_trim runs) a little later: until the RSS
-            # stops going down
             text = scrape(settings.metrics_port)
             rss = proc_status(proc.pid)["VmRSS"]
-            if metric(text, "logjam_relay_subscriptions") == 0 and abs(rss - last) < MiB:
+            if metric(text, "logjam_relay_subscriptions") == 0 and \
+                    rss - before["VmRSS"] < 16 * MiB:
                 break
-            last = rss
             time.sleep(0.5)
         after = proc_status(proc.pid)
         refused = {n: metric(text, "logjam_relay_subscriptions_refused_total", socket=n)
