@@ -7,7 +7,9 @@ import pytest
 import trustme
 
 # `pipeline stats` keeps a JVM class-data archive (~200 MB) in $XDG_CACHE_HOME: the suite
-# gets its own, shared by its runs and removed at the end, never the user's ~/.cache
+# gets its own, shared by its runs and removed at the end, never the user's ~/.cache.
+# (The container test's Debian base is kept across runs in /var/tmp/logjam-relay-tests,
+# test_container.py.)
 if not os.environ.get("LOGJAM_RELAY_TEST_CACHE"):
     import atexit
     import shutil
