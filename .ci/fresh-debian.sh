@@ -47,8 +47,13 @@ base=$(cd tests && "$ROOT/.venv/dev/bin/python" -c '
 import test_container
 print(test_container._base_image())')
 log "base image: $base"
+# explicit rlimits no higher than ours, as tests/test_container.py does (podman's default
+# nofile 1048576 needs CAP_SYS_RESOURCE); the default runtime, else runc
+nofile=$(ulimit -Hn); [ "$nofile" = unlimited ] || [ "$nofile" -gt 16384 ] && nofile=16384
+nproc=$(ulimit -Hu); [ "$nproc" = unlimited ] || [ "$nproc" -gt 4096 ] && nproc=4096
+limits=(--ulimit "nofile=$nofile:$nofile" --ulimit "nproc=$nproc:$nproc")
 runtime=()
-if ! podman run --rm "$base" true >/dev/null 2>&1; then runtime=(--runtime runc); fi
+if ! podman run --rm "${limits[@]}" "$base" true >/dev/null 2>&1; then runtime=(--runtime runc); fi
 
 work=$(mktemp -d /var/tmp/logjam-relay-fresh-XXXXXX)
 trap 'rm -rf "$work"' EXIT
@@ -105,7 +110,7 @@ for mode in "${modes[@]}"; do
              command -v sudo
              sudo -u op -H env PIP_CERT="${PIP_CERT:-}" sh /fresh/operator.sh "$PREREQ"'
     fi
-    if podman run --rm "${runtime[@]}" --network host "${ca[@]}" -v "$work:/fresh:ro" \
+    if podman run --rm "${runtime[@]}" "${limits[@]}" --network host "${ca[@]}" -v "$work:/fresh:ro" \
             -e PREREQ="$prereq" "$base" \
             bash -c "$cmd"; then
         log "=== $mode: OK"

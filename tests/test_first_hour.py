@@ -495,3 +495,23 @@ def test_readme_settings_table_names_every_setting_and_only_settings():
     assert named - known == set(), "the README table names what is not a setting"
     all_flags = {fl for f in config.SETTING_FIELDS for fl in f.metadata["flags"]}
     assert flags - all_flags == set(), "flags in the README table that --help does not know"
+
+
+# ------------------------------------------------------------------ what .ci/run costs
+
+def test_readme_names_what_ci_run_installs():
+    """Every package `.ci/run` installs is named in the README's cost paragraph, and the
+    Prometheus script installs no package (only the two binaries it takes out of one)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    packages = {p for line in re.findall(r"^\s*apt_install (.+)$", ci, re.M)
+                for p in line.split()}
+    assert {"podman", "rabbitmq-server", "gcc"} <= packages
+    cost = _section("## Set-up on a fresh machine").split("What it costs.", 1)[1]
+    cost = cost.split("What some tests need", 1)[0]
+    named = set(re.findall(r"[a-z0-9][a-z0-9.+-]+", cost))
+    assert packages - named == set(), "installed by .ci/run, not named in the README"
+    prom = (ROOT / ".ci" / "install-prometheus.sh").read_text()
+    commands = [ln for ln in prom.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert not [ln for ln in commands if "apt-get install" in ln or "systemctl" in ln]
+    assert any("apt-get download" in ln for ln in commands)
+    assert "TODO-LEAD" in cost or re.search(r"\d+ min", cost), "the suite's time"
