@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
-from .helptext import default_text, display_value, has_default_text
+from .helptext import default_text, has_default_text
 from .settings import BY_NAME, SETTING_FIELDS, Settings
 
 # LOGJAM_RELAY_* variables that are legitimately not settings (read elsewhere); any other
