@@ -6,8 +6,8 @@ made from) imported with ``podman import``.  It is cached across runs (a tarball
 /var/tmp/logjam-relay-tests, or ``$LOGJAM_RELAY_TEST_DEBIAN_CACHE``, and the image in
 podman's store, both keyed by a hash of suite, variant, mirror and debootstrap version), so
 only the first run on a machine pays for debootstrap (about a minute); podman's layer cache
-keeps the apt-get layers of the build.  (The suite's temporary cache, conftest.py's
-``$LOGJAM_RELAY_TEST_CACHE``, is for the JVM class archive only: it goes at exit.)
+keeps the apt-get layers of the build.  (conftest.py keeps the suite's other caches beside
+it, in cache-<uid>.)
 
 The image is then built from the repository root exactly as the Dockerfile's header says,
 with ``--build-arg BASE=<that image>``, run with its baked-in configuration (the relay with

@@ -292,7 +292,15 @@ def test_check_config_shows_what_the_relay_runs_with(tmp_path, args):
 # ------------------------------------------------------------------ 5. container cache
 
 def test_container_base_is_cached_where_the_readme_says():
+    """The README says where the suite's caches are kept between runs: the container
+    test's Debian base, and conftest.py's cache of the JVM class archive beside it."""
+    import conftest
     import test_container
+    assert conftest.SUITE_CACHE == str(test_container.DEFAULT_CACHE)
+    assert "`cache-<uid>`" in README
+    if os.access(conftest.SUITE_CACHE, os.W_OK):
+        assert os.environ["XDG_CACHE_HOME"] == \
+            os.path.join(conftest.SUITE_CACHE, f"cache-{os.getuid()}")
     assert "LOGJAM_RELAY_TEST_DEBIAN_CACHE" not in os.environ or test_container.CACHE != \
         test_container.DEFAULT_CACHE
     assert f"`{test_container.DEFAULT_CACHE}`" in README
