@@ -20,7 +20,8 @@ fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-chmod 755 "$work"           # apt's download sandbox user (_apt) writes here
+# apt downloads as its sandbox user _apt where root runs it: let _apt write here
+if [ "$(id -u)" -eq 0 ] && id _apt >/dev/null 2>&1; then chown _apt "$work"; fi
 $SUDO apt-get update -qq
 (cd "$work" && apt-get download -qq prometheus)
 dpkg-deb -x "$work"/prometheus_*.deb "$work/root"
