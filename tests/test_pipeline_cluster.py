@@ -1,7 +1,7 @@
 """``pipeline stats`` however it is launched, and on a real Spark standalone cluster.
 
-* the console script called by absolute path with a PATH whose ``python3`` cannot run
-  Spark's workers (what systemd/cron do): the workers must use this interpreter;
+* (the console script called by absolute path with a PATH whose ``python3`` cannot run
+  Spark's workers, what systemd/cron do: tests/test_pipeline_jvmcache.py);
 * a standalone cluster from the installed pyspark: a master and two workers, each its own
   JVM (``spark-class org.apache.spark.deploy.master.Master`` / ``...worker.Worker``),
   loopback only, small memory, one module-scoped fixture.  The executors' Python is a
@@ -129,24 +129,9 @@ def want(messages):
 # ------------------------------------------------------------------ launch
 
 
-def test_console_script_by_path_without_venv_on_path(archive, tmp_path, messages, want):
-    """PATH has no venv and its `python3` is useless (exits 1): Spark's workers must be
-    started with the interpreter running the command (PYSPARK_PYTHON defaults to it)."""
-    if not os.path.exists(EXE):
-        pytest.fail(f"console script not installed next to {sys.executable}")
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    for name in ("python3", "python"):
-        p = fake / name
-        p.write_text("#!/bin/sh\necho 'not the venv python' >&2\nexit 1\n")
-        p.chmod(0o755)
-    env = base_env(PATH=f"{fake}:/usr/bin:/bin")
-    env.pop("VIRTUAL_ENV", None)
-    assert subprocess.run(["python3", "-c", "1"], env=env).returncode == 1
-    out = run([EXE, "pipeline", "stats", "--input", archive, "--output", str(tmp_path / "o"),
-               "--master", "local[1]"], env, tmp_path / "log")
-    assert f"summary: rows in {len(messages)}" in out
-    assert_same(tables(str(tmp_path / "o")), want)
+# The console script called by absolute path with a PATH whose `python3` cannot run Spark's
+# workers: the first run of tests/test_pipeline_jvmcache.py::
+# test_first_run_writes_next_uses_damaged_is_rewritten (a run of its own here repeated it).
 
 
 # ------------------------------------------------------------------ cluster
