@@ -108,6 +108,19 @@ def test_pipeline_without_the_spark_extra_is_one_line():
     assert "[spark]" in command and ("pip install" in command or "RELAY_EXTRAS=spark" in command)
 
 
+def test_spark_install_command_names_run_relay_in_its_venv(tmp_path, monkeypatch):
+    """In run-relay's venv the one line names run-relay's way (which keeps the extra for
+    reinstalls); elsewhere pip with the source the package was installed from."""
+    clone = tmp_path / "clone"
+    (clone / ".venv" / "relay").mkdir(parents=True)
+    (clone / "run-relay").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "prefix", str(clone / ".venv" / "relay"))
+    assert cli.spark_install_command() == f"RELAY_EXTRAS=spark {clone / 'run-relay'} --version"
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "elsewhere"))
+    assert cli.spark_install_command().startswith(f"{sys.executable} -m pip install '")
+    assert cli.spark_install_command().endswith("[spark]'")
+
+
 def _fake_python(bin_dir: Path, log: Path) -> None:
     """A python3 whose `-m venv DIR` makes a venv of stand-ins: pip logs its arguments,
     logjam-relay echoes its own."""
