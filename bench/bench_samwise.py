@@ -37,8 +37,8 @@ Each is run against two servers, each in a process of its own:
 
 Printed per scenario: client req/s for both, the ratio, and when the last message was
 broker-confirmed.  samd's own figures from issue 14 (measured with samcli on these
-machines; samd cannot be built here) are printed for context.  Speed is never asserted in
-tests; this is where it lives.
+machines) are printed for context; samd builds here, but this bench does not run it.
+Speed is never asserted in tests; this is where it lives.
 """
 
 from __future__ import annotations

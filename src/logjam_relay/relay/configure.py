@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import config
 from ..config import Settings
-from ..health import webconfig
+from ..health import cmdp, webconfig
 from ..inputs import spec as inputs
 from ..io import curve
 from ..outputs import supervisor as outputs
@@ -46,3 +46,14 @@ def load(args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | Non
     settings = config.load(args, environ=environ, config_file=config_file)
     check_settings(settings)
     return settings
+
+
+def subsystem_values(settings: Settings) -> dict[str, Any]:
+    """What a subsystem makes of an unset setting (``--check-config`` prints it beside the
+    settings' own ``resolved_*`` values): the CMDP sender's name."""
+    out: dict[str, Any] = {}
+    try:
+        out["cmdp_name"] = cmdp.canonical_name(settings.cmdp_name)
+    except ValueError:
+        pass                        # an invalid name stops start-up (CMDPConfig.validate)
+    return out

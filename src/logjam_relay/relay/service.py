@@ -267,8 +267,7 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
                                   rpc_max_concurrent=settings.samwise_rpc_max_concurrent,
                                   rpc_max_queued=settings.samwise_rpc_max_queued,
                                   rpc_allow=tuple(settings.samwise_rpc_allow))
-    spool_dir = settings.samwise_spool_dir or str(settings.resolved_state_dir() /
-                                                  "samwise-spool")
+    spool_dir = str(settings.resolved_samwise_spool_dir())
     from ..spool.spool import SpoolError
     spool_setting = "samwise_spool_dir" if settings.samwise_spool_dir else "state_dir"
     writable_dir(settings, spool_setting, spool_dir, "accepted samwise requests could not be "
