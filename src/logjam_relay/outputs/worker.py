@@ -331,7 +331,7 @@ class ProcessOutput:
         try:
             while not self._stop_requested:
                 with trio.move_on_after(IDLE_CHECK):
-                    await sp._appended.wait()
+                    await sp.ledger.appended.wait()
                 await trio.sleep(NOTIFY_EVERY)
                 await self._send_snapshot(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
