@@ -346,6 +346,13 @@ class SegmentWriter:
         except OSError:
             return False
         self._errors.count(write_error("sealing", seg.path, err))
+        if self.unsynced:
+            # its records are no longer the active segment's: sync() would not reach them
+            try:
+                fs.fdatasync(fd)
+                self.fsyncs += 1
+            except OSError:
+                pass
         fs.close(fd)
         self.active, self.fd = None, None
         self.unsynced = False
