@@ -9,9 +9,8 @@ import tracemalloc
 import pytest
 import trio
 
-from logjam_relay.spool import segment as fmt
 from logjam_relay.spool import fs as fs_mod
-from logjam_relay.spool import spool as spool_mod
+from logjam_relay.spool import segment as fmt
 from logjam_relay.spool.api import KIND_LOGJAM, KIND_SAMWISE, Position
 from logjam_relay.spool.spool import Spool, SpoolError, SpoolLockedError
 from spool_helpers import drain, fill, msg, open_spool, segment_files, seq_of

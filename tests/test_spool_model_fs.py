@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from model_fs import ModelFS
 
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool.spool import Spool, SpoolWriteError
+from model_fs import ModelFS
 
 
 def msg(i: int) -> list[bytes]:

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from logjam_relay.spool import segment as fmt
 from logjam_relay.spool import fs as fs_mod
+from logjam_relay.spool import segment as fmt
 from logjam_relay.spool import spool as spool_mod
 from logjam_relay.spool.api import KIND_SAMWISE, Position
 from logjam_relay.spool.spool import Spool, SpoolWriteError
