@@ -269,13 +269,9 @@ class Spool:
         self.writer.sync()
 
     async def sync_async(self) -> None:
-        """fdatasync what was appended so far, in a worker thread (the event loop runs on).
-
-        Works on a duplicate of the segment's descriptor, so sealing or rolling the segment
-        meanwhile is harmless (sealing fsyncs by itself).  Everything appended before the
-        call started is durable when it returns; raises :class:`SpoolWriteError` otherwise.
-        The duplicate comes from the fd reserve when the process is out of descriptors.
-        """
+        """fdatasync what was appended so far, in a worker thread (the event loop runs on):
+        everything appended before the call is durable when it returns
+        (:meth:`SegmentWriter.sync_async`); raises :class:`SpoolWriteError` otherwise."""
         await self.writer.sync_async()
 
     @property
