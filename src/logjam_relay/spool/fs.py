@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno as _errno
 import fcntl
-import io
 import os
 
 from ..fdreserve import RESERVE as _FDS
@@ -143,7 +142,3 @@ def truncate_file(fs: Filesystem, path: str, size: int, sync: bool) -> None:
             fs.fsync(fd)
     finally:
         fs.close(fd)
-
-
-class BytesFile(io.BytesIO):
-    """A read-only file object over bytes (a model file system's :meth:`open_file`)."""

@@ -49,7 +49,6 @@ class Recovered:
     gaps: list[tuple[int, int, str]] = field(default_factory=list)   # the loss found
     corrupt_tails_cut: int = 0
     corrupt_bytes_cut: int = 0
-    state_next_seq: int | None = None    # what spool.state said (None: no state file)
 
     def ledger(self) -> Ledger:
         return Ledger(self.segs, self.next_segno, self.next_seq, self.last_meta)
@@ -121,8 +120,7 @@ def recover(directory: str, cursors: dict[str, tuple[int, int, int]],
             continue                       # prefer the sealed name
         found[segno] = (os.path.join(d, fn), sealed)
     state = read_state(d, fs)
-    out = Recovered({}, 0, 0, None, None, [],
-                    state_next_seq=state.get("next_seq") if state is not None else None)
+    out = Recovered({}, 0, 0, None, None, [])
     if state is None:
         state = {}
         # without a state file the cursors are the only record of the numbering
