@@ -36,7 +36,9 @@ Design invariants:
 6. A full disk never deadlocks: the reserve file gives a seal its space, the seal is
    deferred otherwise, and ``block`` pauses ingress instead of failing.
 7. Every descriptor the spool opens, duplicates or closes goes through the fd reserve
-   (``fs.Filesystem``, ``cursors.py``), so the spool works when the process runs out.
+   (``fs.OS``: segments, state, reserve and lock files, the recovery's scans;
+   ``cursors.CursorLog``: the cursor logs), so the spool works when the process runs
+   out.  (Reading the cursors at start-up, ``cursors.load``, uses ``open()``.)
 8. Parts talk through small interfaces: the writer asks the budget only for the segment
    limit and the reserve; recovery is a function that returns what it found; only
    :class:`spool.Spool` knows the readers and the writer together.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno as _errno
 import fcntl
+import io
 import os
 
 from ..fdreserve import RESERVE as _FDS
@@ -102,12 +103,28 @@ class Filesystem:
 
     # -- whole files --------------------------------------------------------------
     def open_file(self, path: str):
-        """A binary file object to read ``path`` (for the segment scans)."""
-        return open(path, "rb", buffering=0)
+        """A binary file object to read ``path`` (for the segment scans); its descriptor
+        comes from, and goes back through, the fd reserve."""
+        fd = self.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return _ReserveFile(fd, "rb", closefd=False)
+        except BaseException:
+            self.close(fd)
+            raise
 
     def read_file(self, path: str) -> bytes:
         with self.open_file(path) as f:
             return f.read()
+
+
+class _ReserveFile(io.FileIO):
+    """A read-only file object whose descriptor is closed through the fd reserve."""
+
+    def close(self) -> None:
+        if not self.closed:
+            fd = self.fileno()
+            super().close()                      # closefd=False: the descriptor stays
+            _FDS.close(fd)
 
 
 #: the real file system
