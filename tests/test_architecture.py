@@ -47,26 +47,10 @@ FLOORS: list[tuple[str, set[str]]] = [
 ]
 
 #: cycles between modules that are allowed for now, each as the exact set of its modules
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # removed by the spool split (issue 22 item 2)
-    frozenset({"spool.damage", "spool.reader", "spool.recovery", "spool.sealing",
-               "spool.space", "spool.spool"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 #: (importing module, module, private name) allowed for now
-KNOWN_PRIVATE: set[tuple[str, str, str]] = {
-    # removed by the spool split (issue 22 item 2)
-    ("spool.damage", "spool.spool", "_Seg"),
-    ("spool.fsck", "spool.recovery", "_iter_with_seq"),
-    ("spool.reader", "spool.segment", "_FULL_HEAD"),
-    ("spool.reader", "spool.spool", "_Seg"),
-    ("spool.recovery", "spool.segment", "_FULL_HEAD"),
-    ("spool.recovery", "spool.spool", "_Seg"),
-    ("spool.sealing", "spool.recovery", "_unlink_quiet"),
-    ("spool.space", "spool.recovery", "_unlink_quiet"),
-    ("spool.space", "spool.spool", "_Seg"),
-    ("spool.spool", "spool.recovery", "_unlink_quiet"),
-}
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 # ------------------------------------------------------------------------------ the walk

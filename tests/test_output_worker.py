@@ -20,7 +20,8 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.outputs.ackgate import ConfirmedReader
-from logjam_relay.outputs.worker import ProcessOutput, RemoteSource
+from logjam_relay.outputs.worker import ProcessOutput
+from logjam_relay.outputs.worker_process import RemoteSource
 from logjam_relay.spool.api import Position
 from peers.courier_receiver import CourierReceiver
 from peers.lumberjack_reader import LumberjackReader
@@ -561,7 +562,7 @@ def test_worker_keeps_freed_memory_in_the_heap():
     import subprocess
     import sys
     code = ("import resource, sys\n"
-            "from logjam_relay.outputs import worker\n"
+            "from logjam_relay.outputs import worker_process as worker\n"
             "ok = worker.keep_freed_memory() if sys.argv[1] == '1' else True\n"
             "def rnd():\n"
             "    blocks = [b'x' * (100 << 10) for _ in range(400)]\n"

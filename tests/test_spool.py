@@ -9,8 +9,8 @@ import tracemalloc
 import pytest
 import trio
 
+from logjam_relay.spool import fs as fs_mod
 from logjam_relay.spool import segment as fmt
-from logjam_relay.spool import spool as spool_mod
 from logjam_relay.spool.api import KIND_LOGJAM, KIND_SAMWISE, Position
 from logjam_relay.spool.spool import Spool, SpoolError, SpoolLockedError
 from spool_helpers import drain, fill, msg, open_spool, segment_files, seq_of
@@ -308,13 +308,13 @@ def test_memory_flat_with_large_backlog(tmp_path):
 
 async def test_batch_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
     synced = []
-    real = spool_mod._fdatasync
+    real = fs_mod._fdatasync
 
     def spy(fd):
         synced.append(trio.lowlevel.in_trio_run())
         real(fd)
 
-    monkeypatch.setattr(spool_mod, "_fdatasync", spy)
+    monkeypatch.setattr(fs_mod, "_fdatasync", spy)
     sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch", segment_bytes=64 * 1024)
     sp.defer_batch_sync = True
     sp.append_batch([msg(i) for i in range(10)])
@@ -337,13 +337,13 @@ async def test_interval_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch)
     """defer_interval_sync (the relay sets it): appends and tick() never fdatasync on the
     event loop; run() does, once the interval has passed, in a worker thread."""
     synced = []
-    real = spool_mod._fdatasync
+    real = fs_mod._fdatasync
 
     def spy(fd):
         synced.append(trio.lowlevel.in_trio_run())
         real(fd)
 
-    monkeypatch.setattr(spool_mod, "_fdatasync", spy)
+    monkeypatch.setattr(fs_mod, "_fdatasync", spy)
     now = [100.0]
     sp = Spool(tmp_path / "sp", readers=["a"], fsync="interval", fsync_interval_s=1.0,
                segment_bytes=64 * 1024, monotonic=lambda: now[0])
@@ -379,7 +379,7 @@ async def test_interval_cursor_sync_deferred_to_a_worker_thread(tmp_path, monkey
         real(fd)
 
     monkeypatch.setattr(reader_mod, "_fdatasync", spy)
-    monkeypatch.setattr(spool_mod, "_fdatasync", lambda fd: None)
+    monkeypatch.setattr(fs_mod, "_fdatasync", lambda fd: None)
     now = [100.0]
     sp = Spool(tmp_path / "sp", readers=["a"], fsync="interval", fsync_interval_s=1.0,
                segment_bytes=64 * 1024, monotonic=lambda: now[0])

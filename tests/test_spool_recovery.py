@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from logjam_relay.spool import fs as fs_mod
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool import spool as spool_mod
 from logjam_relay.spool.api import KIND_SAMWISE, Position
@@ -222,13 +223,13 @@ def test_write_error_enospc_injected(tmp_path, monkeypatch):
     raises ENOSPC, like a file system running full mid-write."""
     sp = open_spool(tmp_path, readers=["a"])
     fill(sp, 0, 20)
-    real = spool_mod._write
+    real = fs_mod._write
 
     def failing(fd, data):
         real(fd, bytes(data[:100]))           # a partial record reaches the file
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(spool_mod, "_write", failing)
+    monkeypatch.setattr(fs_mod, "_write", failing)
     for _ in range(3):
         with pytest.raises(SpoolWriteError) as e:
             sp.append_batch([msg(99)])
@@ -242,7 +243,7 @@ def test_write_error_enospc_injected(tmp_path, monkeypatch):
     assert st["appends"] == 20 and st["disk_full"] == 1 and st["reserve_releases"] == 1
     assert st["deferred_seals"] == 1
     assert sp.paused_reason() == f"disk full (ENOSPC) on {tmp_path}" and sp.would_block()
-    monkeypatch.setattr(spool_mod, "_write", real)
+    monkeypatch.setattr(fs_mod, "_write", real)
     sp.append_batch([msg(20)])
     assert [seq_of(r) for r in drain(sp.reader("a"))] == list(range(21))
     sp.tick()                                            # space again: the seal is written
@@ -262,16 +263,16 @@ def test_short_write_of_the_state_file_keeps_the_old_one(tmp_path, monkeypatch):
     fill(sp, 0, 5)
     sp._save_state()
     good = (tmp_path / spool_mod.STATE_FILE).read_bytes()
-    real = spool_mod._write
+    real = fs_mod._write
 
     def short(fd, data):
         return real(fd, bytes(data[:10])) if len(data) > 10 else 0
 
-    monkeypatch.setattr(spool_mod, "_write", short)
+    monkeypatch.setattr(fs_mod, "_write", short)
     with pytest.raises(SpoolWriteError) as e:
         sp._save_state()
     assert e.value.reason == "enospc"
-    monkeypatch.setattr(spool_mod, "_write", real)
+    monkeypatch.setattr(fs_mod, "_write", real)
     assert (tmp_path / spool_mod.STATE_FILE).read_bytes() == good
     assert json.loads(good)["next_seq"] == 5
     sp.close()

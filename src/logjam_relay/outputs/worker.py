@@ -47,104 +47,54 @@ supervisor restarts it from the acknowledged cursor (``reader.rewind()``), exact
 for a crashed inline output.  ``request_shutdown()`` is passed on: the worker lets its
 output finish what is in flight, sends the last acks and exits.
 
-Wire format (both directions): ``<u32 length><u8 type><payload>``.  Both modes: the
-relay's ``T_ACKED`` is ``>Q``, the number of the worker's ``T_ACK`` messages applied so
-far.  Tail mode: a snapshot is
-``pickle(((segno, path, limit, sealed, first_seq, holes), ...))``, an ack
-``>QQ`` (segment, offset) or ``>QQQQ`` (segment, offset, record end, seq: the record
-as the worker read it, so the relay's reader needs no disk read to move its cursor,
-nor the segment, which may be gone), a damage report ``pickle((segno, offset, seq,
-reason, msg))``, a skip report ``>qQ`` (the seq reading jumped from, -1 for the first
-unacknowledged record; the seq it jumped to).
-Ship mode: a batch of records
-goes as ``pickle((batch_no, kinds, frames))``: the spool positions stay in the relay
-(with the batch, until it is acknowledged) and the worker's records carry the position
-``(batch_no, index)``, which orders like the real one; an ack ``(batch_no, index)`` is
-mapped back to the record's spool position.  So no per-record tuple is built for the
-wire: two list comprehensions and one pickle per batch (the relay's cost of feeding a
-worker, measured with bench_durable.py).
+The wire and its messages: ``outputs/worker_wire.py``; the worker process:
+``outputs/worker_process.py`` (``python -m logjam_relay.outputs.worker`` runs it, so the
+process list names the module).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import pickle
-import select
-import signal
 import socket
-import struct
 import sys
-import threading
 from collections import deque
 
 import trio
 
 from ..config import logformat
 from ..fdreserve import RESERVE as _FDS
-from ..spool.api import Position, Record
+from ..spool.api import Position
 from ..spool.errors import SpoolError
-from .ackgate import ConfirmedReader
+from .worker_wire import (
+    ACK,
+    ACK_KNOWN,
+    BATCH,
+    COUNT,
+    IDLE_CHECK,
+    MAX_INFLIGHT,
+    NOTIFY_EVERY,
+    SKIP,
+    T_ACK,
+    T_ACKED,
+    T_CONFIG,
+    T_DAMAGE,
+    T_DEAD,
+    T_RECORDS,
+    T_SEGS,
+    T_SKIP,
+    T_STATS,
+    T_STOP,
+    frame,
+    read_messages,
+)
 
 log = logging.getLogger("logjam_relay.outputs.worker")
-
-MAX_INFLIGHT = 20_000        # records handed to a worker and not yet acknowledged
-BATCH = 2_000                # records per message to the worker
-STATS_EVERY = 0.5
-
-_HDR = struct.Struct(">IB")
-_ACK = struct.Struct(">QQ")
-_ACK_KNOWN = struct.Struct(">QQQQ")     # tail mode: segment, offset, record end, seq
-_COUNT = struct.Struct(">Q")
-T_CONFIG, T_RECORDS, T_STOP = ord("C"), ord("R"), ord("S")     # relay -> worker
-T_SEGS = ord("G")                                              # relay -> worker (tail mode)
-T_ACKED = ord("K")                                             # relay -> worker
-T_ACK, T_STATS, T_DEAD = ord("A"), ord("T"), ord("D")          # worker -> relay
-T_DAMAGE = ord("X")                                            # worker -> relay (tail mode)
-T_SKIP = ord("K")                                              # worker -> relay (tail mode)
-_SKIP = struct.Struct(">qQ")            # seqs jumped over: from (-1: first unacked), to
-# tail mode: at most one segment snapshot per this many seconds.  Each one is a send and
-# a wake-up of the worker: at 3 ms they were ~11 % of the relay's CPU at full rate
-# (bench_durable.py, py-spy); at 10 ms the workers also read larger batches (fewer
-# windows/payloads and acks per event), and an event waits at most 10 ms more.
-NOTIFY_EVERY = 0.010
-IDLE_CHECK = 0.25            # tail mode: snapshot check without appends (seals, deletions)
 
 
 class WorkerDied(RuntimeError):
     """The worker process ended without being asked to (the supervisor restarts it)."""
-
-
-def _frame(kind: int, payload: bytes) -> bytes:
-    return _HDR.pack(len(payload) + 1, kind) + payload
-
-
-async def _read_messages(stream: trio.SocketStream, marks: bool = False):
-    """Yield ``(type, payload)`` until EOF; with ``marks``, ``(None, b"")`` after the
-    messages of each read (before the next read waits)."""
-    buf = bytearray()
-    while True:
-        try:
-            # 64 KiB: a 1 MiB receive buffer was allocated (and shrunk) for every few
-            # bytes of an ack (~2 % of the relay at full rate, py-spy)
-            data = await stream.receive_some(1 << 16)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return                      # the peer died (reset): like EOF
-        if not data:
-            return
-        buf += data
-        pos = 0
-        n = len(buf)
-        while n - pos >= 5:
-            length, kind = _HDR.unpack_from(buf, pos)
-            if n - pos - 4 < length:
-                break
-            yield kind, bytes(buf[pos + 5:pos + 4 + length])
-            pos += 4 + length
-        del buf[:pos]
-        if marks and pos:
-            yield None, b""
 
 
 # ======================================================================= relay side
@@ -219,7 +169,7 @@ class ProcessOutput:
     async def _send_stop(self, stream) -> None:
         try:
             async with self._send_lock:
-                await stream.send_all(_frame(T_STOP, b""))
+                await stream.send_all(frame(T_STOP, b""))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
 
@@ -261,7 +211,7 @@ class ProcessOutput:
             cfg = (self.spec.name, self.spec.scheme, self.spec.url, self.relay_host,
                    self.max_event_bytes, self.dead_letters is not None, self.log_level,
                    start, self.log_format)
-            await stream.send_all(_frame(T_CONFIG, pickle.dumps(cfg)))
+            await stream.send_all(frame(T_CONFIG, pickle.dumps(cfg)))
             self._snap_sent = None
             if self.tail:
                 await self._send_snapshot(stream)
@@ -309,7 +259,7 @@ class ProcessOutput:
             self.records_shipped += len(recs)
             try:
                 async with self._send_lock:
-                    await stream.send_all(_frame(T_RECORDS, payload))
+                    await stream.send_all(frame(T_RECORDS, payload))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return                  # the worker died: _receive sees the end
 
@@ -322,7 +272,7 @@ class ProcessOutput:
         self._snap_sent = snap
         self.snapshots_sent += 1
         async with self._send_lock:
-            await stream.send_all(_frame(T_SEGS, pickle.dumps(snap, 5)))
+            await stream.send_all(frame(T_SEGS, pickle.dumps(snap, 5)))
 
     async def _notify(self, stream) -> None:
         """Tail mode: tell the worker which segments exist and how far each is
@@ -331,7 +281,7 @@ class ProcessOutput:
         try:
             while not self._stop_requested:
                 with trio.move_on_after(IDLE_CHECK):
-                    await sp._appended.wait()
+                    await sp.ledger.appended.wait()
                 await trio.sleep(NOTIFY_EVERY)
                 await self._send_snapshot(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -365,7 +315,7 @@ class ProcessOutput:
                 pass                        # counted and logged by the reader
         self.acks_confirmed = n
         async with self._send_lock:
-            await stream.send_all(_frame(T_ACKED, _COUNT.pack(n)))
+            await stream.send_all(frame(T_ACKED, COUNT.pack(n)))
 
     async def _on_damage(self, stream, payload: bytes) -> None:
         """Tail mode: the worker found a damaged record or cannot open a segment:
@@ -378,8 +328,8 @@ class ProcessOutput:
 
     async def _receive(self, stream) -> None:
         reader = self.reader
-        unpack = _ACK.unpack
-        async for kind, payload in _read_messages(stream, marks=True):
+        unpack = ACK.unpack
+        async for kind, payload in read_messages(stream, marks=True):
             if kind is None:
                 # the end of one read: its acks are applied, confirm them now.  Tail mode:
                 # the relay sends the worker only small messages, so this send does not
@@ -398,8 +348,8 @@ class ProcessOutput:
             if kind == T_ACK:
                 self._acks_in += 1          # confirmed at the end of this read
             if kind == T_ACK and self.tail:
-                if len(payload) == _ACK_KNOWN.size:        # with the record's end and seq
-                    segno, off, end, seq = _ACK_KNOWN.unpack(payload)
+                if len(payload) == ACK_KNOWN.size:        # with the record's end and seq
+                    segno, off, end, seq = ACK_KNOWN.unpack(payload)
                     pos, known = Position(segno, off), (end, seq)
                 else:
                     pos, known = Position(*unpack(payload)), None
@@ -413,7 +363,7 @@ class ProcessOutput:
             elif kind == T_DAMAGE:
                 await self._on_damage(stream, payload)
             elif kind == T_SKIP and self.tail:
-                lo, hi = _SKIP.unpack(payload)
+                lo, hi = SKIP.unpack(payload)
                 reader.skipped(None if lo < 0 else lo, hi)
             elif kind == T_ACK:
                 bno, idx = unpack(payload)
@@ -462,224 +412,6 @@ def isolated_factory(spec, reader, relay_host: str, *, dead_letters=None,
                                  max_event_bytes=max_event_bytes)
 
 
-# ====================================================================== worker side
-
-
-class RemoteSource:
-    """The worker's spool reader: records given by the relay, kept until acknowledged."""
-
-    def __init__(self, name: str, send_ack):
-        self.name = name
-        self._records: list[Record] = []    # [_head:] unacknowledged, in order
-        self._head = 0
-        self._read = 0                      # index into _records of the next read
-        self._event = trio.Event()
-        self._send_ack = send_ack
-        self.records_received = 0
-        self.acks = 0
-
-    def add(self, batch_no: int, kinds: list[int], frames: list) -> None:
-        """Records of one batch; positions ``(batch_no, index)`` (see the module doc)."""
-        tnew = tuple.__new__
-        self._records.extend([tnew(Record, (tnew(Position, (batch_no, i)), k, f))
-                              for i, (k, f) in enumerate(zip(kinds, frames, strict=True))])
-        self.records_received += len(frames)
-        self._event.set()
-
-    def read(self, max_records: int) -> list[Record]:
-        start = self._read
-        out = self._records[start:start + max_records]
-        self._read = start + len(out)
-        return out
-
-    async def wait(self) -> None:
-        while self._read >= len(self._records):
-            self._event = trio.Event()
-            await self._event.wait()
-
-    def ack(self, upto: Position) -> None:
-        recs = self._records
-        head = old = self._head
-        n = len(recs)
-        while head < n and recs[head][0] <= upto:
-            head += 1
-        if head == old:
-            return
-        if self._read < head:
-            self._read = head
-        if head >= 4096 and head * 2 >= n:       # drop the acknowledged front now and then
-            del recs[:head]
-            self._read -= head
-            head = 0
-        self._head = head
-        self.acks += 1
-        self._send_ack(upto)
-
-    def rewind(self) -> None:
-        self._read = self._head
-
-    def stats(self) -> dict:
-        return {"worker_buffered": len(self._records) - self._head, "worker_acks": self.acks}
-
-
-class DeadLetterProxy:
-    """The store interface the output's DeadLetterSink calls (from a worker thread):
-    each letter goes to the relay, which writes it to its store."""
-
-    def __init__(self, send):
-        self._send = send
-        self._lock = threading.Lock()
-        self.counts: dict[tuple[str, str], int] = {}
-
-    def put(self, output, reason, frames, *, kind=0, detail="", position=None):
-        with self._lock:
-            self.counts[(output, reason)] = self.counts.get((output, reason), 0) + 1
-        self._send(T_DEAD, pickle.dumps((output, reason, [bytes(f) for f in frames], kind,
-                                         detail, position)))
-        return None
-
-    def count_for(self, output: str) -> dict[str, int]:
-        with self._lock:
-            return {r: n for (o, r), n in self.counts.items() if o == output}
-
-
-async def worker_main(fd: int) -> int:
-    from .supervisor import OutputSpec, make_output
-    sock = socket.socket(fileno=fd)
-    sock.setblocking(False)
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
-    # acks, stats and dead letters are written synchronously (small, in order, callable
-    # from the output's worker threads too); the socket stays non-blocking for trio's
-    # reads, so a full buffer is waited out with poll()
-    out_lock = threading.Lock()
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-
-    def send(kind: int, payload: bytes) -> None:
-        send_raw(_frame(kind, payload))
-
-    def send_raw(data: bytes) -> None:
-        data = memoryview(data)
-        with out_lock:
-            while data:
-                try:
-                    data = data[sock.send(data):]
-                except BlockingIOError:
-                    poller.poll(1000)
-                except (BrokenPipeError, ConnectionResetError):
-                    # the relay is gone (SIGKILL): no one to ack for; its successor
-                    # starts from the durable cursor.  Also from the output's threads.
-                    os._exit(0)
-
-    messages = _read_messages(stream)
-    try:
-        kind, payload = await messages.__anext__()
-    except StopAsyncIteration:
-        # the relay went away (SIGKILL) before it sent the configuration: nothing to do
-        return 0
-    if kind != T_CONFIG:
-        raise RuntimeError("output worker: no configuration received")
-    name, scheme, url, relay_host, max_event_bytes, with_dead, level, start, log_format = \
-        pickle.loads(payload)
-    logformat.setup(level, log_format, worker=name)     # the relay's format (json: "worker")
-    ack = _ACK.pack
-    output = None
-
-    def stats_frame() -> bytes:
-        st = dict(output.stats())
-        st.update(reader.stats())
-        return _frame(T_STATS, pickle.dumps(st))
-
-    ack_known = _ACK_KNOWN.pack
-
-    reader = ConfirmedReader()          # what the output reads from (the source, gated)
-
-    def send_ack(pos, known=None) -> None:
-        # the stats go with the ack (one write): once the relay's cursor has moved, its
-        # metrics show what moved it (outputs count before they ack); acks come per
-        # window or payload, so this costs little.  ``known`` (tail mode): the record's
-        # end and seq, so the relay moves its cursor without reading the disk
-        data = _frame(T_ACK, ack(pos[0], pos[1]) if known is None else
-                      ack_known(pos[0], pos[1], known[0], known[1]))
-        reader.sent += 1
-        send_raw(data + stats_frame() if output is not None else data)
-
-    if start is not None:               # tail mode: read the segment files here
-        from ..spool.tail import SegmentTail
-        source = SegmentTail(name, Position(*start[0]), start[1], send_ack,
-                             lambda *damage: send(T_DAMAGE, pickle.dumps(damage)),
-                             lambda lo, hi: send(T_SKIP, _SKIP.pack(
-                                 -1 if lo is None else lo, hi)))
-    else:
-        source = RemoteSource(name, send_ack)
-    reader.source = source
-    dead = DeadLetterProxy(send) if with_dead else None
-    output = make_output(OutputSpec(name, scheme, url), reader, relay_host, dead_letters=dead,
-                         max_event_bytes=max_event_bytes)
-    if hasattr(output, "thread_compress_min"):
-        # nothing else runs on this loop: a Lumberjack window is compressed on it, not in
-        # a thread of its own (which cost a thread start and two wake-ups per window, and
-        # the worker sat idle meanwhile; bench_durable.py: less CPU per event, more ev/s)
-        output.thread_compress_min = float("inf")
-    from ..gc_tuning import tune_gc
-    tune_gc()
-
-    async def receive(cancel_scope):
-        async for kind, payload in messages:
-            if kind == T_SEGS:
-                source.update(pickle.loads(payload))
-            elif kind == T_ACKED:
-                reader.confirm(_COUNT.unpack(payload)[0])
-            elif kind == T_RECORDS:
-                source.add(*pickle.loads(payload))
-            elif kind == T_STOP:
-                if hasattr(output, "request_shutdown"):
-                    output.request_shutdown()
-                else:
-                    cancel_scope.cancel()
-        cancel_scope.cancel()               # the relay went away: stop
-
-    async def report():
-        while True:
-            send_raw(stats_frame())
-            await trio.sleep(STATS_EVERY)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(receive, nursery.cancel_scope)
-        nursery.start_soon(report)
-        await output.run()
-        nursery.cancel_scope.cancel()
-    send_raw(stats_frame())
-    return 0
-
-
-def keep_freed_memory() -> bool:
-    """glibc: serve allocations up to 32 MiB from the heap and keep up to 64 MiB freed
-    there, instead of mmap()/munmap() or trimming per allocation.  A worker allocates and
-    frees the same large blocks over and over (a zlib compressor's ~270 KiB state and a
-    window's frames per window or payload); each round trip through the kernel cost ~90
-    page faults per Lumberjack window (~7 % of the worker's CPU: exc_page_fault and
-    clear_page in ``perf``).  The price: a worker's RSS stays at its peak (a few MiB more).
-    False where ``mallopt`` is not there (not glibc)."""
-    try:
-        import ctypes
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and \
-        bool(mallopt(M_TRIM_THRESHOLD, 64 << 20))
-
-
-def main() -> None:
-    keep_freed_memory()
-    # The relay decides when a worker stops (T_STOP, or EOF when the relay is gone), also
-    # when a service manager signals the whole process group/cgroup: the relay then
-    # stops its outputs gracefully and the workers' last acks still reach the cursor.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(trio.run(worker_main, int(sys.argv[1])))
-
-
 if __name__ == "__main__":
+    from .worker_process import main
     main()

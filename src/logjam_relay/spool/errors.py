@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno as _errno
 
+from ..ratelimit import RateLimitedLog
+
 
 class SpoolError(Exception):
     """Spool misuse or an unusable spool directory.  ``reason`` is a metric label."""
@@ -66,3 +68,22 @@ def write_error(what: str, path: str, e: OSError) -> SpoolWriteError:
 
 def is_disk_full(e: BaseException) -> bool:
     return getattr(e, "errno", None) in (_errno.ENOSPC, _errno.EDQUOT)
+
+
+class WriteErrors:
+    """The write errors of one spool, shared by its parts: counted by reason, the last one
+    kept (``stats``), logged rate-limited (a full disk fails every append)."""
+
+    def __init__(self, log) -> None:
+        self.total = 0
+        self.by_reason: dict[str, int] = {}
+        self.last: str | None = None
+        self.rlog = RateLimitedLog(log)
+
+    def count(self, err: SpoolWriteError) -> SpoolWriteError:
+        """Count and log ``err``; returns it (``raise errors.count(e)``)."""
+        self.total += 1
+        self.by_reason[err.reason] = self.by_reason.get(err.reason, 0) + 1
+        self.last = str(err)
+        self.rlog.error("write_" + err.reason, "%s", err)
+        return err

@@ -20,7 +20,7 @@ import sys
 
 from . import cursors as curlog
 from . import segment as fmt
-from .recovery import CURSOR_DIR, _iter_with_seq
+from .recovery import CURSOR_DIR, iter_with_seq
 
 
 def scan_damage(path: str, limit: int, first_seq: int, end_seq: int) -> list[tuple]:
@@ -161,7 +161,7 @@ def _cursor_ok(directory, segs, segno, off, seq) -> bool:
         path = os.path.join(directory, fmt.segment_name(segno, False))
     last_end = None
     try:
-        for r in _iter_with_seq(path, os.path.getsize(path)):
+        for r in iter_with_seq(path, os.path.getsize(path)):
             if r[0] == off:
                 return r[2] == seq
             last_end = r[4]
@@ -179,13 +179,13 @@ def repair(directory: str) -> list[str]:
     readers = curlog.names(cdir) if os.path.isdir(cdir) else []
     sp = Spool(directory, readers=readers, fsync="batch", max_bytes=1 << 62)
     try:
-        for seg in list(sp._segs.values()):
+        for seg in list(sp.ledger.segs.values()):
             try:
                 fmt.read_header(seg.path)
                 continue
             except fmt.SegmentError:
                 pass
-            if seg is sp._active:
+            if seg is sp.writer.active:
                 sp.seal()
             _rewrite_header(seg.path, seg.segno, seg.created_ms, seg.first_seq)
             done.append(f"rewrote the damaged header of segment {seg.segno}")

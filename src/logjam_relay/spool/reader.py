@@ -3,7 +3,7 @@
 Loss accounting lives here: the *acknowledged* cursor only moves forward, and every
 time it moves over records that were never served (a dropped, missing, truncated or
 damaged stretch) their number is added to ``lost`` (by reason, see
-``Spool._lost_reasons``).  The read position skips the same stretches without counting,
+``Damage.lost_reasons``).  The read position skips the same stretches without counting,
 so a rewind never counts twice.  See docs/spool-format.md, "Recovery".
 
 Records of a dropped segment that the output may hold (served, or with
@@ -17,7 +17,8 @@ So each record is counted once: delivered, or lost.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
@@ -25,14 +26,39 @@ from ..fdreserve import RESERVE as _FDS
 from . import segment as fmt
 from .api import Position, Record
 from .cursors import CursorLog
-from .errors import SpoolError, write_error
-
-if TYPE_CHECKING:
-    from .spool import Spool, _Seg
+from .damage import Damage
+from .errors import SpoolError, WriteErrors, write_error
+from .fs import Filesystem
+from .ledger import Ledger, Seg
 
 MiB = 1 << 20
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 _SERVED_MAX = 4096
+
+
+class _Space(Protocol):
+    space: trio.Event
+
+
+class Owner(Protocol):
+    """What a reader needs of the spool that owns it (:class:`spool.Spool`)."""
+
+    ledger: Ledger
+    damage: Damage
+    fs: Filesystem
+    errors: WriteErrors
+    budget: _Space
+    cursor_dir: str
+    fsync: str
+    cursor_flush_s: float
+    clock: Callable[[], float]
+    monotonic: Callable[[], float]
+
+    def on_corrupt(self, reader: SpoolReader, seg: Seg, err: fmt.SegmentError) -> None:
+        """Handle damage the reader found (skip it, register the gap)."""
+
+    def delete_acknowledged(self) -> None:
+        """The reader's acknowledged cursor moved to another segment."""
 
 
 class SpoolReader:
@@ -40,9 +66,12 @@ class SpoolReader:
 
     CHUNK = 1 * MiB
 
-    def __init__(self, spool: Spool, name: str, pos: Position, seq: int):
+    def __init__(self, spool: Owner, name: str, pos: Position, seq: int):
         self.name = name
         self._spool = spool
+        self._ledger = spool.ledger
+        self._damage = spool.damage
+        self._fs = spool.fs
         self._ack_pos = pos          # first unacknowledged record
         self._ack_seq = seq
         self._read_pos = pos         # next record read() returns
@@ -65,7 +94,7 @@ class SpoolReader:
         self._buf_seg = -1
         self._buf_base = 0
         self._short = False
-        self._log = CursorLog(spool._cursor_dir, name, spool.fsync != "never")
+        self._log = CursorLog(spool.cursor_dir, name, spool.fsync != "never")
         self.lost = 0
         self.lost_by_reason: dict[str, int] = {}
         self.acks = 0
@@ -80,17 +109,17 @@ class SpoolReader:
         """Move ``pos`` over the end of sealed segments, over holes and over segments
         that are not on disk, to the next record that exists (or to where the next
         appended record will be).  ``seq`` follows."""
-        sp = self._spool
-        segs = sp._segs
+        led = self._ledger
+        segs = led.segs
         while True:
             seg = segs.get(pos.segment)
             if seg is None:
-                nxt = sp._next_existing(pos.segment)
+                nxt = led.next_existing(pos.segment)
                 if nxt is not None:
                     pos, seq = Position(nxt.segno, fmt.HEADER_LEN), max(seq, nxt.first_seq)
                     continue
-                if pos.segment < sp._next_segno or seq < sp._next_seq:
-                    pos, seq = Position(sp._next_segno, fmt.HEADER_LEN), max(seq, sp._next_seq)
+                if pos.segment < led.next_segno or seq < led.next_seq:
+                    pos, seq = Position(led.next_segno, fmt.HEADER_LEN), max(seq, led.next_seq)
                 return pos, seq
             if seg.holes:
                 hole = seg.holes.get(pos.offset)
@@ -119,13 +148,13 @@ class SpoolReader:
         for the pending ones (not lost unless never acknowledged).  With
         ``remainder=False`` only the registered gaps in the range count (an ack
         covering served records and a hole between them)."""
-        sp = self._spool
+        damage = self._damage
         for a, b in _outside(self._pending, lo, hi):
-            for reason, n in sp._lost_reasons(a, b, remainder):
+            for reason, n in damage.lost_reasons(a, b, remainder):
                 self._add_lost(reason, n)
 
     def _count_range(self, lo: int, hi: int) -> None:
-        for reason, n in self._spool._lost_reasons(lo, hi):
+        for reason, n in self._damage.lost_reasons(lo, hi):
             self._add_lost(reason, n)
 
     def _resolve(self, seq: int) -> None:
@@ -150,41 +179,44 @@ class SpoolReader:
             self.lost += n
             self.lost_by_reason[reason] = self.lost_by_reason.get(reason, 0) + n
 
-    def _forget(self, segno: int) -> None:
+    def forget(self, segno: int) -> None:
+        """Segment ``segno`` is being deleted: let go of its descriptor and data."""
         if self._fd_seg == segno and self._fd is not None:
-            _FDS.close(self._fd)
+            self._fs.close(self._fd)
             self._fd, self._fd_seg = None, -1
         if self._buf_seg == segno:
             self._buf, self._buf_seg = b"", -1
 
-    def _fd_for(self, seg: _Seg) -> int:
+    def fd_for(self, seg: Seg) -> int:
+        """A read descriptor of ``seg`` (kept until the reader moves to another one)."""
         if self._fd_seg != seg.segno:
             if self._fd is not None:
-                _FDS.close(self._fd)
+                self._fs.close(self._fd)
                 self._fd, self._fd_seg = None, -1
-            self._fd = _FDS.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fd = self._fs.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
             self._fd_seg = seg.segno
         return self._fd
 
-    def _load(self, seg: _Seg, off: int, need: int) -> None:
+    def _load(self, seg: Seg, off: int, need: int) -> None:
         """Cache file data from ``off``.  A file shorter than expected (cut while we run)
         is not an error here: the records before the cut are served, the parser then
         reports the record the cut tore (``_short``)."""
         size = min(max(self.CHUNK, need), seg.limit - off)
-        buf = os.pread(self._fd_for(seg), size, off)
+        buf = self._fs.pread(self.fd_for(seg), size, off)
         self._buf, self._buf_seg, self._buf_base = buf, seg.segno, off
         self._short = len(buf) < size
 
     # -- protocol ---------------------------------------------------------------
     def read(self, max_records: int) -> list[Record]:
         sp = self._spool
+        led = self._ledger
         out: list[Record] = []
         served = self._served
         while len(out) < max_records:
             self._normalize_read()
-            if self._read_seq >= sp._next_seq:
+            if self._read_seq >= led.next_seq:
                 break
-            seg = sp._segs.get(self._read_pos.segment)
+            seg = led.segs.get(self._read_pos.segment)
             if seg is None:
                 break
             off = self._read_pos.offset
@@ -234,21 +266,21 @@ class SpoolReader:
                     raise fmt.SegmentCorrupt("unexpected_seal", "seal record inside data", off)
                 raise status
             except fmt.SegmentError as e:
-                sp._on_corrupt(self, seg, e)
+                sp.on_corrupt(self, seg, e)
             except OSError as e:
-                sp._on_corrupt(self, seg, fmt.SegmentError(
+                sp.on_corrupt(self, seg, fmt.SegmentError(
                     "unreadable", f"cannot read segment: {e}", off))
         self.records_read += len(out)
         return out
 
     async def wait(self) -> None:
-        sp = self._spool
+        led = self._ledger
         while True:
             self._normalize_read()
-            if self._read_seq < sp._next_seq:
+            if self._read_seq < led.next_seq:
                 await trio.lowlevel.checkpoint()
                 return
-            await sp._appended.wait()
+            await led.appended.wait()
 
     def ack(self, upto: Position, known: tuple[int, int] | None = None) -> None:
         """Acknowledge every record up to and including the one at ``upto``.
@@ -274,7 +306,7 @@ class SpoolReader:
         if upto < self._ack_pos:
             return
         sp = self._spool
-        seg = sp._segs.get(upto.segment)
+        seg = self._ledger.segs.get(upto.segment)
         if seg is None:
             return
         if hit is not None:
@@ -283,26 +315,27 @@ class SpoolReader:
                 and seg.first_seq <= known[1]:
             end, seq = known
         else:
-            head = os.pread(self._fd_for(seg), fmt.MIN_RECORD, upto.offset)
+            head = self._fs.pread(self.fd_for(seg), fmt.MIN_RECORD, upto.offset)
             if len(head) < fmt.MIN_RECORD:
                 raise ValueError(f"ack: no record at {upto}")
-            body_len, _, _, _, _, seq = fmt._FULL_HEAD.unpack_from(head)
+            body_len, _, _, _, _, seq = fmt.FULL_HEAD.unpack_from(head)
             end = upto.offset + fmt.PREFIX_LEN + body_len
             if end > seg.limit:
                 raise ValueError(f"ack: no record at {upto}")
             self._resolve(seq)
         old_segment = self._ack_pos.segment
-        if seq > self._ack_seq and sp._gaps:
+        if seq > self._ack_seq and self._damage.gaps:
             self._count_lost(self._ack_seq, seq, remainder=False)   # holes in the acked range
         self._ack_pos, self._ack_seq = Position(upto.segment, end), max(self._ack_seq, seq + 1)
         self._normalize_ack()
         self.acks += 1
-        if not sp._space.is_set():
-            sp._space.set()                       # block policy: acked bytes free space
-        if sp._mono() - self._last_persist >= sp.cursor_flush_s:
-            self._persist_quiet()
+        space = sp.budget.space
+        if not space.is_set():
+            space.set()                           # block policy: acked bytes free space
+        if sp.monotonic() - self._last_persist >= sp.cursor_flush_s:
+            self.persist_quiet()
         if self._ack_pos.segment != old_segment:
-            sp._maybe_delete()
+            sp.delete_acknowledged()
 
     def rewind(self) -> None:
         """Back to the acknowledged cursor.  Records of dropped segments the output held
@@ -318,33 +351,71 @@ class SpoolReader:
         for a, b in pend:
             self._count_range(a, b)
 
-    def _note_drop(self, ack_seq_before: int, read_seq_before: int) -> None:
+    def drop_marks(self) -> tuple[int, int]:
+        """``(acknowledged seq, read seq)``, taken before segments are dropped."""
+        return self._ack_seq, self._read_seq
+
+    def note_drop(self, ack_seq_before: int, read_seq_before: int) -> None:
         """Segments were dropped under this reader: records it had been served (or, read
         elsewhere, may have been) keep their chance to be acknowledged (counted lost on
-        rewind or skip, not now)."""
-        hi = self._spool._first_seq()
+        rewind or skip, not now); the rest it passes over is lost."""
+        hi = self._ledger.first_seq()
         if not self.reads_elsewhere:
             hi = min(read_seq_before, hi)
         if hi > ack_seq_before:
             _add(self._pending, ack_seq_before, hi)
+        self._normalize_ack()
+
+    def pending_from(self) -> int:
+        """The lowest pending seq (only if :meth:`pending`)."""
+        return self._pending[0][0]
+
+    @property
+    def acknowledged(self) -> Position:
+        """The position of the first unacknowledged record."""
+        return self._ack_pos
+
+    @property
+    def acknowledged_seq(self) -> int:
+        return self._ack_seq
+
+    @property
+    def last_persist(self) -> float:
+        return self._last_persist
+
+    def normalize_ack(self) -> None:
+        """Move the acknowledged cursor over what is gone (counting it as lost)."""
+        self._normalize_ack()
+
+    def normalize_read(self) -> None:
+        self._normalize_read()
+
+    def damaged_at(self, err: fmt.SegmentError) -> tuple[int, int]:
+        """This reader found damage (``err``): ``(offset, expected seq)`` where it is,
+        counted, with the cached data dropped."""
+        off = err.offset if err.offset >= 0 else self._read_pos.offset
+        off = max(off, self._read_pos.offset)
+        self.corrupt_skips += 1
+        self._buf, self._buf_seg = b"", -1
+        return off, self._read_seq
 
     # -- cursor -----------------------------------------------------------------
     def persist(self, force: bool = False) -> None:
         """Append the cursor to the reader's cursor log if it changed."""
         state = (self._ack_pos.segment, self._ack_pos.offset, self._ack_seq)
-        self._last_persist = self._spool._mono()
+        self._last_persist = self._spool.monotonic()
         if state == self._persisted and not force:
             return
         try:
             self._log.append(*state)
         except OSError as e:
             self.cursor_errors += 1
-            raise self._spool._count_error(write_error("writing cursor", self._log.path, e)) \
+            raise self._spool.errors.count(write_error("writing cursor", self._log.path, e)) \
                 from None
         self._persisted = state
         self.cursor_writes += 1
 
-    def _persist_quiet(self) -> None:
+    def persist_quiet(self) -> None:
         try:
             self.persist()
         except SpoolError:
@@ -355,7 +426,7 @@ class SpoolReader:
             self._log.sync()
         except OSError as e:
             self.cursor_errors += 1
-            self._spool._count_error(write_error("syncing cursor", self._log.path, e))
+            self._spool.errors.count(write_error("syncing cursor", self._log.path, e))
 
     async def sync_cursor_async(self) -> None:
         """:meth:`sync_cursor` in a worker thread (``fsync = "interval"`` with
@@ -365,7 +436,7 @@ class SpoolReader:
             fd = log.take_sync()
         except OSError as e:
             self.cursor_errors += 1
-            self._spool._count_error(write_error("syncing cursor", log.path, e))
+            self._spool.errors.count(write_error("syncing cursor", log.path, e))
             return
         if fd is None:
             return
@@ -374,7 +445,7 @@ class SpoolReader:
         except OSError as e:
             log.dirty = True                     # try again next time
             self.cursor_errors += 1
-            self._spool._count_error(write_error("syncing cursor", log.path, e))
+            self._spool.errors.count(write_error("syncing cursor", log.path, e))
         finally:
             _FDS.close(fd)
 
@@ -382,29 +453,30 @@ class SpoolReader:
         if self._pending:
             n = self.pending()
             self._count_pending()       # never acknowledged, and their segments are gone
-            self._spool._rlog.warning(
+            self._spool.errors.rlog.warning(
                 "pending_lost", "spool: output %s stopped without acknowledging %d records "
                 "of dropped segments it had been sending: counted as lost", self.name, n)
         if self._fd is not None:
-            os.close(self._fd)
+            self._fs.close(self._fd)
             self._fd, self._fd_seg = None, -1
         self._buf, self._buf_seg = b"", -1
         self._log.close()
 
     def stats(self) -> dict:
         sp = self._spool
+        led = self._ledger
         self._normalize_ack()
-        backlog = max(0, sp._next_seq - self._ack_seq)
+        backlog = max(0, led.next_seq - self._ack_seq)
         nbytes = 0
         age = 0.0
         if backlog:
-            for seg in sp._segs.values():
+            for seg in led.segs.values():
                 if seg.segno >= self._ack_pos.segment:
                     nbytes += seg.limit - fmt.HEADER_LEN
             nbytes -= max(0, self._ack_pos.offset - fmt.HEADER_LEN)
-            seg = sp._segs.get(self._ack_pos.segment)
+            seg = led.segs.get(self._ack_pos.segment)
             if seg is not None:
-                age = max(0.0, sp._clock() - seg.created_ms / 1000.0)
+                age = max(0.0, sp.clock() - seg.created_ms / 1000.0)
         return {
             "backlog_records": backlog,
             "backlog_bytes": max(0, nbytes),

@@ -52,7 +52,7 @@ RECHEAD = struct.Struct("<BBHQ")             # kind, flags, nframes, seq
 RECHEAD_LEN = RECHEAD.size                   # 12
 _FULL4 = struct.Struct("<IIBBHQIIII")        # prefix + head + 4 frame lengths (reader fast path)
 _HEAD4 = struct.Struct("<BBHQIIII")          # head + 4 frame lengths (writer fast path)
-_FULL_HEAD = struct.Struct("<IIBBHQ")        # prefix + head
+FULL_HEAD = _FULL_HEAD = struct.Struct("<IIBBHQ")        # prefix + head
 MIN_RECORD = PREFIX_LEN + RECHEAD_LEN        # 20: a record with no frames
 MAX_BODY = 1 << 30                           # sanity bound on body_len (1 GiB)
 MAX_FRAMES = 0xFFFF
@@ -313,7 +313,21 @@ def _open(path_or_file) -> tuple[BinaryIO, bool]:
     return open(path_or_file, "rb", buffering=0), True
 
 
-def _read_at(f: BinaryIO, offset: int, size: int) -> bytes:
+def _size_of(f: BinaryIO) -> int:
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (OSError, ValueError, AttributeError):
+        return f.seek(0, os.SEEK_END)
+
+
+def _mtime_ms(f: BinaryIO) -> int:
+    try:
+        return int(os.fstat(f.fileno()).st_mtime * 1000)
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def read_at(f: BinaryIO, offset: int, size: int) -> bytes:
     fileno = getattr(f, "fileno", None)
     if fileno is not None:
         try:
@@ -327,7 +341,7 @@ def _read_at(f: BinaryIO, offset: int, size: int) -> bytes:
 def read_header(path_or_file) -> SegmentHeader:
     f, own = _open(path_or_file)
     try:
-        return decode_header(_read_at(f, 0, HEADER_LEN))
+        return decode_header(read_at(f, 0, HEADER_LEN))
     finally:
         if own:
             f.close()
@@ -346,10 +360,10 @@ def iter_records(path_or_file, start_offset: int = 0, *, allow_torn_tail: bool =
     """
     f, own = _open(path_or_file)
     try:
-        decode_header(_read_at(f, 0, HEADER_LEN))
+        decode_header(read_at(f, 0, HEADER_LEN))
         pos = max(start_offset, HEADER_LEN)
         while True:
-            buf = _read_at(f, pos, chunk)
+            buf = read_at(f, pos, chunk)
             if not buf:
                 return
             recs, used, status = parse_records(buf, 0, len(buf), 1 << 62, pos)
@@ -391,53 +405,61 @@ class ScanResult:
     last_logjam_meta: bytes | None = None
 
 
-def scan_segment(path, *, chunk: int = READ_CHUNK) -> ScanResult:
+def scan_segment(path_or_file, *, chunk: int = READ_CHUNK) -> ScanResult:
     """Validate a whole segment and find the end of its valid data.  Never raises
     on bad data (only ``OSError``): a torn tail or CRC mismatch stops the scan and
     is reported as ``cut_bytes`` / ``error``."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            header = decode_header(_read_at(f, 0, HEADER_LEN))
-        except SegmentError as e:
-            return ScanResult(None, size, 0, 0, 0, False, size, e.reason, 0)
-        pos = HEADER_LEN
-        records = 0
-        seq = header.first_seq
-        last_meta = None
-        while True:
-            buf = _read_at(f, pos, chunk)
-            recs, used, status = parse_records(buf, 0, len(buf), 1 << 62, pos)
-            if recs:
-                records += len(recs)
-                seq = recs[-1][2] + 1
-                for r in reversed(recs):
-                    if r[1] == KIND_LOGJAM and len(r[3]) == 4:
-                        last_meta = r[3][3]
-                        break
-            if status == "seal":
-                try:
-                    count, data_end, _ = parse_seal_at(buf, used)
-                except SegmentError as e:
-                    status = e
-                else:
-                    end = pos + used
-                    if count == records and data_end == end and end + SEAL_RECORD_LEN == size:
-                        return ScanResult(header, size, end, records, seq, True, 0, None, -1,
-                                          last_meta)
-                    status = SegmentCorrupt("bad_seal", "seal record does not match data", end)
-            if isinstance(status, SegmentError):
+    f, own = _open(path_or_file)
+    try:
+        return _scan(f, chunk)
+    finally:
+        if own:
+            f.close()
+
+
+def _scan(f: BinaryIO, chunk: int) -> ScanResult:
+    size = _size_of(f)
+    try:
+        header = decode_header(read_at(f, 0, HEADER_LEN))
+    except SegmentError as e:
+        return ScanResult(None, size, 0, 0, 0, False, size, e.reason, 0)
+    pos = HEADER_LEN
+    records = 0
+    seq = header.first_seq
+    last_meta = None
+    while True:
+        buf = read_at(f, pos, chunk)
+        recs, used, status = parse_records(buf, 0, len(buf), 1 << 62, pos)
+        if recs:
+            records += len(recs)
+            seq = recs[-1][2] + 1
+            for r in reversed(recs):
+                if r[1] == KIND_LOGJAM and len(r[3]) == 4:
+                    last_meta = r[3][3]
+                    break
+        if status == "seal":
+            try:
+                count, data_end, _ = parse_seal_at(buf, used)
+            except SegmentError as e:
+                status = e
+            else:
                 end = pos + used
-                return ScanResult(header, size, end, records, seq, False, size - end,
-                                  status.reason, end, last_meta)
-            if status == "partial" and len(buf) >= chunk and used == 0:
-                chunk = PREFIX_LEN + PREFIX.unpack_from(buf, 0)[0]
-                continue
-            pos += used
-            if len(buf) < chunk:               # this read reached the end of the file
-                reason = "torn" if pos < size else None
-                return ScanResult(header, size, pos, records, seq, False, size - pos, reason,
-                                  pos if reason else -1, last_meta)
+                if count == records and data_end == end and end + SEAL_RECORD_LEN == size:
+                    return ScanResult(header, size, end, records, seq, True, 0, None, -1,
+                                      last_meta)
+                status = SegmentCorrupt("bad_seal", "seal record does not match data", end)
+        if isinstance(status, SegmentError):
+            end = pos + used
+            return ScanResult(header, size, end, records, seq, False, size - end,
+                              status.reason, end, last_meta)
+        if status == "partial" and len(buf) >= chunk and used == 0:
+            chunk = PREFIX_LEN + PREFIX.unpack_from(buf, 0)[0]
+            continue
+        pos += used
+        if len(buf) < chunk:               # this read reached the end of the file
+            reason = "torn" if pos < size else None
+            return ScanResult(header, size, pos, records, seq, False, size - pos, reason,
+                              pos if reason else -1, last_meta)
 
 
 def read_seal(path_or_file) -> tuple[int, int, int] | None:
@@ -445,14 +467,11 @@ def read_seal(path_or_file) -> tuple[int, int, int] | None:
     the end of the file.  ``(record_count, data_end, sealed_ms)`` or ``None``."""
     f, own = _open(path_or_file)
     try:
-        if hasattr(f, "fileno"):
-            size = os.fstat(f.fileno()).st_size
-        else:
-            size = f.seek(0, os.SEEK_END)
+        size = _size_of(f)
         if size < HEADER_LEN + SEAL_RECORD_LEN:
             return None
         start = size - SEAL_RECORD_LEN
-        buf = _read_at(f, start, SEAL_RECORD_LEN)
+        buf = read_at(f, start, SEAL_RECORD_LEN)
         _, _, status = parse_records(buf, 0, len(buf), 1, start)
         if status != "seal":
             return None
@@ -483,60 +502,68 @@ def sealed_segments(directory) -> list[tuple[int, str]]:
     return out
 
 
-def salvage_segment(path, segno: int, *, chunk: int = READ_CHUNK) -> ScanResult:
+def salvage_segment(path_or_file, segno: int, *, chunk: int = READ_CHUNK) -> ScanResult:
     """:func:`scan_segment` for a file whose header is damaged: the records are parsed
     from offset 40 all the same (each carries its CRC and seq), and a header is made up
     from the first record (``created`` from the file's mtime).  ``header`` stays None if
     not a single valid record follows."""
-    res = scan_segment(path, chunk=chunk)
-    if res.header is not None:
-        return res
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        mtime_ms = int(os.fstat(f.fileno()).st_mtime * 1000)
-        pos = HEADER_LEN
-        records = 0
-        first_seq = seq = None
-        last_meta = None
-        status = None
-        while True:
-            buf = _read_at(f, pos, chunk)
-            recs, used, status = parse_records(buf, 0, len(buf), 1 << 62, pos)
-            if recs:
-                if first_seq is None:
-                    first_seq = recs[0][2]
-                for r in recs:
-                    if r[2] != first_seq + records:      # seqs must be consecutive
-                        status = SegmentCorrupt("seq", "record seq out of order", r[0])
-                        break
-                    records += 1
-                    if r[1] == KIND_LOGJAM and len(r[3]) == 4:
-                        last_meta = r[3][3]
-                seq = first_seq + records
-                if isinstance(status, SegmentError) and status.reason == "seq":
-                    end = status.offset
+    f, own = _open(path_or_file)
+    try:
+        res = _scan(f, chunk)
+        if res.header is not None:
+            return res
+        return _salvage(f, segno, chunk, res)
+    finally:
+        if own:
+            f.close()
+
+
+def _salvage(f: BinaryIO, segno: int, chunk: int, res: ScanResult) -> ScanResult:
+    size = _size_of(f)
+    mtime_ms = _mtime_ms(f)
+    pos = HEADER_LEN
+    records = 0
+    first_seq = seq = None
+    last_meta = None
+    status = None
+    while True:
+        buf = read_at(f, pos, chunk)
+        recs, used, status = parse_records(buf, 0, len(buf), 1 << 62, pos)
+        if recs:
+            if first_seq is None:
+                first_seq = recs[0][2]
+            for r in recs:
+                if r[2] != first_seq + records:      # seqs must be consecutive
+                    status = SegmentCorrupt("seq", "record seq out of order", r[0])
                     break
-            if status == "seal":
-                end = pos + used
-                try:
-                    count, data_end, _ = parse_seal_at(buf, used)
-                except SegmentError:
-                    break
-                if count == records and data_end == end and end + SEAL_RECORD_LEN == size \
-                        and first_seq is not None:
-                    return ScanResult(SegmentHeader(segno, mtime_ms, first_seq), size, end,
-                                      records, seq, True, 0, "header", 0, last_meta)
+                records += 1
+                if r[1] == KIND_LOGJAM and len(r[3]) == 4:
+                    last_meta = r[3][3]
+            seq = first_seq + records
+            if isinstance(status, SegmentError) and status.reason == "seq":
+                end = status.offset
                 break
-            if isinstance(status, SegmentError):
-                end = pos + used
+        if status == "seal":
+            end = pos + used
+            try:
+                count, data_end, _ = parse_seal_at(buf, used)
+            except SegmentError:
                 break
-            if status == "partial" and len(buf) >= chunk and used == 0:
-                chunk = PREFIX_LEN + PREFIX.unpack_from(buf, 0)[0]
-                continue
-            pos += used
-            end = pos
-            if len(buf) < chunk:
-                break
+            if count == records and data_end == end and end + SEAL_RECORD_LEN == size \
+                    and first_seq is not None:
+                return ScanResult(SegmentHeader(segno, mtime_ms, first_seq), size, end,
+                                  records, seq, True, 0, "header", 0, last_meta)
+            break
+        if isinstance(status, SegmentError):
+            end = pos + used
+            break
+        if status == "partial" and len(buf) >= chunk and used == 0:
+            chunk = PREFIX_LEN + PREFIX.unpack_from(buf, 0)[0]
+            continue
+        pos += used
+        end = pos
+        if len(buf) < chunk:
+            break
     if first_seq is None:
         return res
     return ScanResult(SegmentHeader(segno, mtime_ms, first_seq), size, end, records, seq,

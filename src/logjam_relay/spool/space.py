@@ -1,145 +1,138 @@
-"""The disk bound and the full disk (mixed into :class:`Spool`).
+"""The disk bound and the full disk (:class:`SpaceBudget`).
 
 ``block``: ingress pauses while the records the slowest reader has not acknowledged
 fill ``max_bytes`` and resumes on the acknowledgement that frees space.  ``drop_oldest``:
-the oldest segments are dropped (budget, or ENOSPC).  A full disk never deadlocks: the
-``RESERVE`` ballast file is given back so that a segment can always be sealed, the
-active segment is sealed at once (so that acknowledging it frees it) and segments are
-small for a while.  See docs/spool-format.md, "Disk bound".
+the oldest segments are dropped (budget, or ENOSPC); the budget picks them
+(:meth:`SpaceBudget.to_drop`), the spool drops them and counts what the readers lose.
+A full disk never deadlocks: the ``RESERVE`` ballast file is given back so that a segment
+can always be sealed, the active segment is sealed at once (so that acknowledging it frees
+it) and segments are small for a while.  See docs/spool-format.md, "Disk bound".
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import trio
 
-from ..fdreserve import RESERVE as _FDS
-from . import segment as fmt
-from .errors import SpoolWriteError, is_disk_full
-from .errors import write_error as _write_error
-from .recovery import _unlink_quiet
-
-if TYPE_CHECKING:
-    from .api import Position
-    from .spool import _Seg
+from .fs import Filesystem, unlink_quiet
+from .ledger import Ledger, Seg
 
 log = logging.getLogger("logjam_relay.spool")
 
-MiB = 1 << 20
 RESERVE_FILE = "RESERVE"
 RESERVE_BYTES = 256 * 1024   # ballast freed when sealing hits a full disk
 
 
-class SpaceMixin:
-    def _append_on_full_disk(self, data: bytes, n: int, err: SpoolWriteError) -> Position:
-        """ENOSPC: seal the active segment (so that it can be deleted once acknowledged;
-        the seal's space comes from the reserve file), then with ``drop_oldest`` drop
-        the oldest segments as the budget would; with ``block`` pause ingress."""
+class SpaceBudget:
+    """Limits (``max_bytes``, segment size), the reserve file, the full-disk state, the
+    drop policy and the pause of ingress.  ``live_bytes()`` is what the slowest reader
+    has not acknowledged (the spool computes it from the readers' cursors)."""
+
+    def __init__(self, directory: str, fs: Filesystem, ledger: Ledger, *, max_bytes: int,
+                 policy: str, segment_bytes: int, monotonic: Callable[[], float],
+                 live_bytes: Callable[[], int]) -> None:
+        self.directory = directory
+        self._fs = fs
+        self._ledger = ledger
+        self.max_bytes = max_bytes
+        self.policy = policy
+        self.segment_bytes = segment_bytes
+        self._mono = monotonic
+        self._live_bytes = live_bytes
+        self.space = trio.Event()                # set when space was freed
+        self.disk_full: str | None = None        # set on ENOSPC, cleared when space is freed
+        self.disk_full_at = 0.0
+        self.blocked_since: float | None = None
+        self.reserve_ok = False
+        self.reserve_tried = 0.0
+        self._pressure_at: float | None = None
+        self._pressure_bytes = segment_bytes
+        self.enospc_seals = 0
+        self.enospc_drops = 0
+        self.reserve_releases = 0
+
+    # -- full disk --------------------------------------------------------------
+    def under_pressure(self) -> None:
+        """ENOSPC: segments are 1/16 of the configured size and of the file system for
+        a minute, so that space is freed (and ``block`` resumes) in small steps."""
         self._pressure_at = self._mono()
-        try:
-            st = os.statvfs(self.directory)
-            disk = st.f_blocks * st.f_frsize
-        except OSError:
-            disk = 0
-        # segments under pressure: 1/16 of the configured size and of the file system
+        disk = self._fs.disk_bytes(self.directory)
         self._pressure_bytes = max(64 * 1024, min(self.segment_bytes // 16,
                                                   disk // 16 if disk else self.segment_bytes))
-        act = self._active
-        if act is not None and act.count:
-            try:
-                self._seal_active()
-                self.enospc_seals += 1
-            except SpoolWriteError:
-                pass
-        if self.policy == "drop_oldest":
-            while True:
-                oldest = next((s for s in self._segs.values() if s is not self._active), None)
-                if oldest is None:
-                    break
-                self._drop_segments([oldest], "disk_full")
-                self.enospc_drops += 1
-                try:
-                    return self._append_once(data, n)
-                except SpoolWriteError as e:
-                    if not is_disk_full(e):
-                        raise
-                    err = e
-        self._disk_full = f"disk full (ENOSPC) on {self.directory}"
-        self._disk_full_at = self._mono()
-        raise err
 
-    def _segment_limit(self) -> int:
-        """Segment size; smaller for a minute after the disk ran full, so that space is
-        freed (and ``block`` resumes) in small steps."""
+    def mark_full(self) -> None:
+        self.disk_full = f"disk full (ENOSPC) on {self.directory}"
+        self.disk_full_at = self._mono()
+
+    def freed(self) -> None:
+        """Space was freed (a segment deleted, an append went through): ingress retries."""
+        self.disk_full = None
+        self.space.set()
+
+    def segment_limit(self) -> int:
+        """Segment size; smaller for a minute after the disk ran full."""
         if self._pressure_at is not None and self._mono() - self._pressure_at < 60.0:
             return min(self.segment_bytes, self._pressure_bytes)
         return self.segment_bytes
 
     # -- reserve ----------------------------------------------------------------
-    def _make_reserve(self) -> None:
+    def make_reserve(self) -> None:
         """Keep :data:`RESERVE_BYTES` allocated in ``RESERVE`` (not counted in ``bytes``):
         freed when a seal finds the disk full, re-created once there is space again."""
-        self._reserve_tried = self._mono()
+        self.reserve_tried = self._mono()
+        fs = self._fs
         path = os.path.join(self.directory, RESERVE_FILE)
         try:
-            if os.path.getsize(path) >= RESERVE_BYTES:
-                self._reserve_ok = True
+            if fs.getsize(path) >= RESERVE_BYTES:
+                self.reserve_ok = True
                 return
         except OSError:
             pass
         try:
-            fd = _FDS.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                fs.fallocate(fd, 0, RESERVE_BYTES)
             finally:
-                _FDS.close(fd)
-            self._reserve_ok = True
+                fs.close(fd)
+            self.reserve_ok = True
         except OSError:
-            _unlink_quiet(path)
-            self._reserve_ok = False
+            unlink_quiet(path, fs)
+            self.reserve_ok = False
 
-    def _release_reserve(self) -> bool:
-        if not self._reserve_ok:
+    def release_reserve(self) -> bool:
+        """Give the reserve's space back (a seal found the disk full); False if there is
+        none."""
+        if not self.reserve_ok:
             return False
-        _unlink_quiet(os.path.join(self.directory, RESERVE_FILE))
-        self._reserve_ok = False
+        unlink_quiet(os.path.join(self.directory, RESERVE_FILE), self._fs)
+        self.reserve_ok = False
         self.reserve_releases += 1
         log.warning("spool: disk full on %s; released the %d-byte reserve to seal a segment",
                     self.directory, RESERVE_BYTES)
         return True
 
-    # -- space ------------------------------------------------------------------
-    def _live_bytes(self) -> int:
-        """Bytes from the slowest reader's cursor on (what ``block`` bounds)."""
-        readers = self.readers.values()
-        if not readers:
-            act = self._active
-            return act.size if act is not None else 0
-        low = min(r._ack_pos for r in readers)
-        live = 0
-        for seg in self._segs.values():
-            if seg.segno > low.segment:
-                live += seg.size
-            elif seg.segno == low.segment:
-                live += max(0, seg.size - max(0, low.offset - fmt.HEADER_LEN))
-        return live
+    def reserve_due(self) -> bool:
+        """Time to try to re-create the reserve (every 5 s while it is missing)."""
+        return not self.reserve_ok and self.disk_full is None and \
+            self._mono() - self.reserve_tried >= 5
 
+    # -- the bound --------------------------------------------------------------
     def would_block(self) -> bool:
         """True if ingress should pause: the disk is full, or with the ``block`` policy
         the unacknowledged records take ``max_bytes``."""
-        if self._disk_full is not None:
+        if self.disk_full is not None:
             return True
-        return self.policy == "block" and self._bytes >= self.max_bytes and \
+        return self.policy == "block" and self._ledger.bytes >= self.max_bytes and \
             self._live_bytes() >= self.max_bytes
 
     def paused_reason(self) -> str | None:
         """Why ingress is paused (for ``/readyz``), or None."""
-        if self._disk_full is not None:
-            return self._disk_full
-        if self.policy == "block" and self._bytes >= self.max_bytes:
+        if self.disk_full is not None:
+            return self.disk_full
+        if self.policy == "block" and self._ledger.bytes >= self.max_bytes:
             live = self._live_bytes()
             if live >= self.max_bytes:
                 return f"spool full ({_size(live)} of {_size(self.max_bytes)}) on " \
@@ -148,113 +141,41 @@ class SpaceMixin:
 
     @property
     def full(self) -> bool:
-        return self._bytes >= self.max_bytes
+        return self._ledger.bytes >= self.max_bytes
 
     async def wait_writable(self) -> None:
         """Return once :meth:`would_block` is false.  After a full disk it returns at
         least once a second so that the caller retries (space may be freed outside)."""
-        if self.would_block() and self._blocked_since is None:
-            self._blocked_since = self._mono()
+        if self.would_block() and self.blocked_since is None:
+            self.blocked_since = self._mono()
         try:
             while self.would_block():
-                self._space = trio.Event() if self._space.is_set() else self._space
-                if self._disk_full is not None:
+                self.space = trio.Event() if self.space.is_set() else self.space
+                if self.disk_full is not None:
                     with trio.move_on_after(1.0):
-                        await self._space.wait()
+                        await self.space.wait()
                     break
-                await self._space.wait()
+                await self.space.wait()
         finally:
-            self._blocked_since = None
+            self.blocked_since = None
         await trio.lowlevel.checkpoint()
 
     def blocked_in_progress(self) -> float:
-        """Seconds the current pause (in :meth:`wait_writable`) has lasted so far; the
-        caller adds the whole pause to its own total when it ends."""
-        since = self._blocked_since
+        """Seconds the current pause (in :meth:`wait_writable`) has lasted so far."""
+        since = self.blocked_since
         return 0.0 if since is None else max(0.0, self._mono() - since)
 
-    def _make_room(self, need: int) -> None:
+    def to_drop(self, need: int, active: Seg | None) -> list[Seg]:
+        """``drop_oldest``: the oldest segments to drop so that ``need`` more bytes stay
+        under ``max_bytes`` (never the active one)."""
         drop = []
-        total = self._bytes
-        for seg in self._segs.values():
-            if total + need <= self.max_bytes or seg is self._active:
+        total = self._ledger.bytes
+        for seg in self._ledger.segs.values():
+            if total + need <= self.max_bytes or seg is active:
                 break
             drop.append(seg)
             total -= seg.size
-        if drop:
-            self._drop_segments(drop, "dropped")
-
-    def _drop_segments(self, segs: list[_Seg], reason: str) -> None:
-        """Delete segments no matter whether they were read (budget or full disk):
-        what a reader had not acknowledged is counted as lost (served records when the
-        reader rewinds without acknowledging them)."""
-        before = {r: (r._ack_seq, r._read_seq) for r in self.readers.values()}
-        for seg in segs:
-            self._add_gap(seg.first_seq, seg.end_seq, reason)
-            unacked = {r.name: max(0, seg.end_seq - max(r._ack_seq, seg.first_seq))
-                       for r in self.readers.values()}
-            self._delete(seg)
-            self.dropped_segments += 1
-            self._rlog.warning("drop_" + reason, "spool: %s, dropped oldest segment %d "
-                               "(records %d..%d; not yet acknowledged: %s)",
-                               "disk full" if reason == "disk_full" else
-                               f"full ({self._bytes} bytes)", seg.segno, seg.first_seq,
-                               seg.end_seq - 1, ", ".join(f"{k} {v}" for k, v in unacked.items())
-                               or "-")
-        for r, (ack_seq, read_seq) in before.items():
-            r._note_drop(ack_seq, read_seq)
-            r._normalize_ack()
-        self._prune_gaps()
-
-    def _maybe_delete(self) -> None:
-        readers = self.readers.values()
-        for r in readers:
-            r._normalize_ack()
-        durable = False
-        while self._segs:
-            oldest = next(iter(self._segs.values()))
-            if not oldest.sealed or any(r._ack_pos.segment <= oldest.segno for r in readers):
-                break
-            if not durable:
-                self._cursors_durable()
-                durable = True
-            self._delete(oldest)
-            self.deleted_segments += 1
-        self._prune_gaps()
-
-    def _cursors_durable(self) -> None:
-        """Before an acknowledged segment is deleted, the cursors that allow it are made
-        durable (written and fdatasynced; once per deleted segment, whatever ``fsync``
-        says).  Otherwise a power loss could keep the deletion and lose the cursor: the
-        restarted reader's cursor would point into the deleted segment, and records that
-        were delivered would be reported lost."""
-        for r in self.readers.values():
-            r._persist_quiet()
-            r.sync_cursor()
-
-    def _prune_gaps(self) -> None:
-        """Forget gaps every reader's cursor (and pending drop) is past."""
-        if self._gaps:
-            readers = self.readers.values()
-            low = min((r._ack_seq for r in readers), default=self._next_seq)
-            low = min([low] + [r._pending[0][0] for r in readers if r._pending])
-            self._gaps = [g for g in self._gaps if g[1] > low]
-
-    def _delete(self, seg: _Seg) -> None:
-        for r in self.readers.values():
-            r._forget(seg.segno)
-        try:
-            os.unlink(seg.path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise self._count_error(_write_error("deleting", seg.path, e)) from None
-        del self._segs[seg.segno]
-        self._bytes -= seg.size
-        if self._disk_full is not None:
-            self._disk_full = None          # space was freed: let ingress retry
-        self._space.set()
-
+        return drop
 
 
 def _size(n: float) -> str:

@@ -1,50 +1,50 @@
-"""The durable spool: an append-only log of segment files with per-output cursors.
+"""The durable spool (:class:`Spool`): an append-only log of segment files with per-output
+cursors, composed of parts that own their state (see the package docstring, ``__init__.py``,
+for the parts and the invariants; ``docs/spool-format.md`` for the on-disk format).
 
-See ``docs/spool-format.md`` for the on-disk format, durability policies and
-recovery.  Everything here is synchronous file I/O except :meth:`SpoolReader.wait`
-and :meth:`Spool.run`, which use trio.  A :class:`Spool` must be used from one
-thread (the trio thread).
-
-The concerns live in separate modules: this one is the writer (appending, periodic
-work, stats, closing); ``sealing.py`` sealing segments (and the deferred seal of a full
-disk); ``space.py`` the disk bound and the full disk;
-``damage.py`` damaged records and the gaps counted as lost; ``reader.py`` the outputs'
-view and loss accounting; ``cursors.py`` the durable cursor logs; ``recovery.py``
-opening a directory; ``fsck.py`` the offline check/repair; ``errors.py`` exceptions.
+Everything here is synchronous file I/O except :meth:`SpoolReader.wait`,
+:meth:`Spool.run`, :meth:`Spool.sync_async` and :meth:`Spool.wait_writable`, which use
+trio.  A :class:`Spool` must be used from one thread (the trio thread).
 """
 
 from __future__ import annotations
 
-import errno as _errno
-import json
 import logging
 import os
 import re
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import trio
 
-from ..fdreserve import RESERVE as _FDS
-from ..ratelimit import RateLimitedLog
 from . import segment as fmt
 from .api import KIND_LOGJAM, Position, Record  # noqa: F401  (re-exported)
-from .damage import DamageMixin
+from .damage import Damage
 from .errors import HINTS as _HINTS  # noqa: F401
 from .errors import (  # noqa: F401  (re-exported)
     SpoolError,
     SpoolLockedError,
     SpoolWriteError,
+    WriteErrors,
     is_disk_full,
 )
 from .errors import reason_of as _reason  # noqa: F401
 from .errors import write_error as _write_error
+from .fs import OS, Filesystem
+from .ledger import Ledger, Seg
 from .reader import SpoolReader
-from .recovery import CURSOR_DIR, LOCK_FILE, STATE_FILE, RecoveryMixin, _unlink_quiet  # noqa: F401
-from .sealing import SealMixin
-from .space import RESERVE_BYTES, RESERVE_FILE, SpaceMixin  # noqa: F401
+from .recovery import (  # noqa: F401  (re-exported)
+    CURSOR_DIR,
+    LOCK_FILE,
+    STATE_FILE,
+    load_cursors,
+    lock_directory,
+    place_cursor,
+    recover,
+)
+from .space import RESERVE_BYTES, RESERVE_FILE, SpaceBudget  # noqa: F401
+from .writer import SegmentWriter
 
 log = logging.getLogger("logjam_relay.spool")
 
@@ -52,38 +52,8 @@ MiB = 1 << 20
 _META = struct.Struct(">HBBIQQ")
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 
-# indirection so tests can inject write failures without patching the os module
-_write = os.write
-_fdatasync = getattr(os, "fdatasync", os.fsync)
 
-
-@dataclass(slots=True)
-class _Seg:
-    segno: int
-    path: str
-    created_ms: int
-    first_seq: int
-    count: int          # data records
-    data_end: int       # end of the data records (committed size of the active segment)
-    size: int           # bytes on disk
-    sealed: bool
-    bad_offset: int | None = None    # first corrupt record found while reading (no resync)
-    # damaged stretches found while reading: offset -> (resume offset, resume seq)
-    holes: dict = field(default_factory=dict)
-
-    @property
-    def limit(self) -> int:
-        """Where readers stop in this segment."""
-        return self.data_end if self.bad_offset is None else self.bad_offset
-
-    @property
-    def end_seq(self) -> int:
-        return self.first_seq + self.count
-
-
-# ============================================================================ spool
-
-class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
+class Spool:
     """Append-only segment log in ``directory`` read by the named ``readers``.
 
     * ``policy="block"``: :meth:`would_block` is true while the records no reader
@@ -97,6 +67,7 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
     * ``fsync``: ``"batch"`` (fdatasync after every append), ``"interval"``
       (at most every ``fsync_interval_s``, on append or :meth:`tick`) or
       ``"never"`` (on seal and close only).
+    * ``fs``: the file system (:data:`fs.OS`; tests pass a model).
     """
 
     def __init__(self, directory, *, readers: Sequence[str], segment_bytes: int = 64 * MiB,
@@ -105,7 +76,8 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
                  fsync_interval_s: float = 1.0, cursor_flush_s: float = 0.0,
                  on_seal: Callable[[int, str], None] | None = None,
                  clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic,
+                 fs: Filesystem = OS):
         if policy not in ("block", "drop_oldest"):
             raise ValueError(f"spool policy must be 'block' or 'drop_oldest', not {policy!r}")
         if fsync not in ("batch", "interval", "never"):
@@ -118,6 +90,7 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         if max_bytes < 4 * 4096:
             raise ValueError("spool max_bytes is too small")
         self.directory = os.fspath(directory)
+        self.fs = fs
         # at least 4 segments fit in max_bytes, so drop_oldest always has sealed ones to drop
         self.segment_bytes = max(4096, min(segment_bytes, max_bytes // 4))
         self.segment_age_s = segment_age_s
@@ -126,71 +99,41 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         self.fsync = fsync
         self.fsync_interval_s = fsync_interval_s
         self.cursor_flush_s = cursor_flush_s
-        self._clock = clock
-        self._mono = monotonic
-        self._seal_listeners: list[Callable[[int, str], None]] = [on_seal] if on_seal else []
-        self._rlog = RateLimitedLog(log)
-
-        self._segs: dict[int, _Seg] = {}      # ascending segno (insertion order)
-        self._active: _Seg | None = None
-        self._fd: int | None = None           # active segment, O_APPEND
-        self._dirty_tail = False              # a failed write may have left bytes after data_end
-        self._unsynced = False
-        self._last_fsync = self._mono()
-        # fsync="batch" with defer_batch_sync: appends do not fsync themselves; the owner
-        # awaits sync_async() (fdatasync in a worker thread) before it answers.
-        self.defer_batch_sync = False
-        # fsync="interval" with defer_interval_sync: neither appends nor tick() fsync; run()
-        # does, every fsync_interval_s, in a worker thread (the event loop goes on).
-        self.defer_interval_sync = False
-        self._next_segno = 0
-        self._next_seq = 0
-        self._bytes = 0
-        self._last_meta: bytes | None = None
-        self._appended = trio.Event()
-        self._space = trio.Event()
+        self.clock = clock
+        self.monotonic = monotonic
+        self.errors = WriteErrors(log)
+        self.readers: dict[str, SpoolReader] = {}
         self._closed = False
-        self._lock_fd: int | None = None
-        # seq ranges known to be gone, [lo, hi, reason]: readers count them as lost
-        self._gaps: list[list] = []
-        self._disk_full: str | None = None     # set on ENOSPC, cleared when space is freed
-        self._disk_full_at = 0.0
-        self._blocked_since: float | None = None
-        self._blocked_total = 0.0
-        self._reserve_ok = False
-        self._pending_seals: list[_Seg] = []     # closed on a full disk, seal record owed
-        self._reserve_tried = 0.0
         self._last_cursor_sync = 0.0
-        self._pressure_at: float | None = None
-        self._pressure_bytes = self.segment_bytes
-
-        # counters
-        self.appends = 0
-        self.append_batches = 0
-        self.bytes_appended = 0
-        self.fsyncs = 0
-        self.corrupt_tails_cut = 0
-        self.corrupt_bytes_cut = 0
-        self.corrupt_records = 0
-        self.write_errors = 0
-        self.write_errors_by_reason: dict[str, int] = {}
         self.dropped_segments = 0
         self.deleted_segments = 0
-        self.sealed_segments = 0
-        self.enospc_drops = 0
-        self.deferred_seals = 0
-        self.enospc_seals = 0
-        self.reserve_releases = 0
-        self.last_error: str | None = None
+        self.writer: SegmentWriter | None = None
 
-        self._open_dir()
+        self._lock_fd: int | None = lock_directory(self.directory, fs)
         try:
-            raw_cursors = self._load_cursors()
-            self._recover(raw_cursors)
-            self.readers: dict[str, SpoolReader] = {}
+            raw_cursors = load_cursors(self.cursor_dir)
+            found = recover(self.directory, raw_cursors, fs)
+            self.corrupt_tails_cut = found.corrupt_tails_cut
+            self.corrupt_bytes_cut = found.corrupt_bytes_cut
+            self.ledger: Ledger = found.ledger()
+            self.damage = Damage(self.ledger, found.gaps, self.errors.rlog)
+            self.budget = SpaceBudget(self.directory, fs, self.ledger, max_bytes=max_bytes,
+                                      policy=policy, segment_bytes=self.segment_bytes,
+                                      monotonic=monotonic, live_bytes=self._live_bytes)
+            self.writer = SegmentWriter(self.directory, fs, self.ledger, self.errors,
+                                        self.budget, fsync=fsync,
+                                        fsync_interval_s=fsync_interval_s,
+                                        segment_age_s=segment_age_s, clock=clock,
+                                        monotonic=monotonic)
+            if on_seal:
+                self.writer.seal_listeners.append(on_seal)
+            self.writer.recover(found.active, found.to_seal)
+            self.writer.save_state()
             for name in readers:
-                pos, seq = self._place_cursor(name, raw_cursors.get(name))
-                self.readers[name] = SpoolReader(self, name, pos, min(seq, self._next_seq))
+                pos, seq = place_cursor(self.ledger, self.writer.active, name,
+                                        raw_cursors.get(name), fs)
+                self.readers[name] = SpoolReader(self, name, pos,
+                                                 min(seq, self.ledger.next_seq))
             for r in self.readers.values():
                 if r.lost:
                     log.error("spool: output %s lost %d records that are not on disk (%s)",
@@ -200,63 +143,31 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
                     r.persist(force=True)       # every reader has a durable cursor from now on
                 except SpoolError:
                     pass
-            self._make_reserve()
-            if not self._seal_listeners:
-                self._maybe_delete()
+            self.budget.make_reserve()
+            if not self.writer.seal_listeners:
+                self.delete_acknowledged()
             # else: segments sealed by the recovery (or sealed before a crash that came
             # between the rename and the listener) were never announced; deleting them
             # now (at once when no output reads the spool) would lose them from the
             # archive too. The owner announces them (Archive.catch_up) and they are
             # deleted on the next seal or acknowledgement.
         except BaseException:
+            if self.writer is not None:
+                self.writer.close()
             self._release_lock()
             raise
 
-    # -- helpers ----------------------------------------------------------------
-    def _now_ms(self) -> int:
-        return int(self._clock() * 1000)
+    @property
+    def cursor_dir(self) -> str:
+        return os.path.join(self.directory, CURSOR_DIR)
 
-    def _write_json(self, path: str, obj: dict) -> None:
-        tmp = path + ".tmp"
-        data = json.dumps(obj).encode()
-        try:
-            fd = _FDS.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                _write_all(fd, data, path)    # a short write must not replace the file
-                if self.fsync != "never":
-                    os.fsync(fd)
-            finally:
-                _FDS.close(fd)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise self._count_error(_write_error("writing", path, e)) from None
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            self.fs.close(self._lock_fd)
+            self._lock_fd = None
 
     def _save_state(self) -> None:
-        self._write_json(os.path.join(self.directory, STATE_FILE),
-                         {"next_segno": self._next_segno, "next_seq": self._next_seq,
-                          "last_logjam_meta": (self._last_meta.hex()
-                                               if self._last_meta is not None else None)})
-
-    def _fsync_dir(self) -> None:
-        try:
-            fd = _FDS.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                _FDS.close(fd)
-        except OSError as e:
-            raise self._count_error(_write_error("syncing directory", self.directory, e)) from None
-
-    @staticmethod
-    def _write_all(fd: int, data: bytes, what: str) -> None:
-        _write_all(fd, data, what)
-
-    def _count_error(self, err: SpoolWriteError) -> SpoolWriteError:
-        self.write_errors += 1
-        self.write_errors_by_reason[err.reason] = self.write_errors_by_reason.get(err.reason, 0) + 1
-        self.last_error = str(err)
-        self._rlog.error("write_" + err.reason, "%s", err)
-        return err
+        self.writer.save_state()
 
     # -- writing ----------------------------------------------------------------
     def append_batch(self, batch: Sequence[Sequence[bytes]]) -> Position | None:
@@ -265,9 +176,9 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         :class:`SpoolWriteError` if it could not be handed to the OS."""
         if not batch:
             return None
-        data = fmt.encode_logjam_batch(batch, self._next_seq)
+        data = fmt.encode_logjam_batch(batch, self.ledger.next_seq)
         pos = self._append_bytes(data, len(batch))
-        self._last_meta = batch[-1][3]
+        self.ledger.last_meta = batch[-1][3]
         return pos
 
     def append_encoded(self, data: bytes, n: int, first_seq: int,
@@ -278,24 +189,24 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         write waited to be retried), they are numbered again from the spool's next seq."""
         if not n:
             return None
-        if first_seq != self._next_seq:
+        if first_seq != self.ledger.next_seq:
             recs, _, status = fmt.parse_records(data, 0, len(data), n)
             if len(recs) != n or status is not None:
                 raise ValueError("append_encoded: data does not hold n logjam records")
-            data = fmt.encode_logjam_batch([r[3] for r in recs], self._next_seq)
+            data = fmt.encode_logjam_batch([r[3] for r in recs], self.ledger.next_seq)
         pos = self._append_bytes(data, n)
-        self._last_meta = last_meta
+        self.ledger.last_meta = last_meta
         return pos
 
     def append_records(self, records: Sequence[tuple[int, Sequence[bytes]]]) -> Position | None:
         """Append ``(kind, frames)`` records of any kind / frame count with one write."""
         if not records:
             return None
-        data = fmt.encode_records(records, self._next_seq)
+        data = fmt.encode_records(records, self.ledger.next_seq)
         pos = self._append_bytes(data, len(records))
         for kind, frames in reversed(records):
             if kind == KIND_LOGJAM and len(frames) == 4:
-                self._last_meta = frames[3]
+                self.ledger.last_meta = frames[3]
                 break
         return pos
 
@@ -311,188 +222,263 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
             if not is_disk_full(e):
                 raise
             pos = self._append_on_full_disk(data, n, e)
-        if self._disk_full is not None:
-            self._disk_full = None
-            self._space.set()
+        if self.budget.disk_full is not None:
+            self.budget.freed()
         return pos
 
     def _append_once(self, data: bytes, n: int) -> Position:
-        now_ms = self._now_ms()
-        act = self._active
-        if act is not None and act.count and (
-                act.data_end + len(data) > self._segment_limit()
-                or now_ms - act.created_ms >= self.segment_age_s * 1000):
-            self._seal_active()
+        w = self.writer
+        now_ms = w.now_ms()
+        if w.roll_due(len(data), now_ms):
+            w.seal_active()
         if self.policy == "drop_oldest":
-            self._make_room(len(data) + (fmt.HEADER_LEN if self._active is None else 0))
-        if self._active is None:
-            self._create_segment(now_ms)
-        seg = self._active
-        fd = self._fd
-        if self._dirty_tail:
-            self._cut_tail()
-        start = seg.data_end
-        try:
-            view = memoryview(data)
-            done = 0
-            while done < len(data):
-                w = _write(fd, view[done:])
-                if w <= 0:
-                    raise OSError(_errno.ENOSPC, "write returned 0")
-                done += w
-        except OSError as e:
-            self._dirty_tail = True
-            err = self._count_error(_write_error("appending to", seg.path, e))
+            self._make_room(len(data) + (fmt.HEADER_LEN if w.active is None else 0))
+        return w.append(data, n, now_ms)
+
+    def _append_on_full_disk(self, data: bytes, n: int, err: SpoolWriteError) -> Position:
+        """ENOSPC: seal the active segment (so that it can be deleted once acknowledged;
+        the seal's space comes from the reserve file), then with ``drop_oldest`` drop
+        the oldest segments as the budget would; with ``block`` pause ingress."""
+        budget, w = self.budget, self.writer
+        budget.under_pressure()
+        act = w.active
+        if act is not None and act.count:
             try:
-                self._cut_tail()
+                w.seal_active()
+                budget.enospc_seals += 1
             except SpoolWriteError:
                 pass
-            raise err from None
-        seg.data_end += len(data)
-        seg.size = seg.data_end
-        seg.count += n
-        self._next_seq += n
-        self._bytes += len(data)
-        self.appends += n
-        self.append_batches += 1
-        self.bytes_appended += len(data)
-        self._unsynced = True
-        if (self.fsync == "batch" and not self.defer_batch_sync) or (
-                self.fsync == "interval" and not self.defer_interval_sync
-                and self._mono() - self._last_fsync >= self.fsync_interval_s):
-            self.sync()
-        ev = self._appended
-        self._appended = trio.Event()
-        ev.set()
-        return Position(seg.segno, start)
-
-    def _cut_tail(self) -> None:
-        """Remove bytes a failed write left after the committed end."""
-        seg = self._active
-        try:
-            os.ftruncate(self._fd, seg.data_end)
-        except OSError as e:
-            raise self._count_error(_write_error("truncating", seg.path, e)) from None
-        self._dirty_tail = False
+        if self.policy == "drop_oldest":
+            while True:
+                oldest = next((s for s in self.ledger.segs.values() if s is not w.active), None)
+                if oldest is None:
+                    break
+                self._drop_segments([oldest], "disk_full")
+                budget.enospc_drops += 1
+                try:
+                    return self._append_once(data, n)
+                except SpoolWriteError as e:
+                    if not is_disk_full(e):
+                        raise
+                    err = e
+        budget.mark_full()
+        raise err
 
     def sync(self) -> None:
         """fdatasync the active segment now (if anything is unsynced)."""
-        if not self._unsynced or self._fd is None:
-            return
-        try:
-            _fdatasync(self._fd)
-        except OSError as e:
-            raise self._count_error(_write_error("syncing", self._active.path, e)) from None
-        self._unsynced = False
-        self._last_fsync = self._mono()
-        self.fsyncs += 1
+        self.writer.sync()
 
     async def sync_async(self) -> None:
-        """fdatasync what was appended so far, in a worker thread (the event loop runs on).
+        """fdatasync what was appended so far, in a worker thread (the event loop runs on):
+        everything appended before the call is durable when it returns
+        (:meth:`SegmentWriter.sync_async`); raises :class:`SpoolWriteError` otherwise."""
+        await self.writer.sync_async()
 
-        Works on a duplicate of the segment's descriptor, so sealing or rolling the segment
-        meanwhile is harmless (sealing fsyncs by itself).  Everything appended before the
-        call started is durable when it returns; raises :class:`SpoolWriteError` otherwise.
-        The duplicate comes from the fd reserve when the process is out of descriptors.
-        """
-        if not self._unsynced or self._fd is None:
-            return
-        upto = self.bytes_appended
-        seg = self._active
-        path = seg.path if seg else "?"
-        try:
-            fd = _FDS.dup(self._fd)
-        except OSError as e:
-            raise self._count_error(_write_error("syncing", path, e)) from None
-        try:
-            await trio.to_thread.run_sync(_fdatasync, fd)
-        except OSError as e:
-            raise self._count_error(_write_error("syncing", path, e)) from None
-        finally:
-            _FDS.close(fd)
-        self.fsyncs += 1
-        self._last_fsync = self._mono()
-        if self.bytes_appended == upto:
-            self._unsynced = False
+    @property
+    def defer_batch_sync(self) -> bool:
+        """fsync="batch": appends do not fsync themselves; the owner awaits
+        :meth:`sync_async` before it answers."""
+        return self.writer.defer_batch_sync
 
-    def _create_segment(self, now_ms: int) -> None:
-        segno = self._next_segno
-        path = os.path.join(self.directory, fmt.segment_name(segno, False))
-        header = fmt.encode_header(segno, now_ms, self._next_seq)
+    @defer_batch_sync.setter
+    def defer_batch_sync(self, on: bool) -> None:
+        self.writer.defer_batch_sync = on
+
+    @property
+    def defer_interval_sync(self) -> bool:
+        """fsync="interval": neither appends nor :meth:`tick` fsync; :meth:`run` does,
+        every ``fsync_interval_s``, in a worker thread (the event loop goes on)."""
+        return self.writer.defer_interval_sync
+
+    @defer_interval_sync.setter
+    def defer_interval_sync(self, on: bool) -> None:
+        self.writer.defer_interval_sync = on
+
+    # -- sealing ----------------------------------------------------------------
+    def seal(self) -> None:
+        """Seal the active segment now (no-op if there is none)."""
+        if self.writer.active is not None:
+            self.writer.seal_active()
+            self.delete_acknowledged()
+
+    def add_seal_listener(self, cb: Callable[[int, str], None]) -> None:
+        """``cb(segno, path)`` is called right after a segment was sealed (before it can
+        be deleted): e.g. the archive output hard-links ``path``."""
+        self.writer.seal_listeners.append(cb)
+
+    # -- space ------------------------------------------------------------------
+    def would_block(self) -> bool:
+        """True if ingress should pause (see :class:`SpaceBudget`)."""
+        return self.budget.would_block()
+
+    def paused_reason(self) -> str | None:
+        """Why ingress is paused (for ``/readyz``), or None."""
+        return self.budget.paused_reason()
+
+    @property
+    def full(self) -> bool:
+        return self.budget.full
+
+    async def wait_writable(self) -> None:
+        """Return once :meth:`would_block` is false.  After a full disk it returns at
+        least once a second so that the caller retries (space may be freed outside)."""
+        await self.budget.wait_writable()
+
+    def blocked_in_progress(self) -> float:
+        """Seconds the current pause (in :meth:`wait_writable`) has lasted so far; the
+        caller adds the whole pause to its own total when it ends."""
+        return self.budget.blocked_in_progress()
+
+    def _live_bytes(self) -> int:
+        """Bytes from the slowest reader's cursor on (what ``block`` bounds)."""
+        readers = self.readers.values()
+        if not readers:
+            act = self.writer.active
+            return act.size if act is not None else 0
+        low = min(r.acknowledged for r in readers)
+        live = 0
+        for seg in self.ledger.segs.values():
+            if seg.segno > low.segment:
+                live += seg.size
+            elif seg.segno == low.segment:
+                live += max(0, seg.size - max(0, low.offset - fmt.HEADER_LEN))
+        return live
+
+    def _make_room(self, need: int) -> None:
+        drop = self.budget.to_drop(need, self.writer.active)
+        if drop:
+            self._drop_segments(drop, "dropped")
+
+    def _drop_segments(self, segs: list[Seg], reason: str) -> None:
+        """Delete segments no matter whether they were read (budget or full disk):
+        what a reader had not acknowledged is counted as lost (served records when the
+        reader rewinds without acknowledging them)."""
+        before = {r: r.drop_marks() for r in self.readers.values()}
+        for seg in segs:
+            self.damage.add_gap(seg.first_seq, seg.end_seq, reason)
+            unacked = {r.name: max(0, seg.end_seq - max(r.acknowledged_seq, seg.first_seq))
+                       for r in self.readers.values()}
+            self._delete(seg)
+            self.dropped_segments += 1
+            self.errors.rlog.warning(
+                "drop_" + reason, "spool: %s, dropped oldest segment %d (records %d..%d; not "
+                "yet acknowledged: %s)", "disk full" if reason == "disk_full" else
+                f"full ({self.ledger.bytes} bytes)", seg.segno, seg.first_seq,
+                seg.end_seq - 1, ", ".join(f"{k} {v}" for k, v in unacked.items()) or "-")
+        for r, (ack_seq, read_seq) in before.items():
+            r.note_drop(ack_seq, read_seq)
+        self._prune_gaps()
+
+    def delete_acknowledged(self) -> None:
+        """Delete the oldest sealed segments every reader has acknowledged."""
+        readers = self.readers.values()
+        for r in readers:
+            r.normalize_ack()
+        durable = False
+        while self.ledger.segs:
+            oldest = self.ledger.oldest()
+            if not oldest.sealed or any(r.acknowledged.segment <= oldest.segno
+                                        for r in readers):
+                break
+            if not durable:
+                self._cursors_durable()
+                durable = True
+            self._delete(oldest)
+            self.deleted_segments += 1
+        self._prune_gaps()
+
+    def _cursors_durable(self) -> None:
+        """Before an acknowledged segment is deleted, the cursors that allow it are made
+        durable (written and fdatasynced; once per deleted segment, whatever ``fsync``
+        says).  Otherwise a power loss could keep the deletion and lose the cursor: the
+        restarted reader's cursor would point into the deleted segment, and records that
+        were delivered would be reported lost."""
+        for r in self.readers.values():
+            r.persist_quiet()
+            r.sync_cursor()
+
+    def _prune_gaps(self) -> None:
+        """Forget gaps every reader's cursor (and pending drop) is past."""
+        if self.damage.gaps:
+            readers = self.readers.values()
+            low = min((r.acknowledged_seq for r in readers), default=self.ledger.next_seq)
+            low = min([low] + [r.pending_from() for r in readers if r.pending()])
+            self.damage.prune(low)
+
+    def _delete(self, seg: Seg) -> None:
+        for r in self.readers.values():
+            r.forget(seg.segno)
         try:
-            fd = _FDS.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                           0o644)
+            self.fs.unlink(seg.path)
+        except FileNotFoundError:
+            pass
         except OSError as e:
-            raise self._count_error(_write_error("creating segment", path, e)) from None
-        try:
-            _write_all(fd, header, "segment header")
-        except OSError as e:
-            _FDS.close(fd)
-            _unlink_quiet(path)
-            raise self._count_error(_write_error("writing segment header to", path, e)) from None
-        if self.fsync != "never":
+            raise self.errors.count(_write_error("deleting", seg.path, e)) from None
+        self.ledger.remove(seg)
+        self.budget.freed()                   # space was freed: let ingress retry
+
+    # -- damage -----------------------------------------------------------------
+    def on_corrupt(self, reader: SpoolReader, seg: Seg, err: fmt.SegmentError) -> None:
+        """A reader found a damaged record in ``seg``: the damage part skips the damaged
+        stretch (or the rest of the segment) and registers it as a gap."""
+        off, expect = reader.damaged_at(err)
+        if not seg.sealed:
             try:
-                self._fsync_dir()
+                self.writer.seal_active()
             except SpoolWriteError:
-                _FDS.close(fd)
-                _unlink_quiet(path)
-                raise
-        seg = _Seg(segno, path, now_ms, self._next_seq, 0, fmt.HEADER_LEN, fmt.HEADER_LEN, False)
-        self._segs[segno] = seg
-        self._bytes += fmt.HEADER_LEN
-        self._next_segno = segno + 1
-        self._active, self._fd = seg, fd
+                pass
+        self.damage.found(seg, off, expect, err,
+                          lambda size, at: self.fs.pread(reader.fd_for(seg), size, at))
+        reader.normalize_ack()
+        reader.normalize_read()
 
     # -- periodic ---------------------------------------------------------------
     def tick(self) -> None:
         """Periodic work: interval fsync, roll by age, persist cursors, delete consumed."""
         if self._closed:
             return
-        if self._interval_sync_due() and not self.defer_interval_sync:
-            self.sync()
-        act = self._active
+        w = self.writer
+        if w.interval_sync_due() and not w.defer_interval_sync:
+            w.sync()
+        act = w.active
         if act is not None and act.count and \
-                self._now_ms() - act.created_ms >= self.segment_age_s * 1000:
+                w.now_ms() - act.created_ms >= self.segment_age_s * 1000:
             self.seal()
-        now = self._mono()
+        now = self.monotonic()
         for r in self.readers.values():
-            if now - r._last_persist >= self.cursor_flush_s:
-                r._persist_quiet()
+            if now - r.last_persist >= self.cursor_flush_s:
+                r.persist_quiet()
         # cursor logs: write() on every ack; fdatasync per the fsync policy (interval with
         # defer_interval_sync: run() does it, in a worker thread)
-        if self.fsync == "batch" or (self.fsync == "interval" and not self.defer_interval_sync
+        if self.fsync == "batch" or (self.fsync == "interval" and not w.defer_interval_sync
                                      and now - self._last_cursor_sync >= self.fsync_interval_s):
             self._last_cursor_sync = now
             for r in self.readers.values():
                 r.sync_cursor()
-        if self._pending_seals:
-            self._retry_pending_seals()
-        if not self._reserve_ok and self._disk_full is None and now - self._reserve_tried >= 5:
-            self._make_reserve()
-
-    def _interval_sync_due(self) -> bool:
-        return self.fsync == "interval" and self._unsynced and \
-            self._mono() - self._last_fsync >= self.fsync_interval_s
+        if w.pending_seals:
+            w.retry_pending_seals()
+        if self.budget.reserve_due():
+            self.budget.make_reserve()
 
     async def run(self, period: float = 0.25) -> None:
         """Call :meth:`tick` every ``period`` seconds (run it in the spool owner's nursery);
         with ``defer_interval_sync``, the interval fdatasync too, in a worker thread."""
+        w = self.writer
         while True:
             try:
-                if self.defer_interval_sync and not self._closed and \
-                        self._interval_sync_due():
-                    await self.sync_async()
-                if self.defer_interval_sync and self.fsync == "interval" and \
+                if w.defer_interval_sync and not self._closed and w.interval_sync_due():
+                    await w.sync_async()
+                if w.defer_interval_sync and self.fsync == "interval" and \
                         not self._closed and \
-                        self._mono() - self._last_cursor_sync >= self.fsync_interval_s:
-                    self._last_cursor_sync = self._mono()
+                        self.monotonic() - self._last_cursor_sync >= self.fsync_interval_s:
+                    self._last_cursor_sync = self.monotonic()
                     for r in list(self.readers.values()):
                         await r.sync_cursor_async()
                 self.tick()
             except SpoolWriteError:
                 pass                            # counted and logged (rate-limited)
             except OSError as e:                # never the end of the relay: retried
-                self._count_error(_write_error("running periodic work in", self.directory, e))
+                self.errors.count(_write_error("running periodic work in", self.directory, e))
             await trio.sleep(period)
 
     # -- info -------------------------------------------------------------------
@@ -506,12 +492,12 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
     @property
     def next_seq(self) -> int:
         """The spool sequence number the next appended record gets."""
-        return self._next_seq
+        return self.ledger.next_seq
 
     def last_meta(self) -> tuple[int, int, int, int, int, int] | None:
         """``(tag, compression, version, device, created_ms, sequence)`` of the last
         logjam record in the spool, or None."""
-        m = self._last_meta
+        m = self.ledger.last_meta
         if m is None or len(m) != _META.size:
             return None
         return _META.unpack(m)
@@ -526,35 +512,58 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         for r in readers.values():
             for k, v in r["lost_by_reason"].items():
                 lost[k] = lost.get(k, 0) + v
+        w, budget = self.writer, self.budget
         return {
-            "bytes": self._bytes,
+            "bytes": self.ledger.bytes,
             "max_bytes": self.max_bytes,
             "full": int(self.full),
-            "segments": len(self._segs),
-            "sealed_segments": self.sealed_segments,
+            "segments": len(self.ledger.segs),
+            "sealed_segments": w.sealed_segments,
             "deleted_segments": self.deleted_segments,
             "dropped_segments": self.dropped_segments,
-            "appends": self.appends,
-            "append_batches": self.append_batches,
-            "bytes_appended": self.bytes_appended,
-            "fsyncs": self.fsyncs,
+            "appends": w.appends,
+            "append_batches": w.append_batches,
+            "bytes_appended": w.bytes_appended,
+            "fsyncs": w.fsyncs,
             "corrupt_tails_cut": self.corrupt_tails_cut,
             "corrupt_bytes_cut": self.corrupt_bytes_cut,
-            "corrupt_records": self.corrupt_records,
-            "write_errors": self.write_errors,
-            "write_errors_by_reason": dict(self.write_errors_by_reason),
-            "next_seq": self._next_seq,
+            "corrupt_records": self.damage.corrupt_records,
+            "write_errors": self.errors.total,
+            "write_errors_by_reason": dict(self.errors.by_reason),
+            "next_seq": self.ledger.next_seq,
             "readers": readers,
             "lost": sum(r["lost"] for r in readers.values()),
             "lost_by_reason": lost,
             "paused": int(self.would_block()),
-            "disk_full": int(self._disk_full is not None),
-            "enospc_seals": self.enospc_seals,
-            "enospc_drops": self.enospc_drops,
-            "reserve_releases": self.reserve_releases,
-            "deferred_seals": self.deferred_seals,
+            "disk_full": int(budget.disk_full is not None),
+            "enospc_seals": budget.enospc_seals,
+            "enospc_drops": budget.enospc_drops,
+            "reserve_releases": budget.reserve_releases,
+            "deferred_seals": w.deferred_seals,
             "cursor_writes": sum(r["cursor_writes"] for r in readers.values()),
         }
+
+    # counters of the parts, as attributes of the spool (tests, tools)
+    appends = property(lambda self: self.writer.appends)
+    append_batches = property(lambda self: self.writer.append_batches)
+    bytes_appended = property(lambda self: self.writer.bytes_appended)
+    fsyncs = property(lambda self: self.writer.fsyncs)
+    sealed_segments = property(lambda self: self.writer.sealed_segments)
+    deferred_seals = property(lambda self: self.writer.deferred_seals)
+    enospc_seals = property(lambda self: self.budget.enospc_seals)
+    enospc_drops = property(lambda self: self.budget.enospc_drops)
+    reserve_releases = property(lambda self: self.budget.reserve_releases)
+    corrupt_records = property(lambda self: self.damage.corrupt_records)
+    write_errors = property(lambda self: self.errors.total)
+    write_errors_by_reason = property(lambda self: self.errors.by_reason)
+    last_error = property(lambda self: self.errors.last)
+    # the positions, under their old names (tests)
+    _segs = property(lambda self: self.ledger.segs)
+    _next_seq = property(lambda self: self.ledger.next_seq)
+    _next_segno = property(lambda self: self.ledger.next_segno)
+    _last_meta = property(lambda self: self.ledger.last_meta)
+    _active = property(lambda self: self.writer.active)
+    _unsynced = property(lambda self: self.writer.unsynced)
 
     # -- closing ----------------------------------------------------------------
     def close(self, seal: bool = False) -> None:
@@ -562,9 +571,10 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
         open (``.open``) and is continued after the next start unless ``seal``."""
         if self._closed:
             return
+        w = self.writer
         try:
-            steps = [self.seal if seal else self._sync_on_close, self._retry_pending_seals,
-                     *(r.persist for r in self.readers.values()), self._save_state]
+            steps = [self.seal if seal else w.sync_on_close, w.retry_pending_seals,
+                     *(r.persist for r in self.readers.values()), w.save_state]
             for step in steps:
                 try:
                     step()
@@ -577,32 +587,11 @@ class Spool(SealMixin, SpaceMixin, DamageMixin, RecoveryMixin):
             self._closed = True
             for r in self.readers.values():
                 r.close()
-            if self._fd is not None:
-                _FDS.close(self._fd)
-                self._fd = None
+            w.close()
             self._release_lock()
-
-    def _sync_on_close(self) -> None:
-        if self._active is not None:
-            self._unsynced = True
-            self.sync()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-
-def _write_all(fd: int, data: bytes, what: str) -> None:
-    """write() until done; a short write is retried, so that a full disk surfaces as
-    the ENOSPC of the next call (not as a made-up EIO)."""
-    view = memoryview(data)
-    done = 0
-    while done < len(data):
-        w = _write(fd, view[done:])
-        if w <= 0:
-            raise OSError(_errno.ENOSPC, f"short write of {what}")
-        done += w
-

@@ -20,7 +20,7 @@ that stops at the committed end the relay announced never sees a torn record.
   delivered;
 * a segment file that cannot be opened, or a damaged record, is reported through
   ``report(segno, offset, seq, reason, message)``; the relay runs its damage handling
-  (:meth:`Spool._on_corrupt`: resync, gap, hole or ``bad_offset``) and sends a new
+  (:meth:`Spool.on_corrupt`: resync, gap, hole or ``bad_offset``) and sends a new
   snapshot, with which reading goes on.  Until then this segment is not read.
 
 Pure apart from ``os.open``/``os.pread`` on the segment files and one ``trio.Event``.
@@ -96,7 +96,7 @@ def snapshot(spool, from_segment: int) -> tuple:
     return tuple((s.segno, s.path, s.limit, s.sealed, s.first_seq,
                   tuple(sorted((o, h[0], h[1]) for o, h in s.holes.items())) if s.holes
                   else ())
-                 for s in spool._segs.values() if s.segno >= from_segment)
+                 for s in spool.ledger.segs.values() if s.segno >= from_segment)
 
 
 def handle_damage(reader, segno: int, off: int, seq: int, reason: str, message: str) -> None:
@@ -106,7 +106,7 @@ def handle_damage(reader, segno: int, off: int, seq: int, reason: str, message: 
     or its segment deleted meanwhile) changes nothing; the worker gets a new snapshot
     either way."""
     sp = reader._spool
-    seg = sp._segs.get(segno)
+    seg = sp.ledger.segs.get(segno)
     if seg is None or off >= seg.limit or off in seg.holes:
         return
     if reason in ("torn", "short_file"):
@@ -119,7 +119,7 @@ def handle_damage(reader, segno: int, off: int, seq: int, reason: str, message: 
     # not read in this mode: its read position is its acknowledged cursor)
     reader._read_pos, reader._read_seq = Position(segno, off), max(seq, reader._ack_seq)
     try:
-        sp._on_corrupt(reader, seg, err)
+        sp.on_corrupt(reader, seg, err)
     finally:
         reader._read_pos, reader._read_seq = reader._ack_pos, reader._ack_seq
 

@@ -1,0 +1,125 @@
+"""The real spool writer, readers and recovery on a model file system (tests/model_fs.py):
+what a power loss keeps of data that was, or was not, synced; torn writes; short writes.
+
+The model keeps what was fsynced (data and directory entries) and drops the rest on
+:meth:`ModelFS.crash`, or keeps a prefix of the unsynced tail (a torn write)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from logjam_relay.spool import segment as fmt
+from logjam_relay.spool.spool import Spool, SpoolWriteError
+from model_fs import ModelFS
+
+
+def msg(i: int) -> list[bytes]:
+    meta = (0xCABD).to_bytes(2, "big") + bytes([0, 1]) + (0).to_bytes(4, "big") + \
+        (1_700_000_000_000 + i).to_bytes(8, "big") + i.to_bytes(8, "big")
+    return [b"app-prod", b"logs.app", b'{"i":%d,"pad":"%s"}' % (i, b"x" * (i % 37)), meta]
+
+
+def open_spool(d, fs, **kw) -> Spool:
+    kw.setdefault("segment_bytes", 8192)
+    kw.setdefault("max_bytes", 1 << 20)
+    kw.setdefault("fsync", "interval")
+    kw.setdefault("fsync_interval_s", 3600.0)     # nothing is synced unless asked
+    return Spool(d, readers=["out"], fs=fs, **kw)
+
+
+def bodies(sp: Spool) -> list[bytes]:
+    r = sp.reader("out")
+    out = []
+    while True:
+        recs = r.read(1000)
+        if not recs:
+            return out
+        out.extend(rec.frames[2] for rec in recs)
+
+
+def test_synced_records_survive_a_power_loss_unsynced_ones_are_gone(tmp_path):
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs)
+    for i in range(0, 300, 10):                  # several segments are sealed (and synced)
+        sp.append_batch([msg(j) for j in range(i, i + 10)])
+    sp.sync()
+    synced = sp.next_seq
+    sp.append_batch([msg(j) for j in range(300, 305)])       # not synced: may be lost
+    assert sp.stats()["sealed_segments"] > 3
+    assert len(bodies(sp)) == 305                 # before the crash the reader sees all
+
+    after = fs.crash()                             # no close: the process is gone
+    sp2 = open_spool(d, after)
+    got = bodies(sp2)
+    assert got == [msg(j)[2] for j in range(synced)]
+    assert sp2.next_seq == synced                  # the numbering goes on after the loss
+    assert sp2.stats()["lost"] == 0                # never promised, so not counted as lost
+    pos = sp2.append_batch([msg(999)])
+    assert pos.segment > max(s for s in sp2.ledger.segs if s != pos.segment)
+    assert bodies(sp2) == [msg(999)[2]]
+    sp2.close()
+
+
+@pytest.mark.parametrize("torn", [1, 7, 40, 90])
+def test_a_torn_unsynced_tail_is_cut_by_the_recovery(tmp_path, torn):
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs, segment_bytes=1 << 16)
+    sp.append_batch([msg(j) for j in range(20)])
+    sp.sync()
+    sp.append_batch([msg(j) for j in range(20, 23)])          # each record is > 90 bytes
+    seg = sp.writer.active
+    assert seg.count == 23
+
+    after = fs.crash(torn=torn)                    # a prefix of the unsynced batch survives
+    assert len(after.file(seg.path)) == seg.data_end - sum(
+        len(fmt.encode_logjam_batch([msg(j)], j)) for j in range(20, 23)) + torn
+    sp2 = open_spool(d, after)
+    assert bodies(sp2) == [msg(j)[2] for j in range(20)]
+    assert sp2.corrupt_tails_cut == 1 and 0 < sp2.corrupt_bytes_cut <= torn
+    assert sp2.next_seq == 20
+    sp2.append_batch([msg(20)])                    # appending goes on at the cut
+    assert bodies(sp2) == [msg(20)[2]]
+    sp2.close()
+    sp3 = open_spool(d, after)                     # and that is what a restart finds
+    assert sp3.stats()["lost"] == 0 and sp3.next_seq == 21
+    sp3.close()
+
+
+def test_a_short_write_is_cut_off_and_nothing_of_it_is_readable(tmp_path):
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs, segment_bytes=1 << 16)
+    sp.append_batch([msg(j) for j in range(5)])
+    seg = sp.writer.active
+    end = seg.data_end
+    fs.fail_writes(50)                             # 50 bytes of the batch, then ENOSPC
+    with pytest.raises(SpoolWriteError) as e:
+        sp.append_batch([msg(j) for j in range(5, 10)])
+    assert e.value.reason == "enospc"
+    assert len(fs.file(seg.path)) == end           # the 50 bytes were cut off again
+    assert sp.next_seq == 5 and bodies(sp) == [msg(j)[2] for j in range(5)]
+    fs.fail_writes(None)
+    sp.append_batch([msg(j) for j in range(5, 10)])
+    assert bodies(sp) == [msg(j)[2] for j in range(5, 10)]
+    sp.sync()
+    sp2 = open_spool(d, fs.crash())
+    assert bodies(sp2) == [msg(j)[2] for j in range(10)]
+    assert sp2.corrupt_tails_cut == 0
+    sp2.close()
+
+
+def test_a_segment_whose_name_was_never_synced_is_lost_with_fsync_never(tmp_path):
+    """fsync="never" syncs on seal and close only: a power loss before either takes the
+    whole segment (its name was never made durable), and the spool starts empty."""
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs, fsync="never")
+    sp.append_batch([msg(j) for j in range(5)])
+    assert os.path.basename(sp.writer.active.path) in fs.listdir(d)
+    sp2 = open_spool(d, fs.crash(), fsync="never")
+    assert bodies(sp2) == [] and sp2.next_seq == 0 and not sp2.ledger.segs
+    sp2.close()
