@@ -68,6 +68,9 @@ XDIST_GROUPS = {
 }
 
 
+# tryfirst: xdist's worker turns the marks into the node ids' "@group" suffix in its own
+# pytest_collection_modifyitems, which must see them
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     import fnmatch
     for item in items:
