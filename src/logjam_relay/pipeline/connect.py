@@ -87,6 +87,9 @@ def remote_session(url: str, conf: dict, retry_s: float = DEFAULT_RETRY_S):
     except ImportError as e:
         raise RemoteError(f"--remote needs the connect extra (pip install "
                           f"'logjam-relay[connect]'): {e}") from None
+    import warnings
+    # PySpark warns on stderr when its retries run out, before raising: the error says it
+    warnings.filterwarnings("ignore", message=r".*RETRIES_EXCEEDED")
     spark = SparkSession.builder.remote(url).create()
     spark.client.set_retry_policies([_policy(retry_s)])
     for k, v in conf.items():
@@ -278,8 +281,16 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
 # ------------------------------------------------------------------ errors
 
 def first_line(e: BaseException) -> str:
+    """The gist of ``e`` in one line: for an exception from a Python worker, the last line
+    of its traceback (``ModuleNotFoundError: ...``), else the first line."""
     s = str(e).strip() or type(e).__name__
-    return s.splitlines()[0]
+    lines = s.split("JVM stacktrace:")[0].splitlines()
+    if "Traceback (most recent call last)" in s:
+        tail = [x for x in lines if x.strip() and not x[0].isspace()
+                and not x.startswith(("Traceback", "SQLSTATE"))]
+        if len(tail) > 1:
+            return f"{lines[0].split(':')[0]}: {tail[-1].strip()}"
+    return lines[0]
 
 
 def unreachable(e: BaseException) -> bool:
