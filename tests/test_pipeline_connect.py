@@ -35,11 +35,9 @@ pa = pytest.importorskip("pyarrow")
 pyspark = pytest.importorskip("pyspark")
 pytest.importorskip("grpc")     # the connect extra (pyspark's connect dependencies)
 
-import pyarrow.parquet as pq  # noqa: E402
-from test_pipeline_cluster import HIDE, SRC_DIR, assert_same, base_env, reference, tables  # noqa: E402
-
 from conftest import free_port  # noqa: E402
 from logjam_relay.pipeline import sample  # noqa: E402
+from test_pipeline_cluster import HIDE, SRC_DIR, assert_same, base_env, reference, tables  # noqa: E402
 
 N_MSGS = 3000
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"

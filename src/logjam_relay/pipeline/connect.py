@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import os
 
-from .stats import DEFAULT_APDEX_MS, LOSS_COLUMNS, merge_partials, split_merged, \
-    summary_of_merged
+from .stats import DEFAULT_APDEX_MS, LOSS_COLUMNS, merge_partials, split_merged, summary_of_merged
 
 #: why ``--stream --remote`` is refused (the streaming run's bookkeeping is local files)
 STREAM_REFUSED = (
@@ -82,8 +81,8 @@ def remote_session(url: str, conf: dict, retry_s: float = DEFAULT_RETRY_S):
     """A Spark Connect session to ``url`` with ``conf`` set (runtime settings only: a
     static setting of the server raises :class:`RemoteError` naming it)."""
     try:
-        from pyspark.sql import SparkSession
         import pyspark.sql.connect.session  # noqa: F401  (grpcio, pandas, ...: the extra)
+        from pyspark.sql import SparkSession
     except ImportError as e:
         raise RemoteError(f"--remote needs the connect extra (pip install "
                           f"'logjam-relay[connect]'): {e}") from None
