@@ -16,7 +16,7 @@ tests/test_pipeline_cluster.py), so the command must upload the package itself.
   of the server, ``logjam_python`` the Python source registered through Connect (with the
   package uploaded); a streaming query of one's own fails with the documented error when
   the package is uploaded only (the server's Python must have it installed);
-* ``--stream --remote``: refused with one line;
+* ``--stream --remote``: refused with one line; no server listening: one line;
 * the server killed in the middle of a run: one error line, no traceback (last: it ends
   the module's server).
 
@@ -189,6 +189,23 @@ def test_stream_through_remote_is_refused(server, tmp_path):
         "run reads the file sink's commit log in OUTPUT/_records and keeps its loss state "
         "in OUTPUT on the machine running the command; run it there with --master, or run "
         "batch runs with --remote"]
+
+
+def test_no_server_is_one_line(tmp_path):
+    """Nothing listens: one line after --remote-retry, not PySpark's 10 minutes."""
+    url = f"sc://127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    r = subprocess.run(client_cmd("--remote", url, "--remote-retry", "1s", "--input", "a",
+                                  "--output", "o"),
+                       cwd=tmp_path, env=client_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"logjam-relay pipeline: the Spark Connect server {url} cannot "
+                               "be reached or went away (UNAVAILABLE: "), r.stderr
+    assert "Connection refused" in lines[0]
+    assert time.monotonic() - t < 240
 
 
 def test_server_killed_mid_run_is_one_line(server, tmp_path):
