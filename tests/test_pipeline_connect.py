@@ -191,6 +191,20 @@ def test_stream_through_remote_is_refused(server, tmp_path):
         "batch runs with --remote"]
 
 
+def test_bad_input_and_static_setting_are_one_line(server, tmp_path):
+    env = client_env(tmp_path)
+    for args, want in (
+            (["--input", "nothere", "--output", "o"],
+             f"logjam-relay pipeline: input {server['dir'] / 'nothere'} is not a directory "
+             "on the Spark Connect server"),
+            (["--input", "archive", "--output", "o", "--conf", "spark.driver.memory=1g"],
+             "logjam-relay pipeline: --conf spark.driver.memory=1g: [CANNOT_MODIFY_CONFIG] "
+             "Cannot modify the value of the Spark config: \"spark.driver.memory\".")):
+        r = subprocess.run(client_cmd("--remote", server["url"], *args), cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert (r.returncode, r.stderr.splitlines()) == (2, [want]), (r.stdout, r.stderr)
+
+
 def test_no_server_is_one_line(tmp_path):
     """Nothing listens: one line after --remote-retry, not PySpark's 10 minutes."""
     url = f"sc://127.0.0.1:{free_port()}"

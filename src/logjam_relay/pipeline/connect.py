@@ -297,11 +297,17 @@ def unreachable(e: BaseException) -> bool:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        name = type(e).__name__
         text = str(e)
-        if name in ("RetriesExceeded", "_MultiThreadedRendezvous", "_InactiveRpcError") or \
-                "StatusCode.UNAVAILABLE" in text or "RETRIES_EXCEEDED" in text:
+        if type(e).__name__ == "RetriesExceeded" or "StatusCode.UNAVAILABLE" in text or \
+                "RETRIES_EXCEEDED" in text:
             return True
+        code = getattr(e, "code", None)
+        if callable(code):              # a grpc.RpcError
+            try:
+                if getattr(code(), "name", "") == "UNAVAILABLE":
+                    return True
+            except Exception:
+                pass
         e = e.__cause__ or e.__context__
     return False
 
