@@ -46,6 +46,35 @@ _HANDED_OUT: set[int] = set()
 _rng = random.Random(os.getpid() ^ time.monotonic_ns())
 _PORT_RANGE = (20000, 32767)  # below Linux's ephemeral range (32768-60999): outgoing
                               # connections never take these behind a test's back
+# The suite runs in two pytest-xdist workers (pyproject.toml: -n 2): each worker hands out
+# ports from its own part of the range, so two workers never pick the same port.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    _n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _part = (_PORT_RANGE[1] - _PORT_RANGE[0] + 1) // max(_n, 1)
+    _lo = _PORT_RANGE[0] + int(_WORKER[2:]) * _part
+    _PORT_RANGE = (_lo, _lo + _part - 1)
+
+# Tests that share something outside their process run in one worker, one after the other
+# (xdist_group, with --dist loadgroup): the Spark tests (the JVM, its class-data archive in
+# the suite's cache and most of the machine while they run), the RabbitMQ tests (one broker,
+# which test_samwise_rabbitmq.py stops and starts), and the tests that bind logjam-device's
+# default ports 9604-9606 or build the container image.
+XDIST_GROUPS = {
+    "spark": {"test_pipeline*.py", "test_segscan.py", "test_progress.py"},
+    "rabbitmq": {"test_samwise_rabbitmq.py", "test_relay_samwise.py"},
+    "default-ports": {"test_first_hour.py", "test_deploy.py", "test_health_endpoints.py",
+                      "test_container.py", "test_config.py", "test_operator_edges.py"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import fnmatch
+    for item in items:
+        for group, patterns in XDIST_GROUPS.items():
+            if any(fnmatch.fnmatch(item.path.name, p) for p in patterns):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
 
 
 def free_port() -> int:

@@ -127,3 +127,39 @@ def test_first_run_writes_next_uses_damaged_is_rewritten(small_archive, tmp_path
     assert again.path == str(path), "the test's archive is the one the command keys"
     assert not again.usable() and "SharedArchiveFile" not in again.java_options()
     assert again.writing
+
+
+def test_a_build_keeps_jars_in_use_and_removes_what_dead_runs_left(tmp_path):
+    """Two installed versions share the user's cache: building one's reader jar must not
+    remove the other's while it may be in use (a session opens its jar by path whenever it
+    looks a data source up: a removed jar fails the other version's job), only a jar
+    unused for OLD_JAR_SECONDS.  What killed runs left half-written goes (an archive part
+    is about 170 MB)."""
+    from logjam_relay.pipeline import jvmreader
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getpid()
+    recent = tmp_path / "logjam-reader-0000000000000001.jar"
+    stale = tmp_path / "logjam-reader-0000000000000002.jar"
+    for p in (recent, stale):
+        p.write_bytes(b"PK")
+    old = os.path.getmtime(stale) - jvmreader.OLD_JAR_SECONDS - 60
+    os.utime(stale, (old, old))
+    parts = {name: tmp_path / name for name in (
+        f".logjam-reader-0000000000000003.jar.{dead.pid}",
+        f".logjam-reader-0000000000000003.jar.{os.getppid()}")}
+    for p in parts.values():
+        p.write_bytes(b"x")
+    path = jvmreader.build_jar(str(tmp_path))
+    left = sorted(os.listdir(tmp_path))
+    assert os.path.basename(path) in left and recent.name in left, left
+    assert stale.name not in left, left
+    assert f".logjam-reader-0000000000000003.jar.{dead.pid}" not in left, left
+    assert f".logjam-reader-0000000000000003.jar.{os.getppid()}" in left, left
+    # the archive's parts: a dead writer's goes, a live one's (this process) stays
+    archive_dir = tmp_path / "jsa"
+    archive_dir.mkdir()
+    (archive_dir / f"spark-abc.{dead.pid}.tmp").write_bytes(b"x")
+    (archive_dir / f"spark-abc.{live}.tmp").write_bytes(b"x")
+    jvmcache.remove_stale_parts(str(archive_dir), "spark-*.*.tmp")
+    assert os.listdir(archive_dir) == [f"spark-abc.{live}.tmp"]

@@ -105,6 +105,7 @@ class ClassArchive:
                 return ""
         except OSError:
             return ""
+        remove_stale_parts(self.dir, "spark-*.*.tmp")
         self.writing = True
         return f"-XX:ArchiveClassesAtExit={self.tmp} {QUIET}"
 
@@ -143,6 +144,25 @@ def _remove(path: str) -> None:
         os.remove(path)
     except OSError:
         pass
+
+
+def remove_stale_parts(directory: str, pattern: str) -> None:
+    """Remove the files ``pattern`` matches in ``directory`` whose writer is gone: their
+    last all-digit dot-separated part is the writing process's pid (an archive or a jar
+    being written; a killed run leaves its part behind, 170 MB for an archive)."""
+    for p in glob.glob(os.path.join(directory, pattern)):
+        pids = [int(x) for x in os.path.basename(p).split(".") if x.isdigit()]
+        if not pids:
+            continue
+        pid = pids[-1]
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _remove(p)
+        except OSError:
+            pass
 
 
 def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:

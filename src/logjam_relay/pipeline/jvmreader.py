@@ -31,14 +31,16 @@ import logging
 import os
 import subprocess
 import tempfile
+import time
 import zipfile
 
-from .jvmcache import default_dir, find_java, spark_jars
+from .jvmcache import default_dir, find_java, remove_stale_parts, spark_jars
 
 log = logging.getLogger("logjam_relay.pipeline.jvmreader")
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jvm")
 PROVIDER = "logjamrelay.spark.LogjamProvider"
+OLD_JAR_SECONDS = 7 * 86400     # another version's jar unused this long is removed
 SERVICES = "META-INF/services/org.apache.spark.sql.sources.DataSourceRegister"
 _COMPILER = "org.codehaus.commons.compiler.samples.CompilerDemo"
 
@@ -106,11 +108,19 @@ def build_jar(cache_dir: str | None = None) -> str:
                 raise BuildError(f"no writable directory for it ({cache_dir or default_dir()}, {d})")
         path = os.path.join(d, f"logjam-reader-{_key(jars)}.jar")
         if os.path.isfile(path):
+            _touch(path)
             return path
         build(path, jars)
+        # Another installed version may be using its own jar right now (a session opens
+        # it by path whenever it looks a data source up): only jars unused for a while go
+        cutoff = time.time() - OLD_JAR_SECONDS
         for old in glob.glob(os.path.join(d, "logjam-reader-*.jar")):
-            if old != path:
-                _remove(old)
+            try:
+                if old != path and os.path.getmtime(old) < cutoff:
+                    _remove(old)
+            except OSError:
+                pass
+        remove_stale_parts(d, ".logjam-reader-*.jar.*")
         return path
     except OSError as e:
         raise BuildError(str(e)) from None
@@ -132,6 +142,14 @@ def _writable(d: str) -> bool:
     except OSError:
         return False
     return os.access(d, os.W_OK | os.X_OK)
+
+
+def _touch(p: str) -> None:
+    """Mark the jar as used (its age decides when another version's build removes it)."""
+    try:
+        os.utime(p)
+    except OSError:
+        pass
 
 
 def _remove(p: str) -> None:
