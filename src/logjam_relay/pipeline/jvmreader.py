@@ -160,7 +160,16 @@ def _remove(p: str) -> None:
 
 
 def loaded(spark) -> bool:
-    """Whether this session's JVM can load the reader (False on Spark Connect)."""
+    """Whether this session's JVM can load the reader.  On Spark Connect: whether the
+    server's can (it was started with the jar: ``--jars`` or ``spark.jars``), asked with
+    one SQL ``reflect`` call."""
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        try:
+            r = spark.sql("SELECT reflect('org.apache.spark.util.Utils', 'classIsLoadable', "
+                          f"'{PROVIDER}') AS ok").collect()
+            return r[0]["ok"] == "true"
+        except Exception:               # reflect refused by the server: the Python source
+            return False
     try:
         jvm = spark._jvm
         if jvm is None:

@@ -313,11 +313,13 @@ def _write_tables(tables: dict, output: str, dates=None, log=print,
 
 
 def run_batch(spark, input_dir: str, output: str, apdex_ms: float = DEFAULT_APDEX_MS,
-              log=print) -> dict:
-    """Read the archive, write the four tables (dynamic partition overwrite by date)."""
+              log=print, compute=None) -> dict:
+    """Read the archive, write the four tables (dynamic partition overwrite by date).
+    ``compute``: what makes (tables, summary, agg) instead of :func:`compute_tables`
+    (Spark Connect: :func:`.connect.compute_tables`)."""
     t0 = time.perf_counter()
     configure(spark, datasource=False)
-    tables, summary, agg = compute_tables(spark, input_dir, apdex_ms)
+    tables, summary, agg = (compute or compute_tables)(spark, input_dir, apdex_ms)
     log(f"read {summary['rows_in']} records ({summary['bad_records']} undecodable, "
         f"{summary['corrupt_segments']} corrupt segment regions, {summary['bad_json']} "
         f"logs bodies not JSON) and aggregated them in {time.perf_counter() - t0:.1f} s")
