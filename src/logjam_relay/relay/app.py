@@ -19,6 +19,7 @@ from ..ratelimit import RateLimitedLog
 from . import ingestpass
 from .binding import bind_cause  # noqa: F401  (re-exported)
 from .compressors import CompressorPool
+from .groupcommit import GroupCommit
 from .sequence import SequenceState, StateDirError
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
 
@@ -63,6 +64,7 @@ class Relay:
         self.stats_guard: zmq_trio.SubscriptionGuard | None = None
         self.batches = 0
         self.spool = None                       # set when a spool is configured
+        self.commits: GroupCommit | None = None  # spool_fsync=batch: 202s after fdatasync
         self.archive = None                     # set when an archive is configured
         self.dead_letters = None                # DeadLetterStore, set with outputs
         self.cmdp = None
@@ -183,6 +185,13 @@ class Relay:
                 nursery.start_soon(self._lag_monitor)
                 if self.spool is not None:
                     nursery.start_soon(self.spool.run)
+                    if self.spool.defer_batch_sync:
+                        # group commit: the 202s leave after the fdatasync that covers them
+                        self.commits = GroupCommit(
+                            self.spool, self._send_replies,
+                            max_pending=max(2 * s.batch_size, 8192),
+                            on_error=self._sync_failed)
+                        nursery.start_soon(self.commits.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
                 self.ready.set()
@@ -193,6 +202,7 @@ class Relay:
                 self.stopping = True
                 ingest.cancel()
                 await self._drain_final(router, pull)
+                await self._drain_commits()
                 await self._stop_outputs()
                 nursery.cancel_scope.cancel()
         finally:
@@ -299,9 +309,13 @@ class Relay:
                 if p.seq >= self.sequence_state.reserved:
                     self.sequence_state.reserve(p.seq, len(records))
                 if spool is not None:
-                    # False: shutting down with the batch not in the spool; the input
-                    # must not ACK it (the sender resends to the next relay run)
-                    return await self._spool_write(records)
+                    # False: shutting down with the batch not in the spool (or not on disk
+                    # under spool_fsync=batch); the input must not ACK it (the sender
+                    # resends to the next relay run)
+                    if not await self._spool_write(records):
+                        return False
+                    if self.commits is not None:
+                        return await self.commits.durable()    # shares the group's sync
         return True
 
     def _close(self) -> None:
@@ -347,6 +361,13 @@ class Relay:
                 rlog.warning("spool_full", "spool is full (%d bytes): ingress paused until "
                              "outputs catch up", spool.max_bytes)
                 await spool.wait_writable()
+                self.spool_blocked_seconds += trio.current_time() - t0
+            commits = self.commits
+            if commits is not None and commits.would_block():
+                # group commit: too many replies wait for the fdatasync (a slow disk), or
+                # it fails (retried): stop reading, as for a full spool
+                t0 = trio.current_time()
+                await commits.wait_room()
                 self.spool_blocked_seconds += trio.current_time() - t0
             # bounded in messages and in bytes (ingest_max_bytes + one message): only one
             # batch per input socket is in the process at a time
@@ -401,9 +422,36 @@ class Relay:
                             "replies are withheld", len(records))
                 replies = [r for r in replies if not r[-1].startswith(b"202")]
         if replies:
-            # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
-            # with logjam-device, but counted.
-            self.reply_drops += zmq_trio.send_replies(sock, replies)
+            self._answer(sock, replies)
+
+    def _answer(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
+        """Send a batch's replies once its records are in the spool; under
+        spool_fsync=batch, after the fdatasync that covers them (group commit)."""
+        if self.commits is not None:
+            self.commits.answer(sock, replies)
+        else:
+            self._send_replies(sock, replies)
+
+    def _send_replies(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
+        # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
+        # with logjam-device, but counted.
+        self.reply_drops += zmq_trio.send_replies(sock, replies)
+
+    def _sync_failed(self, e) -> None:
+        """The group commit's fdatasync failed (retried, ingress paused meanwhile)."""
+        self.spool_write_failures += 1
+        rlog.error("spool_write", "spool sync failed (%s): %s; ingress paused, retrying",
+                   e.reason, e)
+
+    async def _drain_commits(self) -> None:
+        """Shutdown: the replies still waiting for an fdatasync leave after it (a failing
+        sync is not retried any more: their 202s are withheld)."""
+        if self.commits is None:
+            return
+        self.commits.close()
+        with trio.move_on_after(self.settings.shutdown_timeout / 2) as scope:
+            scope.shield = True
+            await self.commits.drain()
 
     def _fast_pass(self, sock: zmq.Socket, is_router: bool, limit: int, max_bytes: int,
                    max_event: int) -> ingestpass.PassResult | None:
@@ -434,7 +482,7 @@ class Relay:
                             "replies are withheld", r.stamped)
                 replies = None
             if replies:
-                self.reply_drops += zmq_trio.send_replies(sock, replies)
+                self._answer(sock, replies)
         if r.leftover:
             await self._process(sock, r.leftover, is_router, r.oversize)
 
@@ -444,8 +492,9 @@ class Relay:
         True once the batch is in the spool; False only when shutting down gave up on it.
 
         Replies are sent only after this returns, so a 202 always means "in the spool"
-        (and, with spool_fsync=batch, on disk: the fdatasync runs in a worker thread while
-        the event loop goes on).  The caller is shielded from cancellation; during shutdown
+        (and, with spool_fsync=batch, on disk: the caller hands the replies to the group
+        commit, relay/groupcommit.py, which sends them after the fdatasync that covers
+        them; the event loop goes on meanwhile).  The caller is shielded from cancellation; during shutdown
         we give up after one more attempt (the batch was published on PUB, not spooled).
         ``encoded``: ``(data, n, first_seq, last_meta)``, records the C PULL pass encoded,
         instead of ``records``.
@@ -462,8 +511,8 @@ class Relay:
                     else:
                         spool.append_batch(records)
                     written = True
-                if spool.defer_batch_sync:
-                    await spool.sync_async()
+                if spool.defer_batch_sync and self.commits is None:
+                    await spool.sync_async()        # no group commit running (not run())
                 return True
             except SpoolWriteError as e:
                 self.spool_write_failures += 1
