@@ -6,7 +6,10 @@
  * Built by bench_latency.py with gcc against the libzmq that pyzmq bundles; no zmq.h is
  * needed, the few prototypes used are declared here (ABI of libzmq 4.x), as in zmq_load.c.
  *
- *   zmq_latency ENDPOINT push|dealer RATE SECONDS SUB_ENDPOINT|- [TICK_US [WAIT_S]]
+ *   zmq_latency ENDPOINT push|dealer|dealer-noreply RATE SECONDS SUB_ENDPOINT|-
+ *               [TICK_US [WAIT_S]]
+ *
+ * dealer-noreply: a DEALER towards a device that does not answer (zmq.proxy's ROUTER).
  *
  * Message i (i = 0 .. RATE*SECONDS-1) is due at t0 + i/RATE.  Every TICK_US microseconds
  * (default 200) the sender sends everything that is due, without blocking: when the
@@ -218,12 +221,14 @@ static void summary(const char *p, const int64_t *at, long got, int64_t last) {
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: zmq_latency ENDPOINT push|dealer RATE SECONDS SUB_ENDPOINT|- "
+        fprintf(stderr, "usage: zmq_latency ENDPOINT push|dealer|dealer-noreply RATE SECONDS SUB_ENDPOINT|- "
                         "[TICK_US [WAIT_S]]\n");
         return 2;
     }
     const char *ep = argv[1];
-    int dealer = strcmp(argv[2], "dealer") == 0;
+    /* dealer-noreply: a DEALER whose device does not answer (zmq.proxy): one-way only */
+    int dealer = strncmp(argv[2], "dealer", 6) == 0;
+    int want_replies = strcmp(argv[2], "dealer") == 0;
     double rate = atof(argv[3]), secs = atof(argv[4]);
     const char *sub_ep = strcmp(argv[5], "-") == 0 ? NULL : argv[5];
     long tick_us = argc > 6 ? atol(argv[6]) : 200;
@@ -265,7 +270,7 @@ int main(int argc, char **argv) {
 
     /* warm-up: until the SUB saw one and (DEALER) one was answered, at most 30 s */
     int64_t warm_end = now_ns() + 30 * 1000000000LL;
-    while (!(sub_seen_warm && (!dealer || replies_seen > 0))) {
+    while (!(sub_seen_warm && (!want_replies || replies_seen > 0))) {
         if (now_ns() > warm_end) {
             fprintf(stderr, "zmq_latency: no answer to the warm-up in 30 s\n");
             return 1;
@@ -276,7 +281,7 @@ int main(int argc, char **argv) {
     }
     /* the remaining warm-up replies, so they are not taken for timed ones */
     int64_t settle = now_ns() + 200000000LL;
-    while (dealer && replies_seen < warm_sent && now_ns() < settle) {
+    while (want_replies && replies_seen < warm_sent && now_ns() < settle) {
         take_replies(s, &msg);
         usleep(1000);
     }
@@ -332,7 +337,7 @@ int main(int argc, char **argv) {
     /* wait for the missing answers */
     int64_t deadline = send_end + (int64_t)(wait_s * 1e9);
     for (;;) {
-        int done_r = !dealer || replies_got >= n_msgs;
+        int done_r = !want_replies || replies_got >= n_msgs;
         int done_p = !sub_ep || pubs_got >= n_msgs;
         if ((done_r && done_p) || now_ns() > deadline) break;
         if (dealer) take_replies(s, &msg);
@@ -345,7 +350,7 @@ int main(int argc, char **argv) {
     if (sub_ep) pthread_join(th, NULL);
     printf("result sent=%ld send_s=%.3f late_max_ms=%.3f", i, (send_end - t0) / 1e9,
            late_max / 1e6);
-    if (dealer) summary("r", reply_at, replies_got, reply_last);
+    if (want_replies) summary("r", reply_at, replies_got, reply_last);
     if (sub_ep) summary("p", pub_at, pubs_got, pub_last);
     printf("\n");
     fflush(stdout);

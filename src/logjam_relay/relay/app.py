@@ -65,6 +65,7 @@ class Relay:
         self.batches = 0
         self.spool = None                       # set when a spool is configured
         self.commits: GroupCommit | None = None  # spool_fsync=batch: 202s after fdatasync
+        self._in_wait: dict[zmq.Socket, trio.CancelScope] = {}   # ingest tasks at rest
         self.archive = None                     # set when an archive is configured
         self.dead_letters = None                # DeadLetterStore, set with outputs
         self.cmdp = None
@@ -188,7 +189,7 @@ class Relay:
                     if self.spool.defer_batch_sync:
                         # group commit: the 202s leave after the fdatasync that covers them
                         self.commits = GroupCommit(
-                            self.spool, self._send_replies,
+                            self.spool, self._send_released,
                             max_pending=max(2 * s.batch_size, 8192),
                             on_error=self._sync_failed)
                         nursery.start_soon(self.commits.run)
@@ -374,7 +375,7 @@ class Relay:
             if fused:
                 r = self._fast_pass(sock, is_router, limit, max_bytes, max_event)
                 if r is None:
-                    await zmq_trio.wait_for(sock, zmq.POLLIN)
+                    await self._wait_in(sock)
                     continue
                 if spool is not None or r.leftover:
                     with trio.CancelScope(shield=True):
@@ -385,7 +386,7 @@ class Relay:
                 continue
             batch, _, biggest = drain(sock, limit, max_bytes)
             if not batch:
-                await zmq_trio.wait_for(sock, zmq.POLLIN)
+                await self._wait_in(sock)
                 continue
             # A drained batch is processed to the end even when shutdown starts.
             with trio.CancelScope(shield=True):
@@ -436,6 +437,28 @@ class Relay:
         # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
         # with logjam-device, but counted.
         self.reply_drops += zmq_trio.send_replies(sock, replies)
+
+    async def _wait_in(self, sock: zmq.Socket) -> None:
+        """Wait until the socket has a message; the group commit may cut it short."""
+        if self.commits is None:
+            await zmq_trio.wait_for(sock, zmq.POLLIN)
+            return
+        with trio.CancelScope() as scope:
+            self._in_wait[sock] = scope
+            try:
+                await zmq_trio.wait_for(sock, zmq.POLLIN)
+            finally:
+                del self._in_wait[sock]
+
+    def _send_released(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
+        """The group commit's send, from its own task: a send processes the socket's
+        pending commands, so it may consume the edge of its (edge-triggered) ZMQ_FD that
+        announced new requests; the ingest task resting on that FD would then sleep on
+        a socket that has messages.  Wake it when that happened."""
+        self._send_replies(sock, replies)
+        scope = self._in_wait.get(sock)
+        if scope is not None and sock.get(zmq.EVENTS) & zmq.POLLIN:
+            scope.cancel()
 
     def _sync_failed(self, e) -> None:
         """The group commit's fdatasync failed (retried, ingress paused meanwhile)."""

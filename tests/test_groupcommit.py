@@ -1,0 +1,143 @@
+"""Group commit under ``spool_fsync = batch`` (relay/groupcommit.py, issue 25 §2).
+
+A real relay (in-process, trio), real ZeroMQ DEALERs on loopback and a real spool on
+disk.  The spool's ``sync_async`` is watched on the instance: a 202 may leave only once a
+sync that *started after* its record was appended has *returned* (the contract of
+``sync_async``: everything appended before the call started is durable when it returns).
+Every reply the relay sends is checked against that, at the moment it is sent.  The
+end-to-end check against a file system that drops unsynced writes is test_powerloss.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import trio
+import zmq
+
+from logjam_relay.io import zmq_trio
+from logjam_relay.relay.service import build
+from logjam_relay.spool.errors import SpoolWriteError
+from relay_harness import Clients, meta, relay_settings
+
+APP, TOPIC = b"bench-test", b"logs.gc"
+
+
+class Watch:
+    """Durable records (by the sync contract) and the 202s sent, checked at each send."""
+
+    def __init__(self, relay, monkeypatch, fail_first: int = 0, fail_always: bool = False):
+        self.relay = relay
+        spool = relay.spool
+        self.durable = 0              # records known to be on disk
+        self.sent_202 = 0
+        self.violations: list[tuple[int, int]] = []
+        self.syncs = 0
+        self.failures = 0
+        real_sync = spool.sync_async
+
+        async def sync_async():
+            before = spool.appends           # appended before this sync started
+            self.syncs += 1
+            if fail_always or self.failures < fail_first:
+                self.failures += 1
+                raise SpoolWriteError("eio", "injected: fdatasync failed")
+            await real_sync()
+            self.durable = max(self.durable, before)
+
+        spool.sync_async = sync_async
+        real_send = zmq_trio.send_replies
+
+        def send_replies(sock, replies):
+            n = sum(1 for r in replies if r[-1].startswith(b"202"))
+            if n:
+                self.sent_202 += n
+                # the k-th 202 answers the k-th record (one client stream, no heartbeats)
+                if self.sent_202 > self.durable:
+                    self.violations.append((self.sent_202, self.durable))
+            return real_send(sock, replies)
+
+        monkeypatch.setattr(zmq_trio, "send_replies", send_replies)
+
+
+@contextlib.asynccontextmanager
+async def batch_relay(tmp_path, monkeypatch, **watch):
+    settings = relay_settings(tmp_path, spool_dir=str(tmp_path / "spool"),
+                              spool_fsync="batch", heartbeat_interval=3600,
+                              metrics_port=0)
+    relay = build(settings)
+    w = Watch(relay, monkeypatch, **watch)
+    ctx = zmq.Context()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            yield relay, Clients(ctx, settings), w
+            relay.shutdown()
+            with trio.fail_after(30):
+                await relay.stopped.wait()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def request(i: int) -> list[bytes]:
+    return [b"", APP, TOPIC, b'{"n":%d,"pad":"%s"}' % (i, b"x" * 200), meta(seq=i + 1)]
+
+
+async def load(dealer: zmq.Socket, n: int, got: list, window: int = 500) -> None:
+    """Send n requests asynchronously (at most ``window`` unanswered), collect replies."""
+    sent = 0
+    answered = 0
+    while answered < n:
+        while sent < n and sent - answered < window:
+            await zmq_trio.send_multipart(dealer, request(sent))
+            sent += 1
+        with trio.fail_after(30):
+            frames = await zmq_trio.recv_multipart(dealer)
+        got.append(frames[-1])
+        answered += 1
+
+
+async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, monkeypatch):
+    n, clients = 4000, 4
+    async with batch_relay(tmp_path, monkeypatch) as (relay, c, w):
+        dealers = [c.dealer() for _ in range(clients)]
+        got: list[list[bytes]] = [[] for _ in dealers]
+        async with trio.open_nursery() as nursery:
+            for d, g in zip(dealers, got, strict=True):
+                nursery.start_soon(load, d, n, g)
+        commits = relay.commits
+        st = commits.stats()
+        spool_fsyncs = relay.spool.fsyncs
+    assert all(g == [b"202 Accepted"] * n for g in got)      # every message answered
+    assert w.violations == [], w.violations[:5]
+    assert w.sent_202 == n * clients
+    assert st["released"] == n * clients and st["pending"] == 0
+    # grouped: far fewer syncs than replies (each sync answered many messages)
+    assert 1 <= spool_fsyncs <= w.syncs < n * clients
+    assert st["largest_group"] > 1, st
+
+
+async def test_a_failing_fdatasync_holds_the_202s_back_until_one_succeeds(tmp_path,
+                                                                            monkeypatch):
+    async with batch_relay(tmp_path, monkeypatch, fail_first=3) as (relay, c, w):
+        dealer = c.dealer()
+        got: list[bytes] = []
+        await load(dealer, 50, got, window=50)
+        failures = relay.spool_write_failures
+        pending = relay.commits.pending
+    assert got == [b"202 Accepted"] * 50
+    assert w.failures == 3 and failures == 3
+    assert w.violations == [] and pending == 0
+
+
+async def test_shutdown_with_a_failing_fdatasync_withholds_every_202(tmp_path, monkeypatch):
+    async with batch_relay(tmp_path, monkeypatch, fail_always=True) as (relay, c, w):
+        dealer = c.dealer()
+        for i in range(20):
+            await zmq_trio.send_multipart(dealer, request(i))
+        with trio.fail_after(30):        # the 20 records are spooled, none answered
+            while relay.spool.appends < 20 or w.failures < 2:
+                await trio.sleep(0.01)
+        assert relay.commits.pending == 20
+    assert w.sent_202 == 0            # not one 202 for a record that never reached the disk
+    assert relay.commits.withheld == 20 and relay.commits.pending == 0
