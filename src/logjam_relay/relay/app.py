@@ -636,7 +636,9 @@ class Relay:
                 rate = p.seq - last_seq_ckpt
                 last_seq_ckpt = p.seq
                 if p.seq + 2 * rate >= self.sequence_state.reserved:
-                    self.sequence_state.reserve(p.seq, rate)
+                    # ahead of the ingest, off the loop (the ingest's own reserve() on the
+                    # loop is the fallback when it reaches the bound first)
+                    await self.sequence_state.reserve_async(p.seq, rate)
 
     async def _poll_subscriptions(self) -> None:
         """Apply the subscription cap on PUB and stats often enough that a flood is cut
