@@ -60,8 +60,13 @@ class Tracer(trio.abc.Instrument):
         self.gcs: list[tuple[int, float]] = []
         self._gc_t0 = 0.0
         self.stop = False
-        gc.callbacks.append(self._gc)
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def arm(self) -> None:
+        """Start-up is done (tune_gc ran): count from here."""
+        self.long_steps.clear()
+        self.busy.clear()
+        gc.callbacks.append(self._gc)
 
     def _gc(self, phase, info):
         if phase == "start":
@@ -105,7 +110,7 @@ class Tracer(trio.abc.Instrument):
             self.samples.setdefault(no, []).append(" < ".join(reversed(mine[-4:])))
 
 
-async def run(args, tool: str) -> None:
+async def run(args, tool: str, tracer: Tracer) -> None:
     from logjam_relay.gc_tuning import tune_gc
     from logjam_relay.relay.service import build
     from relay_harness import relay_settings
@@ -117,9 +122,46 @@ async def run(args, tool: str) -> None:
     settings = relay_settings(pathlib.Path(tmp), metrics_port=0, heartbeat_interval=5.0, stats_interval=1.0,
                               **extra)
     relay = build(settings)
+    syncs: list[float] = []
+    writes: list[tuple[float, float]] = []
+    rolls: list[tuple[str, float]] = []
+    if relay.spool is not None:
+        real_sync = relay.spool.sync_async
+
+        async def timed_sync():
+            t0 = time.perf_counter()
+            await real_sync()
+            syncs.append(time.perf_counter() - t0)
+        relay.spool.sync_async = timed_sync
+        from logjam_relay.spool import spool as spool_mod
+        real_write = spool_mod._write
+        clk = time.pthread_getcpuclockid(threading.get_ident())
+
+        def timed_write(fd, data):
+            t0, c0 = time.perf_counter(), time.clock_gettime(clk)
+            try:
+                return real_write(fd, data)
+            finally:
+                writes.append((time.perf_counter() - t0, time.clock_gettime(clk) - c0))
+        spool_mod._write = timed_write
+        # segment roll: sealing (seal record, fsync, rename, directory fsync, state file)
+        # and creating the next segment (directory fsync), both on the loop
+        for name in ("_seal_active", "_create_segment"):
+            real = getattr(relay.spool, name)
+
+            def timed(*a, _real=real, _name=name, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    rolls.append((_name, time.perf_counter() - t0))
+            setattr(relay.spool, name, timed)
     async with trio.open_nursery() as nursery:
         await nursery.start(relay.run)
         tune_gc()
+        tracer.arm()
+        if args.gc_threshold:
+            gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
         port = settings.router_port if args.path == "dealer" else settings.pull_port
         cmd = [tool, f"tcp://127.0.0.1:{port}", args.path, str(args.rate), str(args.seconds),
                f"tcp://127.0.0.1:{settings.pub_port}"]
@@ -129,6 +171,21 @@ async def run(args, tool: str) -> None:
         if relay.commits is not None:
             print(f"; group commit {relay.commits.stats()}", end="")
         print()
+        if syncs:
+            syncs.sort()
+            print(f"sync_async (fdatasync in a thread, back on the loop): {len(syncs)} calls, "
+                  f"p50 {syncs[len(syncs) // 2] * 1000:.2f} ms, p99 "
+                  f"{syncs[int(len(syncs) * 0.99)] * 1000:.2f} ms, max {syncs[-1] * 1000:.2f} ms")
+        if writes:
+            w = sorted(writes)
+            print(f"spool write() on the loop: {len(w)} calls, p50 {w[len(w) // 2][0] * 1000:.2f}"
+                  f" ms, p99 {w[int(len(w) * 0.99)][0] * 1000:.2f} ms, max {w[-1][0] * 1000:.2f} "
+                  f"ms (its CPU {w[-1][1] * 1000:.2f} ms)")
+        for name in ("_seal_active", "_create_segment"):
+            d = sorted(x[1] for x in rolls if x[0] == name)
+            if d:
+                print(f"spool {name} on the loop: {len(d)} calls, max {d[-1] * 1000:.2f} ms, "
+                      f"total {sum(d) * 1000:.1f} ms")
         relay.shutdown()
 
 
@@ -140,11 +197,13 @@ def main() -> int:
     ap.add_argument("--path", default="dealer", choices=("dealer", "push"))
     ap.add_argument("--fsync", default="none", choices=("none", "interval", "batch"))
     ap.add_argument("--threshold-ms", type=float, default=2.0)
+    ap.add_argument("--gc-threshold", default="",
+                    help="gc.set_threshold after the relay's own tune_gc (e.g. 500000,20,100)")
     args = ap.parse_args()
     BR.free_port()
     tool = BL.build_tool()
     tracer = Tracer(args.threshold_ms / 1000)
-    trio.run(run, args, tool, instruments=[tracer])
+    trio.run(run, args, tool, tracer, instruments=[tracer])
     tracer.stop = True
     steps = tracer.long_steps
     print(f"\n{len(steps)} task steps >= {args.threshold_ms:g} ms "
@@ -159,6 +218,8 @@ def main() -> int:
         print(f"  {len(v):4d}x max {dts[-1] * 1000:6.1f} ms, median {dts[len(dts) // 2] * 1000:5.1f}"
               f" ms, CPU/wall {cpu:.2f}  {name}: {where}")
     gcs = tracer.gcs
+    if not gcs:
+        print("  no garbage collection after start-up")
     for g in range(3):
         d = sorted(x[1] for x in gcs if x[0] == g)
         c = sorted(x[2] for x in gcs if x[0] == g)
