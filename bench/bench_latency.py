@@ -131,6 +131,29 @@ def measure(tool: str, target: Target, path: str, rate: float, seconds: float) -
     return {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.]+)", line)}
 
 
+def disk_floor(directory: str, seconds: float = 2.0) -> str:
+    """write(32 KiB) + fdatasync in a loop on the spool's file system: what one sync costs
+    on this disk now (a 202 under spool_fsync=batch cannot come faster)."""
+    path = os.path.join(directory, "fdatasync-probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    buf = b"x" * 32768
+    d = []
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            os.write(fd, buf)
+            t0 = time.perf_counter()
+            os.fdatasync(fd)
+            d.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    d.sort()
+    q = [d[min(len(d) - 1, int(f * len(d)))] * 1000 for f in (0.5, 0.99, 0.999)]
+    return (f"fdatasync on this disk now: {len(d)} in {seconds:g} s, p50 {q[0]:.2f} p99 "
+            f"{q[1]:.2f} p99.9 {q[2]:.2f} max {d[-1] * 1000:.2f} ms")
+
+
 def fmt(res: dict, p: str, n: int) -> str:
     if f"{p}_p50" not in res:
         return ""
@@ -154,7 +177,12 @@ def main() -> int:
                     help="messages of the ingest-rate comparison (0: skip it)")
     ap.add_argument("--relay-src", action="append", default=[], metavar="NAME=SRC_DIR",
                     help="also run the relay targets from this source tree, named NAME")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="os.nice() for the whole run (load tool and every target alike; "
+                         "negative needs root): less noise from other work on the host")
     args = ap.parse_args()
+    if args.nice:
+        os.nice(args.nice)
     tool = build_tool()
     trees = [("", None)] + [tuple(x.split("=", 1)) for x in args.relay_src]
     targets: list[Target] = []
@@ -169,6 +197,7 @@ def main() -> int:
     print(f"latency bench: {os.cpu_count()} cpus shared, 300 B messages at a fixed rate "
           f"for {args.seconds:g} s; latency from each message's scheduled send time "
           f"(zmq_latency.c); spool on {tempfile.gettempdir()}")
+    print(disk_floor(tempfile.gettempdir()), flush=True)
     for rate in (float(r) for r in args.rates.split(",")):
         n = int(rate * args.seconds)
         for path in args.paths.split(","):
@@ -216,6 +245,7 @@ def main() -> int:
                 if iv is not None:
                     print(f"  {t.name:26s} ingest {ratio(rates[t.name], rates[iv.name])} "
                           f"the interval rate")
+    print(disk_floor(tempfile.gettempdir()))
     return 0
 
 
