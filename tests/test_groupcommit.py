@@ -18,15 +18,18 @@ import zmq
 from logjam_relay.io import zmq_trio
 from logjam_relay.relay.service import build
 from logjam_relay.spool.errors import SpoolWriteError
-from relay_harness import Clients, meta, relay_settings
+from conftest import free_port
+from relay_harness import Clients, meta, recv, relay_settings
 
 APP, TOPIC = b"bench-test", b"logs.gc"
 
 
 class Watch:
-    """Durable records (by the sync contract) and the 202s sent, checked at each send."""
+    """Durable records (by the sync contract) and the 202s sent, checked at each send.
+    ``gate``: while it is not set, every sync waits for it before its fdatasync."""
 
-    def __init__(self, relay, monkeypatch, fail_first: int = 0, fail_always: bool = False):
+    def __init__(self, relay, monkeypatch, fail_first: int = 0, fail_always: bool = False,
+                 gate: trio.Event | None = None):
         self.relay = relay
         spool = relay.spool
         self.durable = 0              # records known to be on disk
@@ -39,6 +42,8 @@ class Watch:
         async def sync_async():
             before = spool.appends           # appended before this sync started
             self.syncs += 1
+            if gate is not None:
+                await gate.wait()
             if fail_always or self.failures < fail_first:
                 self.failures += 1
                 raise SpoolWriteError("eio", "injected: fdatasync failed")
@@ -61,10 +66,10 @@ class Watch:
 
 
 @contextlib.asynccontextmanager
-async def batch_relay(tmp_path, monkeypatch, **watch):
+async def batch_relay(tmp_path, monkeypatch, inputs=(), **watch):
     settings = relay_settings(tmp_path, spool_dir=str(tmp_path / "spool"),
                               spool_fsync="batch", heartbeat_interval=3600,
-                              metrics_port=0)
+                              metrics_port=0, inputs=list(inputs))
     relay = build(settings)
     w = Watch(relay, monkeypatch, **watch)
     ctx = zmq.Context()
@@ -135,9 +140,48 @@ async def test_shutdown_with_a_failing_fdatasync_withholds_every_202(tmp_path, m
         dealer = c.dealer()
         for i in range(20):
             await zmq_trio.send_multipart(dealer, request(i))
-        with trio.fail_after(30):        # the 20 records are spooled, none answered
-            while relay.spool.appends < 20 or w.failures < 2:
+        with trio.fail_after(30):        # spooled, not answered; the ingest pauses meanwhile
+            while relay.spool.appends < 1 or w.failures < 2:
                 await trio.sleep(0.01)
-        assert relay.commits.pending == 20
+        assert relay.commits.pending == relay.spool.appends > 0
+        assert relay.commits.would_block()
+    # the shutdown drains the socket: the rest is spooled too, then the sync fails again
     assert w.sent_202 == 0            # not one 202 for a record that never reached the disk
     assert relay.commits.withheld == 20 and relay.commits.pending == 0
+
+
+async def test_nothing_is_acknowledged_while_the_fdatasync_has_not_returned(tmp_path,
+                                                                            monkeypatch):
+    """DEALER requests and a Lumberjack window (the input ACKs through the same rounds):
+    spooled, but while the sync is held not one 202 nor the ACK leaves; released, all do."""
+    from logjam_relay.protocols import lumberjack_server as ljs
+    from relay_harness import nothing_within
+
+    gate = trio.Event()
+    lport = free_port()
+    async with batch_relay(tmp_path, monkeypatch, gate=gate,
+                           inputs=[f"lumberjack://127.0.0.1:{lport}?tls=off"]) as (relay, c, w):
+        dealer = c.dealer()
+        for i in range(10):
+            await zmq_trio.send_multipart(dealer, request(i))
+        stream = await trio.open_tcp_stream("127.0.0.1", lport)
+        docs = [b'{"message":"line %d"}' % i for i in range(5)]
+        await stream.send_all(ljs.encode_window_v2(docs))
+        with trio.fail_after(30):                   # all 15 records are in the spool
+            while relay.spool.appends < 15:
+                await trio.sleep(0.01)
+        assert await nothing_within(dealer, 0.3)
+        with trio.move_on_after(0.2):
+            early = await stream.receive_some(100)
+            raise AssertionError(f"ACK {early!r} before the fdatasync returned")
+        assert w.sent_202 == 0
+        gate.set()
+        got = [await recv(dealer, 30) for _ in range(10)]
+        acks = b""
+        with trio.fail_after(30):
+            while len(acks) < 6:
+                acks += await stream.receive_some(100)
+        await stream.aclose()
+    assert [g[-1] for g in got] == [b"202 Accepted"] * 10
+    assert acks == b"2A\x00\x00\x00\x05"
+    assert w.violations == []
