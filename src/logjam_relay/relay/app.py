@@ -19,7 +19,7 @@ from ..ratelimit import RateLimitedLog
 from . import ingestpass
 from .binding import bind_cause  # noqa: F401  (re-exported)
 from .compressors import CompressorPool
-from .groupcommit import GroupCommit
+from .groupcommit import GroupCommit, max_pending
 from .sequence import SequenceState, StateDirError
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
 
@@ -190,7 +190,7 @@ class Relay:
                         # group commit: the 202s leave after the fdatasync that covers them
                         self.commits = GroupCommit(
                             self.spool, self._send_released,
-                            max_pending=max(2 * s.batch_size, 8192),
+                            max_pending=max_pending(s.batch_size),
                             on_error=self._sync_failed)
                         nursery.start_soon(self.commits.run)
                 if self.outputs:

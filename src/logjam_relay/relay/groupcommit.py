@@ -40,6 +40,15 @@ from ..spool.errors import SpoolWriteError
 log = logging.getLogger("logjam_relay.relay")
 
 _ACCEPTED = b"202"
+#: what one waiting reply may hold: its list, the routing id (libzmq: at most 255 bytes) and
+#: the app-env frame of a message that passed validation -- generous
+REPLY_BYTES = 1024
+
+
+def max_pending(batch_size: int) -> int:
+    """Replies that may wait for an fdatasync before the ingest stops reading: two drained
+    batches, at least 8192 (at 200k msg/s, 40 ms of a slow disk)."""
+    return max(2 * batch_size, 8192)
 
 
 class GroupCommit:
