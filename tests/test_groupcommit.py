@@ -185,3 +185,50 @@ async def test_nothing_is_acknowledged_while_the_fdatasync_has_not_returned(tmp_
     assert [g[-1] for g in got] == [b"202 Accepted"] * 10
     assert acks == b"2A\x00\x00\x00\x05"
     assert w.violations == []
+
+
+async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
+    """The group commit's task cancelled mid-sync (the relay's nursery ends): an input
+    waiting in durable() under a shield gets False, a waiting 202 is withheld, a 400 of the
+    same batch still leaves; what is handed in afterwards does not wait either."""
+    from logjam_relay.relay.groupcommit import GroupCommit
+    from logjam_relay.spool.spool import Spool
+
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch")
+    sp.defer_batch_sync = True
+    gate = trio.Event()
+    real_sync = sp.sync_async
+
+    async def held_sync():
+        await gate.wait()
+        await real_sync()
+    sp.sync_async = held_sync
+    sent: list = []
+    gc = GroupCommit(sp, lambda sock, replies: sent.extend(replies))
+    results: list = []
+
+    async def input_waits():
+        with trio.CancelScope(shield=True):
+            results.append(await gc.durable())
+
+    async with trio.open_nursery() as outer:
+        with trio.CancelScope() as rounds:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gc.run)
+                sp.append_batch([[APP, TOPIC, b'{"n":1}', meta()]])
+                gc.answer("sock", [["id", APP, b"202 Accepted"], ["id", APP, b"400 Bad"]])
+                outer.start_soon(input_waits)
+                with trio.fail_after(10):
+                    while not gc._waiters:
+                        await trio.sleep(0.01)
+                assert sent == [] and gc.pending == 2
+                rounds.cancel()
+        with trio.fail_after(10):
+            while not results:
+                await trio.sleep(0.01)
+    assert results == [False] and gc.ended
+    assert sent == [["id", APP, b"400 Bad"]] and gc.withheld == 1 and gc.pending == 0
+    sp.append_batch([[APP, TOPIC, b'{"n":2}', meta()]])
+    gc.answer("sock", [["id", APP, b"202 Accepted"]])
+    assert gc.withheld == 2 and await gc.durable() is False
+    sp.close()

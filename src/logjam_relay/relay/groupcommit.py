@@ -79,6 +79,7 @@ class GroupCommit:
         self.pending = 0                          # replies waiting for a sync
         self.failing = False
         self.closing = False
+        self.ended = False                        # run() returned: no more rounds
         # counters
         self.rounds = 0                           # syncs that released something
         self.released = 0                         # replies sent after a sync
@@ -96,6 +97,11 @@ class GroupCommit:
         if not self._queue and mark <= self._durable:
             self._send(sock, replies)            # nothing to wait for
             return
+        if self.ended:                           # no round will come: withheld
+            self._queue.append((mark, sock, replies))
+            self.pending += len(replies)
+            self._give_up()
+            return
         self._queue.append((mark, sock, replies))
         self.pending += len(replies)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
@@ -107,6 +113,8 @@ class GroupCommit:
         mark = self.spool.bytes_appended
         if not self._queue and not self._waiters and mark <= self._durable:
             return True
+        if self.ended:
+            return False
         entry = [mark, trio.Event(), False]
         self._waiters.append(entry)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
@@ -128,6 +136,16 @@ class GroupCommit:
     # ---------------------------------------------------------------- the rounds
     async def run(self) -> None:
         """Sync and release, back to back while anything waits (the relay's nursery)."""
+        try:
+            await self._rounds()
+        finally:
+            # cancelled (the relay's nursery ends): nobody may wait for a round that never
+            # comes (an input waits in durable() under a shield)
+            self.ended = True
+            if self._queue or self._waiters:
+                self._give_up()
+
+    async def _rounds(self) -> None:
         spool = self.spool
         delay = 0.05
         while True:
@@ -181,7 +199,8 @@ class GroupCommit:
             self._room.set()
 
     def _give_up(self) -> None:
-        """Stopping, and the sync failed: send what needs no disk, withhold the 202s."""
+        """Stopping, and the sync failed (or the rounds end): send what needs no disk,
+        withhold the 202s, tell the inputs waiting in :meth:`durable` (False)."""
         while self._queue:
             _, sock, replies = self._queue.popleft()
             self.pending -= len(replies)
@@ -192,7 +211,7 @@ class GroupCommit:
         while self._waiters:
             self._waiters.popleft()[1].set()      # result stays False
         if self.withheld:
-            log.warning("shutdown: the spool's fdatasync failed; %d replies 202 withheld "
+            log.warning("shutdown: %d replies 202 withheld, their records were not synced "
                         "(the clients resend)", self.withheld)
         self.failing = False
         self._room.set()
