@@ -168,7 +168,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
         r = await trio.run_process(cmd, capture_stdout=True)
         print(r.stdout.decode().strip())
         print(f"relay loop_lag_max {relay.loop_lag_max * 1000:.1f} ms", end="")
-        if relay.commits is not None:
+        if getattr(relay, "commits", None) is not None:
             print(f"; group commit {relay.commits.stats()}", end="")
         print()
         if syncs:

@@ -153,7 +153,8 @@ async def test_shutdown_with_a_failing_fdatasync_withholds_every_202(tmp_path, m
 async def test_nothing_is_acknowledged_while_the_fdatasync_has_not_returned(tmp_path,
                                                                             monkeypatch):
     """DEALER requests and a Lumberjack window (the input ACKs through the same rounds):
-    spooled, but while the sync is held not one 202 nor the ACK leaves; released, all do."""
+    handed in, but while the sync is held nothing more is written to the segment and not
+    one 202 nor the ACK leaves; released, all do."""
     from logjam_relay.protocols import lumberjack_server as ljs
     from relay_harness import nothing_within
 
@@ -167,14 +168,16 @@ async def test_nothing_is_acknowledged_while_the_fdatasync_has_not_returned(tmp_
         stream = await trio.open_tcp_stream("127.0.0.1", lport)
         docs = [b'{"message":"line %d"}' % i for i in range(5)]
         await stream.send_all(ljs.encode_window_v2(docs))
-        with trio.fail_after(30):                   # all 15 records are in the spool
-            while relay.spool.appends < 15:
+        with trio.fail_after(30):           # all 15 records handed to the group commit
+            while relay.commits.pending_records < 15:
                 await trio.sleep(0.01)
+        appended = relay.spool.appends      # (what the held round wrote before its sync)
         assert await nothing_within(dealer, 0.3)
         with trio.move_on_after(0.2):
             early = await stream.receive_some(100)
             raise AssertionError(f"ACK {early!r} before the fdatasync returned")
         assert w.sent_202 == 0
+        assert relay.spool.appends == appended      # nothing written while a sync runs
         gate.set()
         got = [await recv(dealer, 30) for _ in range(10)]
         acks = b""
@@ -189,7 +192,7 @@ async def test_nothing_is_acknowledged_while_the_fdatasync_has_not_returned(tmp_
 
 async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
     """The group commit's task cancelled mid-sync (the relay's nursery ends): an input
-    waiting in durable() under a shield gets False, a waiting 202 is withheld, a 400 of the
+    waiting in commit() under a shield gets False, a waiting 202 is withheld, a 400 of the
     same batch still leaves; what is handed in afterwards does not wait either."""
     from logjam_relay.relay.groupcommit import GroupCommit
     from logjam_relay.spool.spool import Spool
@@ -198,8 +201,10 @@ async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
     sp.defer_batch_sync = True
     gate = trio.Event()
     real_sync = sp.sync_async
+    syncing = trio.Event()
 
     async def held_sync():
+        syncing.set()
         await gate.wait()
         await real_sync()
     sp.sync_async = held_sync
@@ -209,26 +214,27 @@ async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
 
     async def input_waits():
         with trio.CancelScope(shield=True):
-            results.append(await gc.durable())
+            results.append(await gc.commit([[APP, TOPIC, b'{"n":2}', meta()]]))
 
     async with trio.open_nursery() as outer:
         with trio.CancelScope() as rounds:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(gc.run)
-                sp.append_batch([[APP, TOPIC, b'{"n":1}', meta()]])
-                gc.answer("sock", [["id", APP, b"202 Accepted"], ["id", APP, b"400 Bad"]])
+                gc.submit("sock", [["id", APP, b"202 Accepted"], ["id", APP, b"400 Bad"]],
+                          records=[[APP, TOPIC, b'{"n":1}', meta()]])
+                with trio.fail_after(10):
+                    await syncing.wait()            # the first batch is written, syncing
                 outer.start_soon(input_waits)
                 with trio.fail_after(10):
-                    while not gc._waiters:
+                    while gc.pending_records < 2:
                         await trio.sleep(0.01)
-                assert sent == [] and gc.pending == 2
+                assert sent == [] and gc.pending == 2 and sp.appends == 1
                 rounds.cancel()
         with trio.fail_after(10):
             while not results:
                 await trio.sleep(0.01)
     assert results == [False] and gc.ended
     assert sent == [["id", APP, b"400 Bad"]] and gc.withheld == 1 and gc.pending == 0
-    sp.append_batch([[APP, TOPIC, b'{"n":2}', meta()]])
-    gc.answer("sock", [["id", APP, b"202 Accepted"]])
+    gc.submit("sock", [["id", APP, b"202 Accepted"]], records=[[APP, TOPIC, b"{}", meta()]])
     assert gc.withheld == 2 and await gc.durable() is False
     sp.close()

@@ -191,6 +191,7 @@ class Relay:
                         self.commits = GroupCommit(
                             self.spool, self._send_released,
                             max_pending=max_pending(s.batch_size),
+                            max_bytes=s.ingest_max_bytes,
                             on_error=self._sync_failed)
                         nursery.start_soon(self.commits.run)
                 if self.outputs:
@@ -309,14 +310,14 @@ class Relay:
                 records = p.commit(acc, now_ms())
                 if p.seq >= self.sequence_state.reserved:
                     self.sequence_state.reserve(p.seq, len(records))
+                if self.commits is not None:
+                    # spool_fsync=batch: in the group commit's next round; False when the
+                    # relay stops before it is on disk
+                    return await self.commits.commit(records)
                 if spool is not None:
-                    # False: shutting down with the batch not in the spool (or not on disk
-                    # under spool_fsync=batch); the input must not ACK it (the sender
-                    # resends to the next relay run)
-                    if not await self._spool_write(records):
-                        return False
-                    if self.commits is not None:
-                        return await self.commits.durable()    # shares the group's sync
+                    # False: shutting down with the batch not in the spool; the input
+                    # must not ACK it (the sender resends to the next relay run)
+                    return await self._spool_write(records)
         return True
 
     def _close(self) -> None:
@@ -416,6 +417,10 @@ class Relay:
                 records = p.commit(acc, now_ms())
             if p.seq >= self.sequence_state.reserved:
                 self.sequence_state.reserve(p.seq, len(records))
+            if self.commits is not None:
+                # spool_fsync=batch: appended, synced and answered by the group commit
+                self.commits.submit(sock, replies, records=records)
+                return
             if self.spool is not None and not await self._spool_write(records):
                 # shutting down with the batch not in the spool: no 202 for it (a 202
                 # means "in the spool"); the client's timeout makes it resend
@@ -482,8 +487,11 @@ class Relay:
         yet spooled nor answered); None when the socket had nothing."""
         p = self.pipeline
         spool = self.spool
+        # numbered from the spool's next seq: after the records the group commit holds
+        next_seq = -1 if spool is None else \
+            self.commits.next_seq if self.commits is not None else spool.next_seq
         r = ingestpass.run(sock, self.pub, p, limit, max_bytes, max_event, now_ms(),
-                           spool.next_seq if spool is not None else -1, is_router)
+                           next_seq, is_router)
         if not r.stamped and not r.leftover:
             return None
         if r.stamped:
@@ -497,7 +505,11 @@ class Relay:
         """Spool what the C loop stamped, then answer it; what it left (a message off the
         fast path and the rest of the batch) through :meth:`_process`."""
         spool = self.spool
-        if r.stamped:
+        if r.stamped and self.commits is not None:
+            # spool_fsync=batch: appended, synced and answered by the group commit
+            self.commits.submit(sock, r.replies,
+                                encoded=(r.spool, r.stamped, r.spool_seq, r.last_meta))
+        elif r.stamped:
             replies = r.replies
             if spool is not None and not await self._spool_write(
                     None, (r.spool, r.stamped, r.spool_seq, r.last_meta)):
@@ -514,11 +526,11 @@ class Relay:
         """Append a committed batch; on a write error keep the batch, pause, retry.
         True once the batch is in the spool; False only when shutting down gave up on it.
 
-        Replies are sent only after this returns, so a 202 always means "in the spool"
-        (and, with spool_fsync=batch, on disk: the caller hands the replies to the group
-        commit, relay/groupcommit.py, which sends them after the fdatasync that covers
-        them; the event loop goes on meanwhile).  The caller is shielded from cancellation; during shutdown
-        we give up after one more attempt (the batch was published on PUB, not spooled).
+        Replies are sent only after this returns, so a 202 always means "in the spool".
+        Not used under spool_fsync=batch while the group commit runs (relay/groupcommit.py
+        appends, syncs and answers).  The caller is shielded from cancellation; during
+        shutdown we give up after one more attempt (the batch was published on PUB, not
+        spooled).
         ``encoded``: ``(data, n, first_seq, last_meta)``, records the C PULL pass encoded,
         instead of ``records``.
         """
@@ -611,7 +623,9 @@ class Relay:
                                             p.next_sequence())
                 self.pub.publish(frames)
                 self.heartbeats += 1
-                if self.spool is not None:
+                if self.commits is not None:
+                    self.commits.submit(None, None, records=[frames])   # in sequence order
+                elif self.spool is not None:
                     # spooled too, so the archive holds every sequence number (loss report);
                     # the upstream outputs skip heartbeats
                     try:
