@@ -466,14 +466,15 @@ class Relay:
             scope.cancel()
 
     def _sync_failed(self, e) -> None:
-        """The group commit's fdatasync failed (retried, ingress paused meanwhile)."""
+        """The group commit's append or fdatasync failed (retried, ingress paused
+        meanwhile)."""
         self.spool_write_failures += 1
-        rlog.error("spool_write", "spool sync failed (%s): %s; ingress paused, retrying",
-                   e.reason, e)
+        rlog.error("spool_write", "spool write or sync failed (%s): %s; ingress paused, "
+                   "retrying", e.reason, e)
 
     async def _drain_commits(self) -> None:
-        """Shutdown: the replies still waiting for an fdatasync leave after it (a failing
-        sync is not retried any more: their 202s are withheld)."""
+        """Shutdown: the group commit's last rounds (a failing write or sync is not retried
+        any more: the 202s it owed are withheld)."""
         if self.commits is None:
             return
         self.commits.close()
