@@ -123,6 +123,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                               **extra)
     relay = build(settings)
     syncs: list[float] = []
+    raw_syncs: list[float] = []
     writes: list[tuple[float, float]] = []
     rolls: list[tuple[str, float]] = []
     if relay.spool is not None:
@@ -144,6 +145,15 @@ async def run(args, tool: str, tracer: Tracer) -> None:
             finally:
                 writes.append((time.perf_counter() - t0, time.clock_gettime(clk) - c0))
         spool_mod._write = timed_write
+        real_fds = spool_mod._fdatasync
+
+        def timed_fdatasync(fd):            # in the worker thread: the syscall alone
+            t0 = time.perf_counter()
+            try:
+                return real_fds(fd)
+            finally:
+                raw_syncs.append(time.perf_counter() - t0)
+        spool_mod._fdatasync = timed_fdatasync
         # segment roll: sealing (seal record, fsync, rename, directory fsync, state file)
         # and creating the next segment (directory fsync), both on the loop
         for name in ("_seal_active", "_create_segment"):
@@ -162,6 +172,27 @@ async def run(args, tool: str, tracer: Tracer) -> None:
         tracer.arm()
         if args.gc_threshold:
             gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
+        held: list[float] = []
+        if getattr(relay, "commits", None) is not None:
+            # how long replies wait inside the group commit (handed in -> sent)
+            gcm = relay.commits
+            handed: collections.deque = collections.deque()
+            real_submit, real_send = gcm.submit, gcm._send
+
+            def submit(sock, replies, *a, **k):
+                if replies:
+                    handed.append((time.perf_counter(), len(replies)))
+                return real_submit(sock, replies, *a, **k)
+
+            def send(sock, replies):
+                n = len(replies)
+                now = time.perf_counter()
+                while n > 0 and handed:
+                    t0, m = handed.popleft()
+                    held.append(now - t0)
+                    n -= m
+                return real_send(sock, replies)
+            gcm.submit, gcm._send = submit, send
         port = settings.router_port if args.path == "dealer" else settings.pull_port
         cmd = [tool, f"tcp://127.0.0.1:{port}", args.path, str(args.rate), str(args.seconds),
                f"tcp://127.0.0.1:{settings.pub_port}"]
@@ -171,11 +202,20 @@ async def run(args, tool: str, tracer: Tracer) -> None:
         if getattr(relay, "commits", None) is not None:
             print(f"; group commit {relay.commits.stats()}", end="")
         print()
+        if held:
+            held.sort()
+            print(f"replies held in the group commit: {len(held)} batches, p50 "
+                  f"{held[len(held) // 2] * 1000:.2f} ms, p99 "
+                  f"{held[int(len(held) * 0.99)] * 1000:.2f} ms, max {held[-1] * 1000:.2f} ms")
         if syncs:
             syncs.sort()
             print(f"sync_async (fdatasync in a thread, back on the loop): {len(syncs)} calls, "
                   f"p50 {syncs[len(syncs) // 2] * 1000:.2f} ms, p99 "
                   f"{syncs[int(len(syncs) * 0.99)] * 1000:.2f} ms, max {syncs[-1] * 1000:.2f} ms")
+        if raw_syncs:
+            d = sorted(raw_syncs)
+            print(f"fdatasync syscall alone: {len(d)} calls, p50 {d[len(d) // 2] * 1000:.2f} "
+                  f"ms, p99 {d[int(len(d) * 0.99)] * 1000:.2f} ms, max {d[-1] * 1000:.2f} ms")
         if writes:
             w = sorted(writes)
             print(f"spool write() on the loop: {len(w)} calls, p50 {w[len(w) // 2][0] * 1000:.2f}"
