@@ -147,3 +147,32 @@ async def test_pub_hwm_drops_are_counted_and_fast_subscriber_unaffected(tmp_path
             got = await collect(fast, b"drop-test", n)
         assert sum(m[0] == b"drop-test" for m in got) == n
         assert relay.pub.drops > 0
+
+
+async def test_reservation_off_the_loop_never_lowers_the_bound_on_disk(tmp_path):
+    """reserve_async (the ticker's reservation) writes and fsyncs in a worker thread; a
+    reservation that arrives after a higher one (the ingest's, on the loop) is not written
+    over it: a crash then continues above every number handed out."""
+    import threading
+
+    from logjam_relay.relay import sequence as seqmod
+    st = seqmod.SequenceState(tmp_path / "seq.json", 0)
+    st.acquire()
+    writers = []
+    real = st._write_locked
+
+    def spy(payload):
+        writers.append(threading.current_thread() is threading.main_thread())
+        real(payload)
+
+    st._write_locked = spy
+    bound = await st.reserve_async(1000, rate_hint=50_000)
+    assert bound == st.reserved == 201_000 and writers == [False]    # not on the loop
+    assert json.loads((tmp_path / "seq.json").read_text())["reserved"] == 201_000
+    st.reserve(500_000)                                   # the ingest, past the bound
+    await st.reserve_async(2000)                          # an older, lower reservation
+    assert json.loads((tmp_path / "seq.json").read_text())["reserved"] == 600_000
+    assert st.reserved == 600_000
+    st.release()
+    crashed = seqmod.SequenceState(tmp_path / "seq.json", 0)
+    assert crashed.load(None) == 600_001

@@ -19,6 +19,7 @@ from ..ratelimit import RateLimitedLog
 from . import ingestpass
 from .binding import bind_cause  # noqa: F401  (re-exported)
 from .compressors import CompressorPool
+from .groupcommit import GroupCommit, max_pending
 from .sequence import SequenceState, StateDirError
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
 
@@ -63,6 +64,8 @@ class Relay:
         self.stats_guard: zmq_trio.SubscriptionGuard | None = None
         self.batches = 0
         self.spool = None                       # set when a spool is configured
+        self.commits: GroupCommit | None = None  # spool_fsync=batch: 202s after fdatasync
+        self._in_wait: dict[zmq.Socket, trio.CancelScope] = {}   # ingest tasks at rest
         self.archive = None                     # set when an archive is configured
         self.dead_letters = None                # DeadLetterStore, set with outputs
         self.cmdp = None
@@ -183,6 +186,14 @@ class Relay:
                 nursery.start_soon(self._lag_monitor)
                 if self.spool is not None:
                     nursery.start_soon(self.spool.run)
+                    if self.spool.defer_batch_sync:
+                        # group commit: the 202s leave after the fdatasync that covers them
+                        self.commits = GroupCommit(
+                            self.spool, self._send_released,
+                            max_pending=max_pending(s.batch_size),
+                            max_bytes=s.ingest_max_bytes,
+                            on_error=self._sync_failed)
+                        nursery.start_soon(self.commits.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
                 self.ready.set()
@@ -193,6 +204,7 @@ class Relay:
                 self.stopping = True
                 ingest.cancel()
                 await self._drain_final(router, pull)
+                await self._drain_commits()
                 await self._stop_outputs()
                 nursery.cancel_scope.cancel()
         finally:
@@ -298,6 +310,10 @@ class Relay:
                 records = p.commit(acc, now_ms())
                 if p.seq >= self.sequence_state.reserved:
                     self.sequence_state.reserve(p.seq, len(records))
+                if self.commits is not None:
+                    # spool_fsync=batch: in the group commit's next round; False when the
+                    # relay stops before it is on disk
+                    return await self.commits.commit(records)
                 if spool is not None:
                     # False: shutting down with the batch not in the spool; the input
                     # must not ACK it (the sender resends to the next relay run)
@@ -348,12 +364,19 @@ class Relay:
                              "outputs catch up", spool.max_bytes)
                 await spool.wait_writable()
                 self.spool_blocked_seconds += trio.current_time() - t0
+            commits = self.commits
+            if commits is not None and commits.would_block():
+                # group commit: too many replies wait for the fdatasync (a slow disk), or
+                # it fails (retried): stop reading, as for a full spool
+                t0 = trio.current_time()
+                await commits.wait_room()
+                self.spool_blocked_seconds += trio.current_time() - t0
             # bounded in messages and in bytes (ingest_max_bytes + one message): only one
             # batch per input socket is in the process at a time
             if fused:
                 r = self._fast_pass(sock, is_router, limit, max_bytes, max_event)
                 if r is None:
-                    await zmq_trio.wait_for(sock, zmq.POLLIN)
+                    await self._wait_in(sock)
                     continue
                 if spool is not None or r.leftover:
                     with trio.CancelScope(shield=True):
@@ -364,7 +387,7 @@ class Relay:
                 continue
             batch, _, biggest = drain(sock, limit, max_bytes)
             if not batch:
-                await zmq_trio.wait_for(sock, zmq.POLLIN)
+                await self._wait_in(sock)
                 continue
             # A drained batch is processed to the end even when shutdown starts.
             with trio.CancelScope(shield=True):
@@ -394,6 +417,10 @@ class Relay:
                 records = p.commit(acc, now_ms())
             if p.seq >= self.sequence_state.reserved:
                 self.sequence_state.reserve(p.seq, len(records))
+            if self.commits is not None:
+                # spool_fsync=batch: appended, synced and answered by the group commit
+                self.commits.submit(sock, replies, records=records)
+                return
             if self.spool is not None and not await self._spool_write(records):
                 # shutting down with the batch not in the spool: no 202 for it (a 202
                 # means "in the spool"); the client's timeout makes it resend
@@ -401,9 +428,59 @@ class Relay:
                             "replies are withheld", len(records))
                 replies = [r for r in replies if not r[-1].startswith(b"202")]
         if replies:
-            # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
-            # with logjam-device, but counted.
-            self.reply_drops += zmq_trio.send_replies(sock, replies)
+            self._answer(sock, replies)
+
+    def _answer(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
+        """Send a batch's replies once its records are in the spool; under
+        spool_fsync=batch, after the fdatasync that covers them (group commit)."""
+        if self.commits is not None:
+            self.commits.answer(sock, replies)
+        else:
+            self._send_replies(sock, replies)
+
+    def _send_replies(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
+        # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
+        # with logjam-device, but counted.
+        self.reply_drops += zmq_trio.send_replies(sock, replies)
+
+    async def _wait_in(self, sock: zmq.Socket) -> None:
+        """Wait until the socket has a message; the group commit may cut it short."""
+        if self.commits is None:
+            await zmq_trio.wait_for(sock, zmq.POLLIN)
+            return
+        with trio.CancelScope() as scope:
+            self._in_wait[sock] = scope
+            try:
+                await zmq_trio.wait_for(sock, zmq.POLLIN)
+            finally:
+                del self._in_wait[sock]
+
+    def _send_released(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
+        """The group commit's send, from its own task: a send processes the socket's
+        pending commands, so it may consume the edge of its (edge-triggered) ZMQ_FD that
+        announced new requests; the ingest task resting on that FD would then sleep on
+        a socket that has messages.  Wake it when that happened."""
+        self._send_replies(sock, replies)
+        scope = self._in_wait.get(sock)
+        if scope is not None and sock.get(zmq.EVENTS) & zmq.POLLIN:
+            scope.cancel()
+
+    def _sync_failed(self, e) -> None:
+        """The group commit's append or fdatasync failed (retried, ingress paused
+        meanwhile)."""
+        self.spool_write_failures += 1
+        rlog.error("spool_write", "spool write or sync failed (%s): %s; ingress paused, "
+                   "retrying", e.reason, e)
+
+    async def _drain_commits(self) -> None:
+        """Shutdown: the group commit's last rounds (a failing write or sync is not retried
+        any more: the 202s it owed are withheld)."""
+        if self.commits is None:
+            return
+        self.commits.close()
+        with trio.move_on_after(self.settings.shutdown_timeout / 2) as scope:
+            scope.shield = True
+            await self.commits.drain()
 
     def _fast_pass(self, sock: zmq.Socket, is_router: bool, limit: int, max_bytes: int,
                    max_event: int) -> ingestpass.PassResult | None:
@@ -411,8 +488,11 @@ class Relay:
         yet spooled nor answered); None when the socket had nothing."""
         p = self.pipeline
         spool = self.spool
+        # numbered from the spool's next seq: after the records the group commit holds
+        next_seq = -1 if spool is None else \
+            self.commits.next_seq if self.commits is not None else spool.next_seq
         r = ingestpass.run(sock, self.pub, p, limit, max_bytes, max_event, now_ms(),
-                           spool.next_seq if spool is not None else -1, is_router)
+                           next_seq, is_router)
         if not r.stamped and not r.leftover:
             return None
         if r.stamped:
@@ -426,7 +506,11 @@ class Relay:
         """Spool what the C loop stamped, then answer it; what it left (a message off the
         fast path and the rest of the batch) through :meth:`_process`."""
         spool = self.spool
-        if r.stamped:
+        if r.stamped and self.commits is not None:
+            # spool_fsync=batch: appended, synced and answered by the group commit
+            self.commits.submit(sock, r.replies,
+                                encoded=(r.spool, r.stamped, r.spool_seq, r.last_meta))
+        elif r.stamped:
             replies = r.replies
             if spool is not None and not await self._spool_write(
                     None, (r.spool, r.stamped, r.spool_seq, r.last_meta)):
@@ -434,7 +518,7 @@ class Relay:
                             "replies are withheld", r.stamped)
                 replies = None
             if replies:
-                self.reply_drops += zmq_trio.send_replies(sock, replies)
+                self._answer(sock, replies)
         if r.leftover:
             await self._process(sock, r.leftover, is_router, r.oversize)
 
@@ -443,10 +527,11 @@ class Relay:
         """Append a committed batch; on a write error keep the batch, pause, retry.
         True once the batch is in the spool; False only when shutting down gave up on it.
 
-        Replies are sent only after this returns, so a 202 always means "in the spool"
-        (and, with spool_fsync=batch, on disk: the fdatasync runs in a worker thread while
-        the event loop goes on).  The caller is shielded from cancellation; during shutdown
-        we give up after one more attempt (the batch was published on PUB, not spooled).
+        Replies are sent only after this returns, so a 202 always means "in the spool".
+        Not used under spool_fsync=batch while the group commit runs (relay/groupcommit.py
+        appends, syncs and answers).  The caller is shielded from cancellation; during
+        shutdown we give up after one more attempt (the batch was published on PUB, not
+        spooled).
         ``encoded``: ``(data, n, first_seq, last_meta)``, records the C PULL pass encoded,
         instead of ``records``.
         """
@@ -462,8 +547,8 @@ class Relay:
                     else:
                         spool.append_batch(records)
                     written = True
-                if spool.defer_batch_sync:
-                    await spool.sync_async()
+                if spool.defer_batch_sync and self.commits is None:
+                    await spool.sync_async()        # no group commit running (not run())
                 return True
             except SpoolWriteError as e:
                 self.spool_write_failures += 1
@@ -539,7 +624,9 @@ class Relay:
                                             p.next_sequence())
                 self.pub.publish(frames)
                 self.heartbeats += 1
-                if self.spool is not None:
+                if self.commits is not None:
+                    self.commits.submit(None, None, records=[frames])   # in sequence order
+                elif self.spool is not None:
                     # spooled too, so the archive holds every sequence number (loss report);
                     # the upstream outputs skip heartbeats
                     try:
@@ -564,7 +651,9 @@ class Relay:
                 rate = p.seq - last_seq_ckpt
                 last_seq_ckpt = p.seq
                 if p.seq + 2 * rate >= self.sequence_state.reserved:
-                    self.sequence_state.reserve(p.seq, rate)
+                    # ahead of the ingest, off the loop (the ingest's own reserve() on the
+                    # loop is the fallback when it reaches the bound first)
+                    await self.sequence_state.reserve_async(p.seq, rate)
 
     async def _poll_subscriptions(self) -> None:
         """Apply the subscription cap on PUB and stats often enough that a flood is cut

@@ -171,6 +171,11 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int | None = None
     inputs = input_sockets(s)
     # one batch per input socket in process: ingest_max_bytes + the message that crossed it
     batches = inputs * BATCH_COPIES * (s.ingest_max_bytes + message)
+    if s.spool_fsync == "batch":
+        # what waits for the group commit's next round (relay/groupcommit.py): replies,
+        # and records until ingest_max_bytes (+ the batch that crossed it)
+        from .groupcommit import REPLY_BYTES, max_pending
+        batches += max_pending(s.batch_size) * REPLY_BYTES + 2 * (s.ingest_max_bytes + message)
     # what PUB holds for the slowest subscriber (libzmq shares a message among subscribers)
     pub = s.snd_hwm * (s.max_event_bytes + ENVELOPE_BYTES)
     outputs = output_window_bytes(s) if output_bytes is None else output_bytes

@@ -20,8 +20,11 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
+
+import trio
 
 from ..fdreserve import RESERVE as _FDS
 
@@ -52,6 +55,10 @@ class SequenceState:
         self.recovered_from = "none"   # none | clean | crash | spool
         self.write_errors = 0
         self._lock_fd: int | None = None
+        # reserve_async writes from a worker thread: one writer at a time, and a
+        # reservation never replaces a higher one already on disk
+        self._write_lock = threading.Lock()
+        self._on_disk_reserved = 0
 
     # ---------------------------------------------------------------- locking
     @property
@@ -150,6 +157,15 @@ class SequenceState:
 
     # --------------------------------------------------------------- writing
     def _write(self, payload: dict) -> None:
+        with self._write_lock:
+            reserved = payload.get("reserved")
+            if reserved is not None and reserved < self._on_disk_reserved:
+                return                          # a higher reservation is on disk already
+            self._write_locked(payload)
+            if reserved is not None:
+                self._on_disk_reserved = reserved
+
+    def _write_locked(self, payload: dict) -> None:
         if self.path is None:
             return
         tmp = self.path.with_suffix(".tmp")
@@ -176,6 +192,20 @@ class SequenceState:
         self.reserved = min(current + margin, MAX_SEQUENCE)
         self._write({"device": self.device, "sequence": current, "reserved": self.reserved,
                      "clean": False, "time": time.time()})
+        return self.reserved
+
+    async def reserve_async(self, current: int, rate_hint: int = 0) -> int:
+        """:meth:`reserve` with the write and its fsync in a worker thread (the event loop
+        goes on: an fsync behind a busy disk took milliseconds on the loop).  The new bound
+        counts once the call returns; meanwhile the old one holds (the ingest reserves on
+        the loop, with :meth:`reserve`, if it reaches it first)."""
+        margin = max(self.min_reserve, 4 * rate_hint)
+        new = min(current + margin, MAX_SEQUENCE)
+        await trio.to_thread.run_sync(
+            self._write, {"device": self.device, "sequence": current, "reserved": new,
+                          "clean": False, "time": time.time()})
+        if new > self.reserved:
+            self.reserved = new
         return self.reserved
 
     def save_clean(self, last: int) -> None:

@@ -1,0 +1,253 @@
+"""Latency at a fixed rate (issue 25 §2, §3): the relay with ``spool_fsync=batch``, with
+``interval`` and without a spool, against ``zmq.proxy``, in one run.
+
+    python bench/bench_latency.py [--rates 100000,200000] [--seconds 5]
+                                  [--paths dealer,push] [--targets proxy,none,interval,batch]
+                                  [--ingest-messages 1000000] [--relay-src NAME=SRC_DIR ...]
+
+The load is ``zmq_latency.c`` (built here with gcc against pyzmq's bundled libzmq, as
+bench_relay.py builds zmq_load.c): it sends 300-byte logjam messages on a fixed schedule
+(message i is due at t0 + i/rate) and measures every latency from the message's
+*scheduled* send time, so a stall of the device shows in full instead of slowing the
+load down (no coordinated omission).  Two latencies:
+
+* **reply**: DEALER -> the relay's ROUTER, until the "202 Accepted" is back (under
+  ``spool_fsync=batch`` the 202 means "fdatasync'ed");
+* **one-way**: from the schedule until the message arrives on a SUB of the PUB socket
+  (DEALER -> ROUTER and PUSH -> PULL).  zmq.proxy (C, ROUTER or PULL -> PUB, in a
+  separate process) gives the baseline: it does nothing but forward.
+
+Targets: ``proxy`` (zmq.proxy), ``none`` (the relay without a spool), ``interval`` and
+``batch`` (the relay with a spool on this disk, ``--spool-dir`` under the temp
+directory, 64 MiB segments, no output: the spool is written and synced as with one).
+``--relay-src main=/work/main/src`` adds the same relay targets run from another source
+tree (a before/after in one run; that tree's C extensions must be built in place).
+
+Printed per rate and path: p50/p99/p99.9/max (ms), how many of the messages were
+answered / published, and the ratios: relay p99.9 / zmq.proxy p99.9 (one-way), batch /
+no-spool (reply).  Then the ingest rate (DEALER as fast as the socket takes them,
+``--ingest-messages``, replies per second) of ``batch`` against ``interval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_relay as BR  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zmq_latency.c")
+KEYS = ("p50", "p99", "p999", "max")
+
+
+def build_tool() -> str:
+    import zmq
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    libdir = os.path.realpath(os.path.join(os.path.dirname(zmq.__file__), "..", "pyzmq.libs"))
+    libs = [f for f in os.listdir(libdir) if f.startswith("libzmq")] \
+        if os.path.isdir(libdir) else []
+    if not gcc or not libs:
+        sys.exit("bench_latency: needs gcc and pyzmq's bundled libzmq (pyzmq.libs)")
+    out = os.path.join(tempfile.mkdtemp(prefix="bench-zmq-latency-"), "zmq_latency")
+    r = subprocess.run([gcc, "-O2", "-o", out, SRC, f"-L{libdir}", f"-l:{libs[0]}",
+                        f"-Wl,-rpath,{libdir}", "-lpthread"], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit("bench_latency: cannot build zmq_latency.c:\n" + r.stderr)
+    return out
+
+
+class Target:
+    """zmq.proxy or a relay subprocess, bound on fresh ports."""
+
+    def __init__(self, name: str, kind: str, src: str | None = None):
+        self.name, self.kind, self.src = name, kind, src
+        self.in_port, self.out_port = BR.free_port(), BR.free_port()
+        self.proc = None
+        self.work = tempfile.mkdtemp(prefix="bench-latency-")
+
+    def start(self, path: str) -> None:
+        if self.kind == "proxy":
+            ctx = mp.get_context("fork")
+            self.proc = ctx.Process(target=BR.proxy, daemon=True,
+                                    args=("router" if path == "dealer" else "pull",
+                                          self.in_port, self.out_port))
+            self.proc.start()
+            return
+        in_flag = ["-t", str(self.in_port), "-p", str(BR.free_port())] if path == "dealer" \
+            else ["-p", str(self.in_port), "-t", str(BR.free_port())]
+        argv = [sys.executable, "-m", "logjam_relay", *in_flag, "-P", str(self.out_port),
+                "-s", str(BR.free_port()), "-m", "0", "--bind", "127.0.0.1",
+                "--state-dir", os.path.join(self.work, "state"), "-q"]
+        if self.kind != "none":
+            argv += ["--spool-dir", os.path.join(self.work, "spool"),
+                     "--spool-fsync", self.kind]
+        env = dict(os.environ)
+        env.pop("LOGJAM_RELAY_CONFIG", None)
+        if self.src:
+            env["PYTHONPATH"] = self.src + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(argv, env=env)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.kind == "proxy":
+            self.proc.kill()
+            self.proc.join()
+        else:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work = tempfile.mkdtemp(prefix="bench-latency-")
+
+
+def measure(tool: str, target: Target, path: str, rate: float, seconds: float) -> dict:
+    """One run of zmq_latency against a freshly started target; its ``result`` fields."""
+    target.start(path)
+    try:
+        kind = "dealer" if path == "dealer" and target.kind != "proxy" else \
+            "dealer-noreply" if path == "dealer" else "push"
+        r = subprocess.run([tool, f"tcp://127.0.0.1:{target.in_port}", kind, str(rate),
+                            str(seconds), f"tcp://127.0.0.1:{target.out_port}"],
+                           capture_output=True, text=True, timeout=seconds + 120)
+    finally:
+        target.stop()
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("result ")), None)
+    if line is None:
+        raise RuntimeError(f"zmq_latency against {target.name} failed: {r.stderr.strip()}")
+    return {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.]+)", line)}
+
+
+def disk_floor(directory: str, seconds: float = 2.0) -> str:
+    """write(32 KiB) + fdatasync in a loop on the spool's file system: what one sync costs
+    on this disk now (a 202 under spool_fsync=batch cannot come faster)."""
+    path = os.path.join(directory, "fdatasync-probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    buf = b"x" * 32768
+    d = []
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            os.write(fd, buf)
+            t0 = time.perf_counter()
+            os.fdatasync(fd)
+            d.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    d.sort()
+    q = [d[min(len(d) - 1, int(f * len(d)))] * 1000 for f in (0.5, 0.99, 0.999)]
+    return (f"fdatasync on this disk now: {len(d)} in {seconds:g} s, p50 {q[0]:.2f} p99 "
+            f"{q[1]:.2f} p99.9 {q[2]:.2f} max {d[-1] * 1000:.2f} ms")
+
+
+def fmt(res: dict, p: str, n: int) -> str:
+    if f"{p}_p50" not in res:
+        return ""
+    got = int(res["pubs" if p == "p" else "replies"])
+    lat = " ".join(f"{k} {res[f'{p}_{k}']:7.2f}" for k in KEYS)
+    return f"{lat} ms ({'published' if p == 'p' else 'answered'} {got:,}/{n:,})"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="100000,200000")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--paths", default="dealer,push")
+    ap.add_argument("--targets", default="proxy,none,interval,batch")
+    ap.add_argument("--ingest-messages", type=int, default=1_000_000,
+                    help="messages of the ingest-rate comparison (0: skip it)")
+    ap.add_argument("--relay-src", action="append", default=[], metavar="NAME=SRC_DIR",
+                    help="also run the relay targets from this source tree, named NAME")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="os.nice() for the whole run (load tool and every target alike; "
+                         "negative needs root): less noise from other work on the host")
+    args = ap.parse_args()
+    if args.nice:
+        os.nice(args.nice)
+    tool = build_tool()
+    trees = [("", None)] + [tuple(x.split("=", 1)) for x in args.relay_src]
+    targets: list[Target] = []
+    for t in args.targets.split(","):
+        if t == "proxy":
+            targets.append(Target("zmq.proxy", "proxy"))
+            continue
+        for label, src in trees:
+            name = {"none": "relay, no spool", "interval": "relay, interval",
+                    "batch": "relay, batch"}[t]
+            targets.append(Target(f"{name} [{label}]" if label else name, t, src))
+    print(f"latency bench: {os.cpu_count()} cpus shared, 300 B messages at a fixed rate "
+          f"for {args.seconds:g} s; latency from each message's scheduled send time "
+          f"(zmq_latency.c); spool on {tempfile.gettempdir()}")
+    print(disk_floor(tempfile.gettempdir()), flush=True)
+    for rate in (float(r) for r in args.rates.split(",")):
+        n = int(rate * args.seconds)
+        for path in args.paths.split(","):
+            label = "DEALER -> ROUTER" if path == "dealer" else "PUSH -> PULL"
+            print(f"\n{rate / 1000:.0f}k msg/s, {label}:", flush=True)
+            results = {}
+            for t in targets:
+                res = results[t.name] = measure(tool, t, path, rate, args.seconds)
+                late = f" (sender late by up to {res['late_max_ms']:.1f} ms)" \
+                    if res["late_max_ms"] > 5 else ""
+                if "r_p50" in res:
+                    print(f"  {t.name:26s} reply   {fmt(res, 'r', n)}{late}", flush=True)
+                    late = ""
+                print(f"  {t.name:26s} one-way {fmt(res, 'p', n)}{late}", flush=True)
+            base = results.get("zmq.proxy")
+            for t in targets:
+                res = results[t.name]
+                bits = []
+                if base is not None and t.kind != "proxy":
+                    bits.append(f"one-way p99.9 {ratio(res['p_p999'], base['p_p999'])} "
+                                f"zmq.proxy's")
+                nospool = next((results[u.name] for u in targets
+                                if u.kind == "none" and u.src == t.src), None)
+                if t.kind in ("interval", "batch") and nospool and "r_p99" in res:
+                    bits.append(f"reply p99 {ratio(res['r_p99'], nospool['r_p99'])}, p99.9 "
+                                f"{ratio(res['r_p999'], nospool['r_p999'])} the no-spool "
+                                f"relay's")
+                if bits:
+                    print(f"  {t.name:26s} ratios: {'; '.join(bits)}")
+    if args.ingest_messages:
+        n = args.ingest_messages
+        print(f"\ningest: {n:,} messages DEALER -> ROUTER as fast as the socket takes them, "
+              "replies per second:")
+        rates = {}
+        for t in targets:
+            if t.kind not in ("interval", "batch"):
+                continue
+            res = measure(tool, t, "dealer", 0, n)
+            rates[t.name] = res["r_rate"]
+            print(f"  {t.name:26s} {res['r_rate']:>9,.0f} replies/s "
+                  f"(answered {int(res['replies']):,}/{n:,})", flush=True)
+        for t in targets:
+            if t.kind == "batch":
+                iv = next((u for u in targets if u.kind == "interval" and u.src == t.src), None)
+                if iv is not None:
+                    print(f"  {t.name:26s} ingest {ratio(rates[t.name], rates[iv.name])} "
+                          f"the interval rate")
+    print(disk_floor(tempfile.gettempdir()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Group commit under ``spool_fsync = batch`` (relay/groupcommit.py, issue 25 §2).
+
+A real relay (in-process, trio), real ZeroMQ DEALERs on loopback and a real spool on
+disk.  The spool's ``sync_async`` is watched on the instance: a 202 may leave only once a
+sync that *started after* its record was appended has *returned* (the contract of
+``sync_async``: everything appended before the call started is durable when it returns).
+Every reply the relay sends is checked against that, at the moment it is sent.  The
+end-to-end check against a file system that drops unsynced writes is test_powerloss.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import trio
+import zmq
+
+from logjam_relay.io import zmq_trio
+from logjam_relay.relay.service import build
+from logjam_relay.spool.errors import SpoolWriteError
+from conftest import free_port
+from relay_harness import Clients, meta, recv, relay_settings
+
+APP, TOPIC = b"bench-test", b"logs.gc"
+
+
+class Watch:
+    """Durable records (by the sync contract) and the 202s sent, checked at each send.
+    ``gate``: while it is not set, every sync waits for it before its fdatasync."""
+
+    def __init__(self, relay, monkeypatch, fail_first: int = 0, fail_always: bool = False,
+                 gate: trio.Event | None = None):
+        self.relay = relay
+        spool = relay.spool
+        self.durable = 0              # records known to be on disk
+        self.sent_202 = 0
+        self.violations: list[tuple[int, int]] = []
+        self.syncs = 0
+        self.failures = 0
+        real_sync = spool.sync_async
+
+        async def sync_async():
+            before = spool.appends           # appended before this sync started
+            self.syncs += 1
+            if gate is not None:
+                await gate.wait()
+            if fail_always or self.failures < fail_first:
+                self.failures += 1
+                raise SpoolWriteError("eio", "injected: fdatasync failed")
+            await real_sync()
+            self.durable = max(self.durable, before)
+
+        spool.sync_async = sync_async
+        real_send = zmq_trio.send_replies
+
+        def send_replies(sock, replies):
+            n = sum(1 for r in replies if r[-1].startswith(b"202"))
+            if n:
+                self.sent_202 += n
+                # the k-th 202 answers the k-th record (one client stream, no heartbeats)
+                if self.sent_202 > self.durable:
+                    self.violations.append((self.sent_202, self.durable))
+            return real_send(sock, replies)
+
+        monkeypatch.setattr(zmq_trio, "send_replies", send_replies)
+
+
+@contextlib.asynccontextmanager
+async def batch_relay(tmp_path, monkeypatch, inputs=(), **watch):
+    settings = relay_settings(tmp_path, spool_dir=str(tmp_path / "spool"),
+                              spool_fsync="batch", heartbeat_interval=3600,
+                              metrics_port=0, inputs=list(inputs))
+    relay = build(settings)
+    w = Watch(relay, monkeypatch, **watch)
+    ctx = zmq.Context()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            yield relay, Clients(ctx, settings), w
+            relay.shutdown()
+            with trio.fail_after(30):
+                await relay.stopped.wait()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def request(i: int) -> list[bytes]:
+    return [b"", APP, TOPIC, b'{"n":%d,"pad":"%s"}' % (i, b"x" * 200), meta(seq=i + 1)]
+
+
+async def load(dealer: zmq.Socket, n: int, got: list, window: int = 500) -> None:
+    """Send n requests asynchronously (at most ``window`` unanswered), collect replies."""
+    sent = 0
+    answered = 0
+    while answered < n:
+        while sent < n and sent - answered < window:
+            await zmq_trio.send_multipart(dealer, request(sent))
+            sent += 1
+        with trio.fail_after(30):
+            frames = await zmq_trio.recv_multipart(dealer)
+        got.append(frames[-1])
+        answered += 1
+
+
+async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, monkeypatch):
+    n, clients = 4000, 4
+    async with batch_relay(tmp_path, monkeypatch) as (relay, c, w):
+        dealers = [c.dealer() for _ in range(clients)]
+        got: list[list[bytes]] = [[] for _ in dealers]
+        async with trio.open_nursery() as nursery:
+            for d, g in zip(dealers, got, strict=True):
+                nursery.start_soon(load, d, n, g)
+        commits = relay.commits
+        st = commits.stats()
+        spool_fsyncs = relay.spool.fsyncs
+    assert all(g == [b"202 Accepted"] * n for g in got)      # every message answered
+    assert w.violations == [], w.violations[:5]
+    assert w.sent_202 == n * clients
+    assert st["released"] == n * clients and st["pending"] == 0
+    # grouped: far fewer syncs than replies (each sync answered many messages)
+    assert 1 <= spool_fsyncs <= w.syncs < n * clients
+    assert st["largest_group"] > 1, st
+
+
+async def test_a_failing_fdatasync_holds_the_202s_back_until_one_succeeds(tmp_path,
+                                                                            monkeypatch):
+    async with batch_relay(tmp_path, monkeypatch, fail_first=3) as (relay, c, w):
+        dealer = c.dealer()
+        got: list[bytes] = []
+        await load(dealer, 50, got, window=50)
+        failures = relay.spool_write_failures
+        pending = relay.commits.pending
+    assert got == [b"202 Accepted"] * 50
+    assert w.failures == 3 and failures == 3
+    assert w.violations == [] and pending == 0
+
+
+async def test_shutdown_with_a_failing_fdatasync_withholds_every_202(tmp_path, monkeypatch):
+    async with batch_relay(tmp_path, monkeypatch, fail_always=True) as (relay, c, w):
+        dealer = c.dealer()
+        for i in range(20):
+            await zmq_trio.send_multipart(dealer, request(i))
+        with trio.fail_after(30):        # spooled, not answered; the ingest pauses meanwhile
+            while relay.spool.appends < 1 or w.failures < 2:
+                await trio.sleep(0.01)
+        assert relay.commits.pending == relay.spool.appends > 0
+        assert relay.commits.would_block()
+    # the shutdown drains the socket: the rest is spooled too, then the sync fails again
+    assert w.sent_202 == 0            # not one 202 for a record that never reached the disk
+    assert relay.commits.withheld == 20 and relay.commits.pending == 0
+
+
+async def test_nothing_is_acknowledged_while_the_fdatasync_has_not_returned(tmp_path,
+                                                                            monkeypatch):
+    """DEALER requests and a Lumberjack window (the input ACKs through the same rounds):
+    handed in, but while the sync is held nothing more is written to the segment and not
+    one 202 nor the ACK leaves; released, all do."""
+    from logjam_relay.protocols import lumberjack_server as ljs
+    from relay_harness import nothing_within
+
+    gate = trio.Event()
+    lport = free_port()
+    async with batch_relay(tmp_path, monkeypatch, gate=gate,
+                           inputs=[f"lumberjack://127.0.0.1:{lport}?tls=off"]) as (relay, c, w):
+        dealer = c.dealer()
+        for i in range(10):
+            await zmq_trio.send_multipart(dealer, request(i))
+        stream = await trio.open_tcp_stream("127.0.0.1", lport)
+        docs = [b'{"message":"line %d"}' % i for i in range(5)]
+        await stream.send_all(ljs.encode_window_v2(docs))
+        with trio.fail_after(30):           # all 15 records handed to the group commit
+            while relay.commits.pending_records < 15:
+                await trio.sleep(0.01)
+        appended = relay.spool.appends      # (what the held round wrote before its sync)
+        assert await nothing_within(dealer, 0.3)
+        early = b""
+        with trio.move_on_after(0.2):
+            while True:
+                early += await stream.receive_some(100)
+        # only keepalives (ACK of sequence 0, every ack_interval) while the window waits
+        assert early == b"2A\x00\x00\x00\x00" * (len(early) // 6), early
+        assert w.sent_202 == 0
+        assert relay.spool.appends == appended      # nothing written while a sync runs
+        gate.set()
+        got = [await recv(dealer, 30) for _ in range(10)]
+        acks = b""
+        with trio.fail_after(30):
+            while b"2A\x00\x00\x00\x05" not in acks:
+                acks += await stream.receive_some(100)
+        await stream.aclose()
+    assert [g[-1] for g in got] == [b"202 Accepted"] * 10
+    assert acks.replace(b"2A\x00\x00\x00\x00", b"") == b"2A\x00\x00\x00\x05"
+    assert w.violations == []
+
+
+async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
+    """The group commit's task cancelled mid-sync (the relay's nursery ends): an input
+    waiting in commit() under a shield gets False, a waiting 202 is withheld, a 400 of the
+    same batch still leaves; what is handed in afterwards does not wait either."""
+    from logjam_relay.relay.groupcommit import GroupCommit
+    from logjam_relay.spool.spool import Spool
+
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch")
+    sp.defer_batch_sync = True
+    gate = trio.Event()
+    real_sync = sp.sync_async
+    syncing = trio.Event()
+
+    async def held_sync():
+        syncing.set()
+        await gate.wait()
+        await real_sync()
+    sp.sync_async = held_sync
+    sent: list = []
+    gc = GroupCommit(sp, lambda sock, replies: sent.extend(replies))
+    results: list = []
+
+    async def input_waits():
+        with trio.CancelScope(shield=True):
+            results.append(await gc.commit([[APP, TOPIC, b'{"n":2}', meta()]]))
+
+    async with trio.open_nursery() as outer:
+        with trio.CancelScope() as rounds:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gc.run)
+                gc.submit("sock", [["id", APP, b"202 Accepted"], ["id", APP, b"400 Bad"]],
+                          records=[[APP, TOPIC, b'{"n":1}', meta()]])
+                with trio.fail_after(10):
+                    await syncing.wait()            # the first batch is written, syncing
+                outer.start_soon(input_waits)
+                with trio.fail_after(10):
+                    while gc.pending_records < 2:
+                        await trio.sleep(0.01)
+                assert sent == [] and gc.pending == 2 and sp.appends == 1
+                rounds.cancel()
+        with trio.fail_after(10):
+            while not results:
+                await trio.sleep(0.01)
+    assert results == [False] and gc.ended
+    assert sent == [["id", APP, b"400 Bad"]] and gc.withheld == 1 and gc.pending == 0
+    gc.submit("sock", [["id", APP, b"202 Accepted"]], records=[[APP, TOPIC, b"{}", meta()]])
+    assert gc.withheld == 2 and await gc.durable() is False
+    sp.close()
