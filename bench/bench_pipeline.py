@@ -264,13 +264,154 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     return dt, sum(seen.values())
 
 
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(intercept s, slope s per record) of a least-squares line through (n, seconds)."""
+    k = len(points)
+    mx = sum(n for n, _ in points) / k
+    my = sum(t for _, t in points) / k
+    sxx = sum((n - mx) ** 2 for n, _ in points)
+    slope = sum((n - mx) * (t - my) for n, t in points) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def prepare(n: int, base: str, data: str | None) -> str:
+    """The data directory of ``n`` records (bench/pipeline_data.py): ``data``/N when it was
+    written before with the same figures, else written there (or under ``base``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pipeline_data
+    d = os.path.join(data or base, f"{n}")
+    try:
+        with open(os.path.join(d, "data.json")) as fh:
+            info = json.load(fh)
+        if info.get("generator") == pipeline_data.VERSION and info.get("requested") == n:
+            return d
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(d, ignore_errors=True)
+    t0 = time.perf_counter()
+    pipeline_data.write(n, d)
+    print(f"  (data written in {time.perf_counter() - t0:.1f} s)", flush=True)
+    return d
+
+
+def jobs(n: int, d: str, base: str, a, first: bool) -> dict:
+    """Whole process against whole process at one size; the figures of the best runs."""
+    archive, json_dir = os.path.join(d, "archive"), os.path.join(d, "json")
+    nseg = len([f for f in os.listdir(archive) if f.endswith(".seg")])
+    size = sum(os.path.getsize(os.path.join(archive, f)) for f in os.listdir(archive))
+    jsize = sum(os.path.getsize(os.path.join(json_dir, f)) for f in os.listdir(json_dir))
+    with open(os.path.join(d, "data.json")) as fh:
+        info = json.load(fh)
+    print(f"records: {n}  segments: {nseg}  archive: {size / 1e6:.1f} MB  JSON lines: "
+          f"{jsize / 1e6:.1f} MB  (bodies {info['body_bytes'] / info['records']:.0f} B on "
+          f"average, logs bodies {info['logs_body_min']}-{info['logs_body_max']} B)",
+          flush=True)
+    env = dict(os.environ)
+    exe = os.path.join(os.path.dirname(sys.executable), "logjam-relay")
+    out = os.path.join(base, f"ours-{n}")
+    ours_cmd = ([exe] if os.path.exists(exe) else
+                [sys.executable, "-m", "logjam_relay.cli"]) + [
+        "pipeline", "stats", "--input", archive, "--output", out, "--master", a.master,
+        "-q", "--engine", a.engine]
+    plain_out = os.path.join(base, f"plain-{n}")
+    plain_cmd = [sys.executable, os.path.abspath(__file__), "--master", a.master,
+                 "--plain-job", json_dir, plain_out]
+    t_ours, t_plain, c_ours, c_plain = [], [], [], []
+    load0 = os.getloadavg()[0]
+    # the command keeps a class-data archive of its driver JVM (pipeline/jvmcache.py):
+    # the first run on a machine writes it; measure that run apart, then the usual ones
+    env["XDG_CACHE_HOME"] = os.path.join(base, "cache")
+    if first:
+        w1, c1 = timed(ours_cmd, env)
+        print(f"pipeline stats, first run     : {w1:7.2f} s  (writes the JVM class archive; "
+              f"CPU s: {c1:.1f})", flush=True)
+    for _ in range(a.repeat_jobs):          # interleaved: same machine conditions
+        for cmd, ts, cs in ((plain_cmd, t_plain, c_plain), (ours_cmd, t_ours, c_ours)):
+            w, c = timed(cmd, env)
+            ts.append(w)
+            cs.append(c)
+    tp, to = min(t_plain), min(t_ours)
+    print(f"load average (1 min) before / after the jobs: {load0:.2f} / "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"plain PySpark job (JSON lines): {tp:7.2f} s  {n / tp:12,.0f} rec/s  "
+          f"(runs: {', '.join(f'{x:.2f}' for x in t_plain)}; CPU s: "
+          f"{', '.join(f'{x:.1f}' for x in c_plain)})")
+    print(f"pipeline stats (archive)      : {to:7.2f} s  {n / to:12,.0f} rec/s  "
+          f"(runs: {', '.join(f'{x:.2f}' for x in t_ours)}; CPU s: "
+          f"{', '.join(f'{x:.1f}' for x in c_ours)})")
+    print(f"speed-up pipeline / plain job : {tp / to:.2f}x wall, "
+          f"{min(c_plain) / min(c_ours):.2f}x CPU time (whole process trees; less "
+          f"disturbed by other load than wall time)")
+    problems = compare(out, plain_out)
+    print("tables agree with the plain job" if not problems else
+          "TABLES DIFFER: " + "; ".join(problems[:5]), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(plain_out, ignore_errors=True)
+    return {"n": n, "wall_plain": tp, "wall_ours": to, "cpu_plain": min(c_plain),
+            "cpu_ours": min(c_ours), "problems": problems, "archive": archive, "nseg": nseg}
+
+
+def scans(r: dict, base: str, a, spark, context: bool) -> float:
+    """Scan only: the JVM reader against Parquet (the same rows written by Spark);
+    returns the ratio (logjam rec/s / Parquet rec/s)."""
+    n, archive, nseg = r["n"], r["archive"], r["nseg"]
+    pq = os.path.join(base, f"parquet-{n}")
+    spark.read.format("logjam").load(archive).repartition(nseg) \
+        .write.mode("overwrite").parquet(pq)
+
+    def scan(df) -> float:
+        t = time.perf_counter()
+        df.write.format("noop").mode("overwrite").save()
+        return time.perf_counter() - t
+
+    from logjam_relay.pipeline.jvmreader import loaded
+    reader = "JVM reader" if loaded(spark) else "Python data source (no JVM reader!)"
+    scan(spark.read.parquet(pq))                          # warm up JVM + Python workers
+    scan(spark.read.format("logjam").load(archive))
+    # interleaved repetitions (same machine conditions), best of each
+    t_pq, t_ds = [], []
+    for _ in range(a.repeat):
+        t_pq.append(scan(spark.read.parquet(pq)))
+        t_ds.append(scan(spark.read.format("logjam").load(archive)))
+    t_pq, t_ds = min(t_pq), min(t_ds)
+    r_pq, r_ds = n / t_pq, n / t_ds
+    print(f"scan, {n} records, {spark.sparkContext.defaultParallelism} cores ({a.master}):")
+    print(f"  parquet scan      : {t_pq:7.3f} s  {r_pq:12,.0f} rec/s")
+    print(f"  logjam data source: {t_ds:7.3f} s  {r_ds:12,.0f} rec/s  (format(\"logjam\"): "
+          f"{reader})")
+    print(f"  scan ratio logjam / parquet at {n}: {r_ds / r_pq:.3f}x  (target >= 0.9x)",
+          flush=True)
+    if context and loaded(spark):
+        scan(spark.read.format("logjam_python").load(archive))
+        t_py = min(scan(spark.read.format("logjam_python").load(archive))
+                   for _ in range(a.repeat))
+        print(f"  context: the Python data source (what reads when the JVM reader cannot "
+              f"be built): {t_py:.3f} s, {t_pq / t_py:.3f}x parquet")
+    if context:
+        spark.dataSource.register(_replay_source())
+        scan(spark.read.format("bench_replay").load(archive))     # decodes, fills the cache
+        t_rp = min(scan(spark.read.format("bench_replay").load(archive))
+                   for _ in range(a.repeat))
+        print(f"  context: a Python data source replaying decoded batches from memory (no "
+              f"decoding): {t_rp:.3f} s, {t_pq / t_rp:.3f}x parquet -- the ceiling of "
+              f"Spark's Python data source path here")
+    shutil.rmtree(pq, ignore_errors=True)
+    return r_ds / r_pq
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--records", type=int, nargs="+", default=[1_000_000, 10_000_000],
+                    help="sizes (the per-record costs are fitted over them)")
     ap.add_argument("--master", default="local[2]")
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--data", default=None,
+                    help="keep the generated data here (DATA/N) and reuse it in later runs")
+    ap.add_argument("--engine", default="auto", choices=("auto", "sql", "python"),
+                    help="pipeline stats --engine")
     ap.add_argument("--repeat", type=int, default=3, help="scan repetitions")
     ap.add_argument("--repeat-jobs", type=int, default=2, help="whole-process repetitions")
+    ap.add_argument("--no-scan", action="store_true", help="whole processes only")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--plain-job", nargs=2, metavar=("JSON_DIR", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -278,106 +419,31 @@ def main() -> int:
         plain_job(a.plain_job[0], a.plain_job[1], a.master)
         return 0
 
-    from logjam_relay.pipeline import sample
-
     base = tempfile.mkdtemp(prefix="bench_pipeline_", dir=a.dir)
     try:
-        t0 = time.perf_counter()
-        msgs = sample.make_messages(a.records, malformed=False, gaps=True)
-        archive = os.path.join(base, "archive")
-        sample.write_archive(os.path.join(base, "spool"), archive, msgs,
-                             segment_bytes=64 << 20, batch=1000)
-        del msgs
-        json_dir = os.path.join(base, "json")
-        write_json_lines(archive, json_dir)
-        nseg = len([f for f in os.listdir(archive) if f.endswith(".seg")])
-        size = sum(os.path.getsize(os.path.join(archive, f)) for f in os.listdir(archive))
-        jsize = sum(os.path.getsize(os.path.join(json_dir, f)) for f in os.listdir(json_dir))
-        print(f"records: {a.records}  segments: {nseg}  archive: {size / 1e6:.1f} MB  "
-              f"JSON lines: {jsize / 1e6:.1f} MB  (prepared in {time.perf_counter() - t0:.1f} s)",
-              flush=True)
-
-        env = dict(os.environ)
-        exe = os.path.join(os.path.dirname(sys.executable), "logjam-relay")
-        ours_cmd = ([exe] if os.path.exists(exe) else
-                    [sys.executable, "-m", "logjam_relay.cli"]) + [
-            "pipeline", "stats", "--input", archive, "--output", os.path.join(base, "ours"),
-            "--master", a.master, "-q"]
-        plain_cmd = [sys.executable, os.path.abspath(__file__), "--master", a.master,
-                     "--plain-job", json_dir, os.path.join(base, "plain")]
-        t_ours, t_plain, c_ours, c_plain = [], [], [], []
-        load0 = os.getloadavg()[0]
-        # the command keeps a class-data archive of its driver JVM (pipeline/jvmcache.py):
-        # the first run on a machine writes it; measure that run apart, then the usual ones
-        env["XDG_CACHE_HOME"] = os.path.join(base, "cache")
-        w1, c1 = timed(ours_cmd, env)
-        for _ in range(a.repeat_jobs):          # interleaved: same machine conditions
-            for cmd, ts, cs in ((plain_cmd, t_plain, c_plain), (ours_cmd, t_ours, c_ours)):
-                w, c = timed(cmd, env)
-                ts.append(w)
-                cs.append(c)
-        n = a.records
-        tp, to = min(t_plain), min(t_ours)
-        print(f"load average (1 min) before / after the jobs: {load0:.2f} / "
-              f"{os.getloadavg()[0]:.2f}")
-        print(f"plain PySpark job (JSON lines): {tp:7.2f} s  {n / tp:12,.0f} rec/s  "
-              f"(runs: {', '.join(f'{x:.2f}' for x in t_plain)}; CPU s: "
-              f"{', '.join(f'{x:.1f}' for x in c_plain)})")
-        print(f"pipeline stats (archive)      : {to:7.2f} s  {n / to:12,.0f} rec/s  "
-              f"(runs: {', '.join(f'{x:.2f}' for x in t_ours)}; CPU s: "
-              f"{', '.join(f'{x:.1f}' for x in c_ours)})")
-        print(f"pipeline stats, first run     : {w1:7.2f} s  (writes the JVM class archive; "
-              f"CPU s: {c1:.1f}; {tp / w1:.2f}x the plain job)")
-        print(f"speed-up pipeline / plain job : {tp / to:.2f}x  (target >= 1.5x; every run "
-              f"after the first)")
-        print(f"CPU time plain job / pipeline : {min(c_plain) / min(c_ours):.2f}x  "
-              f"(whole process trees; less disturbed by other load than wall time)")
-        problems = compare(os.path.join(base, "ours"), os.path.join(base, "plain"))
-        print("tables agree with the plain job" if not problems else
-              "TABLES DIFFER: " + "; ".join(problems[:5]), flush=True)
-
-        from logjam_relay.pipeline.cli import make_session
-        spark = make_session(a.master, "bench_pipeline")
-        cores = spark.sparkContext.defaultParallelism
-        pq = os.path.join(base, "parquet")
-        spark.read.format("logjam").load(archive).repartition(nseg) \
-            .write.mode("overwrite").parquet(pq)
-
-        def scan(df) -> float:
-            t = time.perf_counter()
-            df.write.format("noop").mode("overwrite").save()
-            return time.perf_counter() - t
-
-        from logjam_relay.pipeline.jvmreader import loaded
-        reader = "JVM reader" if loaded(spark) else "Python data source (no JVM reader!)"
-        scan(spark.read.parquet(pq))                          # warm up JVM + Python workers
-        scan(spark.read.format("logjam").load(archive))
-        # interleaved repetitions (same machine conditions), best of each
-        t_pq, t_ds = [], []
-        for _ in range(a.repeat):
-            t_pq.append(scan(spark.read.parquet(pq)))
-            t_ds.append(scan(spark.read.format("logjam").load(archive)))
-        t_pq, t_ds = min(t_pq), min(t_ds)
-        r_pq, r_ds = n / t_pq, n / t_ds
-        print(f"cores: {cores} ({a.master})")
-        print(f"parquet scan      : {t_pq:7.3f} s  {r_pq:12,.0f} rec/s")
-        print(f"logjam data source: {t_ds:7.3f} s  {r_ds:12,.0f} rec/s  (format(\"logjam\"): "
-              f"{reader})")
-        print(f"ratio data source / parquet: {r_ds / r_pq:.3f}x  (target >= 0.5x)")
-        if loaded(spark):
-            scan(spark.read.format("logjam_python").load(archive))
-            t_py = min(scan(spark.read.format("logjam_python").load(archive))
-                       for _ in range(a.repeat))
-            print(f"context: the Python data source (what reads when the JVM reader cannot "
-                  f"be built): {t_py:.3f} s, {t_pq / t_py:.3f}x parquet")
-        spark.dataSource.register(_replay_source())
-        scan(spark.read.format("bench_replay").load(archive))     # decodes, fills the cache
-        t_rp = min(scan(spark.read.format("bench_replay").load(archive))
-                   for _ in range(a.repeat))
-        print(f"context: a Python data source replaying decoded batches from memory (no "
-              f"decoding): {t_rp:.3f} s, {t_pq / t_rp:.3f}x parquet -- the ceiling of "
-              f"Spark's Python data source path here")
-        spark.stop()
+        results = []
+        for k, n in enumerate(sorted(set(a.records))):
+            d = prepare(n, base, a.data)
+            results.append(jobs(n, d, base, a, first=k == 0))
+        print()
+        for r in results:
+            print(f"at {r['n']:>10,} records: pipeline {r['wall_ours']:7.2f} s, plain job "
+                  f"{r['wall_plain']:7.2f} s: plain / pipeline {r['wall_plain'] / r['wall_ours']:.2f}x"
+                  f" wall, {r['cpu_plain'] / r['cpu_ours']:.2f}x CPU  (target >= 2.5x at 10M)")
+        if len(results) > 1:
+            for what in ("wall", "cpu"):
+                fo = fit([(r["n"], r[f"{what}_ours"]) for r in results])
+                fp = fit([(r["n"], r[f"{what}_plain"]) for r in results])
+                print(f"fitted {what:4}: pipeline {fo[0]:6.2f} s + {fo[1] * 1e6:5.2f} us/record;"
+                      f" plain job {fp[0]:6.2f} s + {fp[1] * 1e6:5.2f} us/record; marginal "
+                      f"cost pipeline / plain {fo[1] / fp[1]:.2f} (target <= 0.33)")
+        problems = [p for r in results for p in r["problems"]]
+        if not a.no_scan:
+            from logjam_relay.pipeline.cli import make_session
+            spark = make_session(a.master, "bench_pipeline")
+            for k, r in enumerate(results):
+                scans(r, base, a, spark, context=k == 0)
+            spark.stop()
         return 0 if not problems else 1
     finally:
         if not a.keep:

@@ -31,6 +31,7 @@ import logging
 import os
 import subprocess
 import tempfile
+import time
 import zipfile
 
 from .jvmcache import default_dir, find_java, spark_jars
@@ -40,6 +41,10 @@ log = logging.getLogger("logjam_relay.pipeline.jvmreader")
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jvm")
 PROVIDER = "logjamrelay.spark.LogjamProvider"
 SERVICES = "META-INF/services/org.apache.spark.sql.sources.DataSourceRegister"
+#: the largest segment file the JVM reader reads (Constants.MAX_ARRAY: one Java array)
+MAX_SEGMENT_BYTES = (1 << 31) - 1 - 64
+#: a cached jar of other sources is removed once it is this old
+STALE_JAR_S = 86400
 _COMPILER = "org.codehaus.commons.compiler.samples.CompilerDemo"
 
 
@@ -108,8 +113,14 @@ def build_jar(cache_dir: str | None = None) -> str:
         if os.path.isfile(path):
             return path
         build(path, jars)
+        # jars of other sources: removed once a day old (another checkout or Spark sharing
+        # the cache may be starting a session with its jar right now; they are ~35 kB)
         for old in glob.glob(os.path.join(d, "logjam-reader-*.jar")):
-            if old != path:
+            try:
+                stale = time.time() - os.path.getmtime(old) > STALE_JAR_S
+            except OSError:
+                continue
+            if old != path and stale:
                 _remove(old)
         return path
     except OSError as e:
