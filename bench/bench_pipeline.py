@@ -1,33 +1,38 @@
 """``pipeline stats`` against the plain PySpark job a user would write instead, and the
-data source scan against Spark's Parquet scan, in one run.
+data source scan against Spark's Parquet scan, at several sizes in one run.
 
-    python bench/bench_pipeline.py [--records 1000000] [--master local[2]] [--dir /tmp]
+    python bench/bench_pipeline.py [--records 1000000 10000000] [--master local[2]]
+                                   [--data DIR] [--dir /tmp] [--engine auto|sql|python]
 
-1. ``--records`` synthetic logjam messages (80 % logs, all four compression methods in
-   turn, 2 devices, injected gaps) are appended to a spool as the relay does and archived
-   (64 MiB segments).  The same records are also written as JSON lines (one object per
-   record: app, env, topic, device, sequence, created_ms, segment, record and the body as
-   a nested object), the input of the plain job.
+1. For each size, realistic records (``bench/pipeline_data.py``: 7 apps in 13 app-envs, the
+   logjam agents' body fields, bodies of ~300 B-3.4 KB, mixed compressions, 4 devices with
+   gaps, other topics and heartbeats; deterministic) are archived (64 MiB segments) and
+   written as JSON lines (app, env, topic, device, sequence, created_ms and the body as a
+   nested object), the input of the plain job.  ``--data DIR`` keeps them in DIR/N for
+   later runs (10M records: 7 GB archive, 9 GB JSON lines, ~45 min to write on a loaded
+   2-core machine).
 2. Whole process against whole process, same master, same records (best of
-   ``--repeat-jobs``):
-   * ``logjam-relay pipeline stats --input ARCHIVE --output OUT --master M``
+   ``--repeat-jobs``, interleaved):
+   * ``logjam-relay pipeline stats --input ARCHIVE --output OUT --master M --engine E``
    * the plain job (:func:`plain_job`, ~60 lines of PySpark: JSON reader with an explicit
      schema, groupBy, exact ``percentile``, the same apdex/code/severity sums, exceptions
      exploded, a per-device/minute sequence count for loss, topic counts; parsed input
      cached because it feeds four tables) run as ``python bench_pipeline.py --plain-job``.
    The tables are compared: request_stats, exceptions and topics must be equal figure by
-   figure, loss in the columns the plain job has (received, first/last sequence).
-   Target: pipeline >= 1.5x faster.  The first run of the command on a machine writes a
-   class-data archive of its driver JVM (``pipeline/jvmcache.py``; later runs start faster):
-   it is run once before the measured pairs, with its own line.  The CPU seconds of each whole process tree (driver, JVM,
-   Python workers; sampled from /proc) are printed too: other load on a shared machine
-   disturbs them far less than the wall times.
+   figure, loss in the columns the plain job has (received, first/last sequence).  The
+   first run of the command writes a class-data archive of its driver JVM
+   (``pipeline/jvmcache.py``): it is run once before the measured pairs, with its own line.
+   The CPU seconds of each whole process tree (driver, JVM, Python workers; sampled from
+   /proc) are printed too: other load on a shared machine disturbs them far less than the
+   wall times.  Then, over the sizes: the ratio at each size and the fitted cost of each
+   side (intercept + slope per record, wall and CPU); targets: >= 2.5x at 10M, the
+   pipeline's marginal cost per record <= 1/3 of the plain job's.
 3. Scans (``write.format("noop")``, all columns materialised, best of ``--repeat``,
-   interleaved) in one session made by ``make_session``: Parquet (the decoded rows written
-   once by Spark) against ``format("logjam")``, which is the JVM reader there
-   (``pipeline/jvmreader.py``).  Target: data source >= 0.5x of Parquet.  For context, the
-   Python data source (the fallback) and a Python source replaying decoded batches from
-   memory (the ceiling of Spark's Python data source path) are measured too.
+   interleaved) in one session made by ``make_session``, at each size: Parquet (the
+   decoded rows written once by Spark) against ``format("logjam")``, the JVM reader there
+   (``pipeline/jvmreader.py``).  Target: >= 0.9x of Parquet at 10M.  For context (smallest
+   size), the Python data source (the fallback) and a Python source replaying decoded
+   batches from memory (the ceiling of Spark's Python data source path).
 """
 
 from __future__ import annotations
@@ -101,22 +106,6 @@ def plain_job(json_dir: str, out: str, master: str, apdex_ms: float = 500.0) -> 
                      ("topics", top)):
         t_.write.mode("overwrite").partitionBy("date").parquet(os.path.join(out, name))
     spark.stop()
-
-
-def write_json_lines(archive: str, json_dir: str) -> None:
-    """The archive's records as JSON lines (what the plain job reads)."""
-    from logjam_relay.pipeline.decode import decode_segment, list_segments
-    os.makedirs(json_dir, exist_ok=True)
-    for segno, path in list_segments(archive):
-        with open(os.path.join(json_dir, f"{segno:08d}.json"), "w") as fh:
-            for b in decode_segment(path, segno):
-                d = b.to_pydict()
-                for i in range(b.num_rows):
-                    head = {k: d[k][i] for k in ("app", "env", "topic", "device", "sequence",
-                                                 "created_ms", "segment", "record")}
-                    body = d["body"][i] if d["error"][i] is None else None
-                    line = json.dumps(head)[:-1]
-                    fh.write(f'{line}, "body": {body if body is not None else "null"}}}\n')
 
 
 def _replay_source():

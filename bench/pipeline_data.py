@@ -38,7 +38,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-APPS = [("shop", ("production", "staging", "preview"), 30), ("billing", ("production", "staging"), 8),
+APPS = [("shop", ("production", "staging", "preview"), 30),
+        ("billing", ("production", "staging"), 8),
         ("api-gw", ("production",), 25), ("search", ("production", "staging"), 12),
         ("accounts", ("production", "staging"), 9), ("cms", ("production",), 4),
         ("reports", ("production", "staging"), 3)]
@@ -65,7 +66,8 @@ def _streams(rng: random.Random):
     out = []
     for app, envs, weight in APPS:
         n_actions = rng.randint(30, 60)
-        acts = sorted({f"{rng.choice(CONTROLLERS)}#{rng.choice(VERBS)}" for _ in range(n_actions * 2)})
+        acts = sorted({f"{rng.choice(CONTROLLERS)}#{rng.choice(VERBS)}"
+                       for _ in range(n_actions * 2)})
         acts = acts[:n_actions]
         rng.shuffle(acts)                   # popularity (below) not in name order
         for k, env in enumerate(envs):
@@ -124,9 +126,11 @@ class Generator:
                        "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) "
                        "Chrome/119.0 Safari/537.36", "Accept-Language": "de-DE,de;q=0.9,en;q=0.8"}
                 if size > 0.6:
-                    hdr["Cookie"] = "_session_id=" + f"{rng.getrandbits(256):064x}" * rng.randint(1, 3)
+                    sid = f"{rng.getrandbits(256):064x}"
+                    hdr["Cookie"] = "_session_id=" + sid * rng.randint(1, 3)
                 ri = {"method": rng.choice(["GET", "GET", "GET", "POST", "PUT"]),
-                      "url": f"/{a.split('#')[0].lower()}/{rng.randint(1, 99999)}?page={rng.randint(1, 9)}",
+                      "url": f"/{a.split('#')[0].lower()}/{rng.randint(1, 99999)}"
+                             f"?page={rng.randint(1, 9)}",
                       "headers": hdr, "query_parameters": {"page": str(rng.randint(1, 9))}}
                 nl = 1 + int(rng.expovariate(1 / (3 if size < 0.9 else 12)))
                 lines = []
@@ -269,7 +273,8 @@ def write(n: int, out: str, seed: int = 7, segment_bytes: int = 64 << 20,
         fh.close()
     import shutil
     shutil.rmtree(os.path.join(out, "spool"), ignore_errors=True)
-    info = {"generator": VERSION, "requested": n, "records": count, "seed": seed, "body_bytes": body_bytes,
+    info = {"generator": VERSION, "requested": n, "records": count, "seed": seed,
+            "body_bytes": body_bytes,
             "logs_body_min": min_b, "logs_body_max": max_b}
     with open(os.path.join(out, "data.json"), "w") as f:
         json.dump(info, f)

@@ -27,7 +27,8 @@ CREATED = 1_700_006_280_000
 
 #: (body, decided by the JVM?) -- every one also goes through the Python source
 TRICKY = [
-    (b'{"action":"A#b","started_ms":1700006270123,"total_time":12.5,"code":200,"severity":1}', True),
+    (b'{"action":"A#b","started_ms":1700006270123,"total_time":12.5,"code":200,'
+     b'"severity":1}', True),
     (b' \t\r\n{"action" : "A#b" , "total_time" : 1e3 , "code" : 404 }  \n', True),
     (b'{"action":"A#b","action":"C#d","total_time":1,"total_time":2.25}', True),   # last wins
     (b'{"total_time":true,"code":false,"severity":null,"action":1}', True),
@@ -50,7 +51,8 @@ TRICKY = [
     (b'{"started_at":"2024-02-29T00:00:00.000+00:00"}', True),
     (b'{"started_at":17}', True),
     (b'{"started_ms":1.5e12,"started_at":"2023-11-14T23:58:01Z"}', True),
-    (b'{"lines":[[1,2,"quoted \\"text\\" \\u00e9 \\n"]],"action":"Q#r","x":{"y":[{}, [], {"z":[1,2,{"w":null}]}]}}', True),
+    (b'{"lines":[[1,2,"quoted \\"text\\" \\u00e9 \\n"]],"action":"Q#r",'
+     b'"x":{"y":[{}, [], {"z":[1,2,{"w":null}]}]}}', True),
     ('{"action":"Bestellungen#übersicht","exceptions":["Fehler::Ä"]}'.encode(), True),
     (b'{}', True),
     (b'[]', True),                                     # not an object: bad_json
