@@ -118,9 +118,9 @@ final class Extract {
         }
         if (!isFloat) q = intEnd;
         if (isFloat) {
-            vType = T_FLOAT;
-            vDouble = Double.parseDouble(new String(b, start, q - start,
-                java.nio.charset.StandardCharsets.US_ASCII));
+            vType = T_FLOAT;                     // parsed only when kept (floatValue)
+            vOff = start;
+            vLen = q - start;
         } else {
             long acc = 0;
             boolean of = false;
@@ -144,6 +144,12 @@ final class Extract {
         }
         p = q;
         return true;
+    }
+
+    /** the float of the number at b[off, off+len) (Java's parser rounds correctly, as
+     *  Python's float() does) */
+    private double floatValue(int off, int len) {
+        return Double.parseDouble(new String(b, off, len, java.nio.charset.StandardCharsets.US_ASCII));
     }
 
     private boolean lit(String w) {
@@ -235,7 +241,7 @@ final class Extract {
         boolean smOf = false;
         int saType = T_BAD, saOff = 0, saLen = 0;
         boolean saEsc = false;
-        int ttType = T_BAD;
+        int ttType = T_BAD, ttOff = 0, ttLen = 0;
         double ttD = 0;
         boolean ttOf = false;
         int cType = T_BAD;
@@ -292,7 +298,7 @@ final class Extract {
                 } else if (keyIs(kOff, kLen, K_STARTED_AT)) {
                     saType = vType; saOff = vOff; saLen = vLen; saEsc = vEsc;
                 } else if (keyIs(kOff, kLen, K_TOTAL_TIME)) {
-                    ttType = vType; ttD = vDouble; ttOf = vOverflow;
+                    ttType = vType; ttD = vDouble; ttOf = vOverflow; ttOff = vOff; ttLen = vLen;
                 } else if (keyIs(kOff, kLen, K_CODE)) {
                     cType = vType; cInt = vInt; cOf = vOverflow;
                 } else if (keyIs(kOff, kLen, K_SEVERITY)) {
@@ -330,7 +336,7 @@ final class Extract {
         }
         if (ttType == T_FLOAT || ttType == T_INT) {
             if (ttType == T_INT && ttOf) return F_UNDECIDED;
-            totalTime = ttD;
+            totalTime = ttType == T_FLOAT ? floatValue(ttOff, ttLen) : ttD;
             f |= F_TT;
         }
         if (cType == T_INT) {
