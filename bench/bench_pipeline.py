@@ -1,33 +1,38 @@
 """``pipeline stats`` against the plain PySpark job a user would write instead, and the
-data source scan against Spark's Parquet scan, in one run.
+data source scan against Spark's Parquet scan, at several sizes in one run.
 
-    python bench/bench_pipeline.py [--records 1000000] [--master local[2]] [--dir /tmp]
+    python bench/bench_pipeline.py [--records 1000000 10000000] [--master local[2]]
+                                   [--data DIR] [--dir /tmp] [--engine auto|sql|python]
 
-1. ``--records`` synthetic logjam messages (80 % logs, all four compression methods in
-   turn, 2 devices, injected gaps) are appended to a spool as the relay does and archived
-   (64 MiB segments).  The same records are also written as JSON lines (one object per
-   record: app, env, topic, device, sequence, created_ms, segment, record and the body as
-   a nested object), the input of the plain job.
+1. For each size, realistic records (``bench/pipeline_data.py``: 7 apps in 13 app-envs, the
+   logjam agents' body fields, bodies of ~300 B-3.4 KB, mixed compressions, 4 devices with
+   gaps, other topics and heartbeats; deterministic) are archived (64 MiB segments) and
+   written as JSON lines (app, env, topic, device, sequence, created_ms and the body as a
+   nested object), the input of the plain job.  ``--data DIR`` keeps them in DIR/N for
+   later runs (10M records: 7 GB archive, 9 GB JSON lines, ~45 min to write on a loaded
+   2-core machine).
 2. Whole process against whole process, same master, same records (best of
-   ``--repeat-jobs``):
-   * ``logjam-relay pipeline stats --input ARCHIVE --output OUT --master M``
+   ``--repeat-jobs``, interleaved):
+   * ``logjam-relay pipeline stats --input ARCHIVE --output OUT --master M --engine E``
    * the plain job (:func:`plain_job`, ~60 lines of PySpark: JSON reader with an explicit
      schema, groupBy, exact ``percentile``, the same apdex/code/severity sums, exceptions
      exploded, a per-device/minute sequence count for loss, topic counts; parsed input
      cached because it feeds four tables) run as ``python bench_pipeline.py --plain-job``.
    The tables are compared: request_stats, exceptions and topics must be equal figure by
-   figure, loss in the columns the plain job has (received, first/last sequence).
-   Target: pipeline >= 1.5x faster.  The first run of the command on a machine writes a
-   class-data archive of its driver JVM (``pipeline/jvmcache.py``; later runs start faster):
-   it is run once before the measured pairs, with its own line.  The CPU seconds of each whole process tree (driver, JVM,
-   Python workers; sampled from /proc) are printed too: other load on a shared machine
-   disturbs them far less than the wall times.
+   figure, loss in the columns the plain job has (received, first/last sequence).  The
+   first run of the command writes a class-data archive of its driver JVM
+   (``pipeline/jvmcache.py``): it is run once before the measured pairs, with its own line.
+   The CPU seconds of each whole process tree (driver, JVM, Python workers; sampled from
+   /proc) are printed too: other load on a shared machine disturbs them far less than the
+   wall times.  Then, over the sizes: the ratio at each size and the fitted cost of each
+   side (intercept + slope per record, wall and CPU); targets: >= 2.5x at 10M, the
+   pipeline's marginal cost per record <= 1/3 of the plain job's.
 3. Scans (``write.format("noop")``, all columns materialised, best of ``--repeat``,
-   interleaved) in one session made by ``make_session``: Parquet (the decoded rows written
-   once by Spark) against ``format("logjam")``, which is the JVM reader there
-   (``pipeline/jvmreader.py``).  Target: data source >= 0.5x of Parquet.  For context, the
-   Python data source (the fallback) and a Python source replaying decoded batches from
-   memory (the ceiling of Spark's Python data source path) are measured too.
+   interleaved) in one session made by ``make_session``, at each size: Parquet (the
+   decoded rows written once by Spark) against ``format("logjam")``, the JVM reader there
+   (``pipeline/jvmreader.py``).  Target: >= 0.9x of Parquet at 10M.  For context (smallest
+   size), the Python data source (the fallback) and a Python source replaying decoded
+   batches from memory (the ceiling of Spark's Python data source path).
 """
 
 from __future__ import annotations
@@ -101,22 +106,6 @@ def plain_job(json_dir: str, out: str, master: str, apdex_ms: float = 500.0) -> 
                      ("topics", top)):
         t_.write.mode("overwrite").partitionBy("date").parquet(os.path.join(out, name))
     spark.stop()
-
-
-def write_json_lines(archive: str, json_dir: str) -> None:
-    """The archive's records as JSON lines (what the plain job reads)."""
-    from logjam_relay.pipeline.decode import decode_segment, list_segments
-    os.makedirs(json_dir, exist_ok=True)
-    for segno, path in list_segments(archive):
-        with open(os.path.join(json_dir, f"{segno:08d}.json"), "w") as fh:
-            for b in decode_segment(path, segno):
-                d = b.to_pydict()
-                for i in range(b.num_rows):
-                    head = {k: d[k][i] for k in ("app", "env", "topic", "device", "sequence",
-                                                 "created_ms", "segment", "record")}
-                    body = d["body"][i] if d["error"][i] is None else None
-                    line = json.dumps(head)[:-1]
-                    fh.write(f'{line}, "body": {body if body is not None else "null"}}}\n')
 
 
 def _replay_source():
@@ -264,13 +253,154 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     return dt, sum(seen.values())
 
 
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(intercept s, slope s per record) of a least-squares line through (n, seconds)."""
+    k = len(points)
+    mx = sum(n for n, _ in points) / k
+    my = sum(t for _, t in points) / k
+    sxx = sum((n - mx) ** 2 for n, _ in points)
+    slope = sum((n - mx) * (t - my) for n, t in points) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def prepare(n: int, base: str, data: str | None) -> str:
+    """The data directory of ``n`` records (bench/pipeline_data.py): ``data``/N when it was
+    written before with the same figures, else written there (or under ``base``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pipeline_data
+    d = os.path.join(data or base, f"{n}")
+    try:
+        with open(os.path.join(d, "data.json")) as fh:
+            info = json.load(fh)
+        if info.get("generator") == pipeline_data.VERSION and info.get("requested") == n:
+            return d
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(d, ignore_errors=True)
+    t0 = time.perf_counter()
+    pipeline_data.write(n, d)
+    print(f"  (data written in {time.perf_counter() - t0:.1f} s)", flush=True)
+    return d
+
+
+def jobs(n: int, d: str, base: str, a, first: bool) -> dict:
+    """Whole process against whole process at one size; the figures of the best runs."""
+    archive, json_dir = os.path.join(d, "archive"), os.path.join(d, "json")
+    nseg = len([f for f in os.listdir(archive) if f.endswith(".seg")])
+    size = sum(os.path.getsize(os.path.join(archive, f)) for f in os.listdir(archive))
+    jsize = sum(os.path.getsize(os.path.join(json_dir, f)) for f in os.listdir(json_dir))
+    with open(os.path.join(d, "data.json")) as fh:
+        info = json.load(fh)
+    print(f"records: {n}  segments: {nseg}  archive: {size / 1e6:.1f} MB  JSON lines: "
+          f"{jsize / 1e6:.1f} MB  (bodies {info['body_bytes'] / info['records']:.0f} B on "
+          f"average, logs bodies {info['logs_body_min']}-{info['logs_body_max']} B)",
+          flush=True)
+    env = dict(os.environ)
+    exe = os.path.join(os.path.dirname(sys.executable), "logjam-relay")
+    out = os.path.join(base, f"ours-{n}")
+    ours_cmd = ([exe] if os.path.exists(exe) else
+                [sys.executable, "-m", "logjam_relay.cli"]) + [
+        "pipeline", "stats", "--input", archive, "--output", out, "--master", a.master,
+        "-q", "--engine", a.engine]
+    plain_out = os.path.join(base, f"plain-{n}")
+    plain_cmd = [sys.executable, os.path.abspath(__file__), "--master", a.master,
+                 "--plain-job", json_dir, plain_out]
+    t_ours, t_plain, c_ours, c_plain = [], [], [], []
+    load0 = os.getloadavg()[0]
+    # the command keeps a class-data archive of its driver JVM (pipeline/jvmcache.py):
+    # the first run on a machine writes it; measure that run apart, then the usual ones
+    env["XDG_CACHE_HOME"] = os.path.join(base, "cache")
+    if first:
+        w1, c1 = timed(ours_cmd, env)
+        print(f"pipeline stats, first run     : {w1:7.2f} s  (writes the JVM class archive; "
+              f"CPU s: {c1:.1f})", flush=True)
+    for _ in range(a.repeat_jobs):          # interleaved: same machine conditions
+        for cmd, ts, cs in ((plain_cmd, t_plain, c_plain), (ours_cmd, t_ours, c_ours)):
+            w, c = timed(cmd, env)
+            ts.append(w)
+            cs.append(c)
+    tp, to = min(t_plain), min(t_ours)
+    print(f"load average (1 min) before / after the jobs: {load0:.2f} / "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"plain PySpark job (JSON lines): {tp:7.2f} s  {n / tp:12,.0f} rec/s  "
+          f"(runs: {', '.join(f'{x:.2f}' for x in t_plain)}; CPU s: "
+          f"{', '.join(f'{x:.1f}' for x in c_plain)})")
+    print(f"pipeline stats (archive)      : {to:7.2f} s  {n / to:12,.0f} rec/s  "
+          f"(runs: {', '.join(f'{x:.2f}' for x in t_ours)}; CPU s: "
+          f"{', '.join(f'{x:.1f}' for x in c_ours)})")
+    print(f"speed-up pipeline / plain job : {tp / to:.2f}x wall, "
+          f"{min(c_plain) / min(c_ours):.2f}x CPU time (whole process trees; less "
+          f"disturbed by other load than wall time)")
+    problems = compare(out, plain_out)
+    print("tables agree with the plain job" if not problems else
+          "TABLES DIFFER: " + "; ".join(problems[:5]), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(plain_out, ignore_errors=True)
+    return {"n": n, "wall_plain": tp, "wall_ours": to, "cpu_plain": min(c_plain),
+            "cpu_ours": min(c_ours), "problems": problems, "archive": archive, "nseg": nseg}
+
+
+def scans(r: dict, base: str, a, spark, context: bool) -> float:
+    """Scan only: the JVM reader against Parquet (the same rows written by Spark);
+    returns the ratio (logjam rec/s / Parquet rec/s)."""
+    n, archive, nseg = r["n"], r["archive"], r["nseg"]
+    pq = os.path.join(base, f"parquet-{n}")
+    spark.read.format("logjam").load(archive).repartition(nseg) \
+        .write.mode("overwrite").parquet(pq)
+
+    def scan(df) -> float:
+        t = time.perf_counter()
+        df.write.format("noop").mode("overwrite").save()
+        return time.perf_counter() - t
+
+    from logjam_relay.pipeline.jvmreader import loaded
+    reader = "JVM reader" if loaded(spark) else "Python data source (no JVM reader!)"
+    scan(spark.read.parquet(pq))                          # warm up JVM + Python workers
+    scan(spark.read.format("logjam").load(archive))
+    # interleaved repetitions (same machine conditions), best of each
+    t_pq, t_ds = [], []
+    for _ in range(a.repeat):
+        t_pq.append(scan(spark.read.parquet(pq)))
+        t_ds.append(scan(spark.read.format("logjam").load(archive)))
+    t_pq, t_ds = min(t_pq), min(t_ds)
+    r_pq, r_ds = n / t_pq, n / t_ds
+    print(f"scan, {n} records, {spark.sparkContext.defaultParallelism} cores ({a.master}):")
+    print(f"  parquet scan      : {t_pq:7.3f} s  {r_pq:12,.0f} rec/s")
+    print(f"  logjam data source: {t_ds:7.3f} s  {r_ds:12,.0f} rec/s  (format(\"logjam\"): "
+          f"{reader})")
+    print(f"  scan ratio logjam / parquet at {n}: {r_ds / r_pq:.3f}x  (target >= 0.9x)",
+          flush=True)
+    if context and loaded(spark):
+        scan(spark.read.format("logjam_python").load(archive))
+        t_py = min(scan(spark.read.format("logjam_python").load(archive))
+                   for _ in range(a.repeat))
+        print(f"  context: the Python data source (what reads when the JVM reader cannot "
+              f"be built): {t_py:.3f} s, {t_pq / t_py:.3f}x parquet")
+    if context:
+        spark.dataSource.register(_replay_source())
+        scan(spark.read.format("bench_replay").load(archive))     # decodes, fills the cache
+        t_rp = min(scan(spark.read.format("bench_replay").load(archive))
+                   for _ in range(a.repeat))
+        print(f"  context: a Python data source replaying decoded batches from memory (no "
+              f"decoding): {t_rp:.3f} s, {t_pq / t_rp:.3f}x parquet -- the ceiling of "
+              f"Spark's Python data source path here")
+    shutil.rmtree(pq, ignore_errors=True)
+    return r_ds / r_pq
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--records", type=int, nargs="+", default=[1_000_000, 10_000_000],
+                    help="sizes (the per-record costs are fitted over them)")
     ap.add_argument("--master", default="local[2]")
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--data", default=None,
+                    help="keep the generated data here (DATA/N) and reuse it in later runs")
+    ap.add_argument("--engine", default="auto", choices=("auto", "sql", "python"),
+                    help="pipeline stats --engine")
     ap.add_argument("--repeat", type=int, default=3, help="scan repetitions")
     ap.add_argument("--repeat-jobs", type=int, default=2, help="whole-process repetitions")
+    ap.add_argument("--no-scan", action="store_true", help="whole processes only")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--plain-job", nargs=2, metavar=("JSON_DIR", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -278,106 +408,31 @@ def main() -> int:
         plain_job(a.plain_job[0], a.plain_job[1], a.master)
         return 0
 
-    from logjam_relay.pipeline import sample
-
     base = tempfile.mkdtemp(prefix="bench_pipeline_", dir=a.dir)
     try:
-        t0 = time.perf_counter()
-        msgs = sample.make_messages(a.records, malformed=False, gaps=True)
-        archive = os.path.join(base, "archive")
-        sample.write_archive(os.path.join(base, "spool"), archive, msgs,
-                             segment_bytes=64 << 20, batch=1000)
-        del msgs
-        json_dir = os.path.join(base, "json")
-        write_json_lines(archive, json_dir)
-        nseg = len([f for f in os.listdir(archive) if f.endswith(".seg")])
-        size = sum(os.path.getsize(os.path.join(archive, f)) for f in os.listdir(archive))
-        jsize = sum(os.path.getsize(os.path.join(json_dir, f)) for f in os.listdir(json_dir))
-        print(f"records: {a.records}  segments: {nseg}  archive: {size / 1e6:.1f} MB  "
-              f"JSON lines: {jsize / 1e6:.1f} MB  (prepared in {time.perf_counter() - t0:.1f} s)",
-              flush=True)
-
-        env = dict(os.environ)
-        exe = os.path.join(os.path.dirname(sys.executable), "logjam-relay")
-        ours_cmd = ([exe] if os.path.exists(exe) else
-                    [sys.executable, "-m", "logjam_relay.cli"]) + [
-            "pipeline", "stats", "--input", archive, "--output", os.path.join(base, "ours"),
-            "--master", a.master, "-q"]
-        plain_cmd = [sys.executable, os.path.abspath(__file__), "--master", a.master,
-                     "--plain-job", json_dir, os.path.join(base, "plain")]
-        t_ours, t_plain, c_ours, c_plain = [], [], [], []
-        load0 = os.getloadavg()[0]
-        # the command keeps a class-data archive of its driver JVM (pipeline/jvmcache.py):
-        # the first run on a machine writes it; measure that run apart, then the usual ones
-        env["XDG_CACHE_HOME"] = os.path.join(base, "cache")
-        w1, c1 = timed(ours_cmd, env)
-        for _ in range(a.repeat_jobs):          # interleaved: same machine conditions
-            for cmd, ts, cs in ((plain_cmd, t_plain, c_plain), (ours_cmd, t_ours, c_ours)):
-                w, c = timed(cmd, env)
-                ts.append(w)
-                cs.append(c)
-        n = a.records
-        tp, to = min(t_plain), min(t_ours)
-        print(f"load average (1 min) before / after the jobs: {load0:.2f} / "
-              f"{os.getloadavg()[0]:.2f}")
-        print(f"plain PySpark job (JSON lines): {tp:7.2f} s  {n / tp:12,.0f} rec/s  "
-              f"(runs: {', '.join(f'{x:.2f}' for x in t_plain)}; CPU s: "
-              f"{', '.join(f'{x:.1f}' for x in c_plain)})")
-        print(f"pipeline stats (archive)      : {to:7.2f} s  {n / to:12,.0f} rec/s  "
-              f"(runs: {', '.join(f'{x:.2f}' for x in t_ours)}; CPU s: "
-              f"{', '.join(f'{x:.1f}' for x in c_ours)})")
-        print(f"pipeline stats, first run     : {w1:7.2f} s  (writes the JVM class archive; "
-              f"CPU s: {c1:.1f}; {tp / w1:.2f}x the plain job)")
-        print(f"speed-up pipeline / plain job : {tp / to:.2f}x  (target >= 1.5x; every run "
-              f"after the first)")
-        print(f"CPU time plain job / pipeline : {min(c_plain) / min(c_ours):.2f}x  "
-              f"(whole process trees; less disturbed by other load than wall time)")
-        problems = compare(os.path.join(base, "ours"), os.path.join(base, "plain"))
-        print("tables agree with the plain job" if not problems else
-              "TABLES DIFFER: " + "; ".join(problems[:5]), flush=True)
-
-        from logjam_relay.pipeline.cli import make_session
-        spark = make_session(a.master, "bench_pipeline")
-        cores = spark.sparkContext.defaultParallelism
-        pq = os.path.join(base, "parquet")
-        spark.read.format("logjam").load(archive).repartition(nseg) \
-            .write.mode("overwrite").parquet(pq)
-
-        def scan(df) -> float:
-            t = time.perf_counter()
-            df.write.format("noop").mode("overwrite").save()
-            return time.perf_counter() - t
-
-        from logjam_relay.pipeline.jvmreader import loaded
-        reader = "JVM reader" if loaded(spark) else "Python data source (no JVM reader!)"
-        scan(spark.read.parquet(pq))                          # warm up JVM + Python workers
-        scan(spark.read.format("logjam").load(archive))
-        # interleaved repetitions (same machine conditions), best of each
-        t_pq, t_ds = [], []
-        for _ in range(a.repeat):
-            t_pq.append(scan(spark.read.parquet(pq)))
-            t_ds.append(scan(spark.read.format("logjam").load(archive)))
-        t_pq, t_ds = min(t_pq), min(t_ds)
-        r_pq, r_ds = n / t_pq, n / t_ds
-        print(f"cores: {cores} ({a.master})")
-        print(f"parquet scan      : {t_pq:7.3f} s  {r_pq:12,.0f} rec/s")
-        print(f"logjam data source: {t_ds:7.3f} s  {r_ds:12,.0f} rec/s  (format(\"logjam\"): "
-              f"{reader})")
-        print(f"ratio data source / parquet: {r_ds / r_pq:.3f}x  (target >= 0.5x)")
-        if loaded(spark):
-            scan(spark.read.format("logjam_python").load(archive))
-            t_py = min(scan(spark.read.format("logjam_python").load(archive))
-                       for _ in range(a.repeat))
-            print(f"context: the Python data source (what reads when the JVM reader cannot "
-                  f"be built): {t_py:.3f} s, {t_pq / t_py:.3f}x parquet")
-        spark.dataSource.register(_replay_source())
-        scan(spark.read.format("bench_replay").load(archive))     # decodes, fills the cache
-        t_rp = min(scan(spark.read.format("bench_replay").load(archive))
-                   for _ in range(a.repeat))
-        print(f"context: a Python data source replaying decoded batches from memory (no "
-              f"decoding): {t_rp:.3f} s, {t_pq / t_rp:.3f}x parquet -- the ceiling of "
-              f"Spark's Python data source path here")
-        spark.stop()
+        results = []
+        for k, n in enumerate(sorted(set(a.records))):
+            d = prepare(n, base, a.data)
+            results.append(jobs(n, d, base, a, first=k == 0))
+        print()
+        for r in results:
+            print(f"at {r['n']:>10,} records: pipeline {r['wall_ours']:7.2f} s, plain job "
+                  f"{r['wall_plain']:7.2f} s: plain / pipeline {r['wall_plain'] / r['wall_ours']:.2f}x"
+                  f" wall, {r['cpu_plain'] / r['cpu_ours']:.2f}x CPU  (target >= 2.5x at 10M)")
+        if len(results) > 1:
+            for what in ("wall", "cpu"):
+                fo = fit([(r["n"], r[f"{what}_ours"]) for r in results])
+                fp = fit([(r["n"], r[f"{what}_plain"]) for r in results])
+                print(f"fitted {what:4}: pipeline {fo[0]:6.2f} s + {fo[1] * 1e6:5.2f} us/record;"
+                      f" plain job {fp[0]:6.2f} s + {fp[1] * 1e6:5.2f} us/record; marginal "
+                      f"cost pipeline / plain {fo[1] / fp[1]:.2f} (target <= 0.33)")
+        problems = [p for r in results for p in r["problems"]]
+        if not a.no_scan:
+            from logjam_relay.pipeline.cli import make_session
+            spark = make_session(a.master, "bench_pipeline")
+            for k, r in enumerate(results):
+                scans(r, base, a, spark, context=k == 0)
+            spark.stop()
         return 0 if not problems else 1
     finally:
         if not a.keep:

@@ -188,6 +188,12 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--report", metavar="FILE.html",
                     help="then write the report of the tables (as `pipeline report`); "
                          "batch runs and --stream --available-now")
+    st.add_argument("--engine", choices=("auto", "sql", "python"), default="python",
+                    help="batch runs: python (default) = Python tasks decode and "
+                         "pre-aggregate (mapInArrow); sql = the JVM reader extracts the "
+                         "request fields and one Spark SQL aggregation makes the tables "
+                         "(same tables; not yet shown faster, see docs/pipeline.md); "
+                         "auto = sql when the JVM reader is available, else python")
     st.add_argument("-q", "--quiet", action="store_true", help="only the summary")
     rp = sub.add_parser("report", help="one self-contained HTML file of charts from the "
                                        "tables of `pipeline stats` (no Spark needed)")
@@ -265,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         not os.environ.get("PYSPARK_GATEWAY_PORT") and SparkContext._gateway is None
     if master is None and launching:
         master = "local[*]"
-    if not a.stream and master is not None and _is_local(master):
-        # a batch run in one short-lived JVM: its C2 JIT compiler threads cost more CPU than
-        # the optimised code saves (measured: ~40 % less JVM CPU time for 1M records);
-        # `--conf spark.driver.extraJavaOptions=` (empty) gives the JVM's default back
+    if not a.stream and a.engine == "python" and master is not None and _is_local(master):
+        # the python engine in one short-lived JVM: its C2 JIT compiler threads cost more
+        # CPU than the optimised code saves (measured: ~40 % less JVM CPU time for 1M
+        # records); the sql engine decodes and parses every body on the JVM, where C2 pays
+        # off.  `--conf spark.driver.extraJavaOptions=` (empty) gives the JVM's default back
         conf.setdefault("spark.driver.extraJavaOptions", C1_ONLY)
     if not a.stream:
         # one fixed, small plan (the partial rows are merged in one aggregation): adaptive
@@ -290,10 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"starting Spark ({master or 'from spark-submit'})")
     ship = {"auto": None, "always": True, "never": False}[a.ship_package]
     try:
-        # streaming reads through the Python data source (the JVM reader does batch scans,
-        # and the batch run reads slices itself): no JVM reader jar needed here
+        # streaming reads through the Python data source; a batch run reads through the
+        # JVM reader (engine sql) unless told otherwise
         spark = make_session(master, extra_conf=conf, ship=ship, datasource=a.stream,
-                             jvm_reader=False)
+                             jvm_reader=not a.stream and a.engine != "python")
     except JavaNotFound as e:
         progress.close()
         print(f"logjam-relay pipeline: {e}", file=sys.stderr)
@@ -308,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                            interval=f"{max(interval, 0.1)} seconds",
                            max_records_per_trigger=a.max_records_per_trigger, log=log)
         else:
-            s = run_batch(spark, a.input, a.output, a.apdex_ms, log=log)
+            s = run_batch(spark, a.input, a.output, a.apdex_ms, log=log,
+                          engine=None if a.engine == "auto" else a.engine)
     except Exception as e:
         progress.close()
         msg = str(e)

@@ -42,6 +42,8 @@ SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jvm")
 PROVIDER = "logjamrelay.spark.LogjamProvider"
 OLD_JAR_SECONDS = 7 * 86400     # another version's jar unused this long is removed
 SERVICES = "META-INF/services/org.apache.spark.sql.sources.DataSourceRegister"
+#: the largest segment file the JVM reader reads (Constants.MAX_ARRAY: one Java array)
+MAX_SEGMENT_BYTES = (1 << 31) - 1 - 64
 _COMPILER = "org.codehaus.commons.compiler.samples.CompilerDemo"
 
 

@@ -28,6 +28,9 @@ DEFAULT_APDEX_MS = 500.0
 SCAN_DDL = ("app string, env string, topic string, created_ms long, error string, "
             "action string, started_ms long, total_time double, code int, severity int, "
             "exceptions array<string>, bad_json boolean")
+#: the batch scan of the SQL engine (the JVM reader extracts the request fields; rows it
+#: leaves to the Python definitions are flagged ``undecided``)
+JVM_SCAN_DDL = SCAN_DDL + ", undecided boolean"
 #: the loss scan: meta frames only (bodies are not even decompressed)
 LOSS_DDL = "device long, sequence long, created_ms long, segment long, record int"
 #: what the streaming mode keeps in OUT/_records: both of the above
@@ -53,11 +56,13 @@ def _with_minute(df, ms_col: str):
     return df.withColumn("minute", ts).withColumn("date", F.to_date(ts))
 
 
-def aggregate(df, apdex_ms: float = DEFAULT_APDEX_MS):
+def aggregate(df, apdex_ms: float = DEFAULT_APDEX_MS, undecided: bool = False):
     """One pass over scanned rows (:data:`SCAN_DDL` columns) -> one small DataFrame holding
     the groups of request_stats and topics (each row is exactly one item: a request, a
     topic count, or "other" for the summary), with the exception names of each request
-    group collected, and the input summary counters: a single hash aggregation."""
+    group collected, and the input summary counters: a single hash aggregation.
+    ``undecided``: the rows have the JVM reader's ``undecided`` column (:data:`JVM_SCAN_DDL`),
+    counted in ``_undecided``."""
     from pyspark.sql import functions as F
     is_logs = F.coalesce(F.col("topic").startswith("logs"), F.lit(False))
     valid = is_logs & F.col("error").isNull() & ~F.coalesce(F.col("bad_json"), F.lit(False))
@@ -78,7 +83,8 @@ def aggregate(df, apdex_ms: float = DEFAULT_APDEX_MS):
         F.when(valid, F.col("severity")).alias("severity"),
         F.when(valid, F.array_compact(F.col("exceptions"))).alias("exceptions"),
         F.col("error"),
-        F.coalesce(F.col("bad_json"), F.lit(False)).alias("bad_json"))
+        F.coalesce(F.col("bad_json"), F.lit(False)).alias("bad_json"),
+        *([F.col("undecided")] if undecided else []))
     tt = F.col("tt")
     t = float(apdex_ms)
 
@@ -103,6 +109,7 @@ def aggregate(df, apdex_ms: float = DEFAULT_APDEX_MS):
         count_if(F.coalesce(F.col("error").startswith("corrupt"), F.lit(False)))
         .alias("_corrupt"),
         count_if(F.col("bad_json")).alias("_bad_json"),
+        *([count_if(F.col("undecided")).alias("_undecided")] if undecided else []),
     ]
     return x.groupBy("kind", "minute_ms", "app", "env", "name").agg(*aggs)
 
@@ -152,15 +159,17 @@ def loss_table(spark, state, minutes_by_device=None):
 def _percentile_of_sorted(v, n, q: float):
     """Spark's exact ``percentile`` (linear interpolation) of the ascending array ``v`` of
     ``n`` values, as a column expression, with the same double arithmetic as
-    ``Percentile.getPercentile``: position (n-1)*q, lower/higher = floor/ceil, and
-    ``(higher - pos) * v[lower] + (pos - lower) * v[higher]`` unless they coincide."""
+    ``PercentileBase.getPercentile`` (Spark 4.x) and ``reference._percentile``: position
+    (n-1)*q, lower/higher = floor/ceil, and ``v[lower] + (pos - lower) * (v[higher] -
+    v[lower])`` unless they coincide (the sql engine's ``percentile`` gives the same bits;
+    ``tests/test_pipeline_sql.py`` compares them)."""
     from pyspark.sql import functions as F
     pos = (n - F.lit(1)).cast("double") * F.lit(q)
     lo, hi = F.floor(pos), F.ceil(pos)
     a, b = F.element_at(v, (lo + 1).cast("int")), F.element_at(v, (hi + 1).cast("int"))
     return F.when(n == 0, F.lit(None).cast("double")) \
         .when((lo == hi) | (a == b), a) \
-        .otherwise((hi.cast("double") - pos) * a + (pos - lo.cast("double")) * b)
+        .otherwise(a + (pos - lo.cast("double")) * (b - a))
 
 
 def merge_partials(partial):
@@ -227,19 +236,38 @@ def partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
     return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, PARTIAL_DDL)
 
 
-def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
-    """(tables, summary, agg) of an archive directory.  The Python tasks decode slices of
-    the segments and group every decoded batch themselves (aggregate pushdown,
-    :mod:`.partial`: the request fields extracted in C, grouped by Arrow, no body, one row
-    per group to the JVM); Spark merges the partial rows into the request, exception and
-    topic tables in one small aggregation.  Meanwhile a driver thread walks the segments'
-    meta frames in number order (no decompression) for the loss table, which is sequential
-    per device by definition (:mod:`.loss`)."""
+ENGINES = ("sql", "python")
+
+
+def choose_engine(spark, input_dir: str) -> tuple[str, str]:
+    """(engine, why) of a batch run -- the one place that picks it.
+
+    * ``sql``: the JVM reader (:mod:`.jvmreader`) decodes the segments and extracts the
+      request fields into columnar batches; one Spark SQL aggregation (:func:`aggregate`)
+      makes the tables; no Python on the per-record path.
+    * ``python``: Python tasks (``mapInArrow``) decode slices and pre-aggregate each batch
+      (:mod:`.partial`); Spark merges the partial rows.  Used when the session's JVM cannot
+      load the reader (no jar, Spark Connect) or a segment is too big for it."""
+    from .jvmreader import MAX_SEGMENT_BYTES, loaded
+    if not loaded(spark):
+        return "python", "the JVM reader is not loaded in this session"
+    from .decode import list_segments
+    for _segno, path in list_segments(input_dir):
+        try:
+            if os.path.getsize(path) > MAX_SEGMENT_BYTES:
+                return "python", f"{path} is too big for the JVM reader"
+        except OSError:
+            pass                        # the reader reports it as a row
+    return "sql", "JVM reader"
+
+
+def _loss_walk(input_dir: str):
+    """Start the driver thread that walks the segments' meta frames in number order (no
+    decompression) for the loss table; returns (state, join): ``join()`` waits for it and
+    gives what it raised (or None)."""
     import threading
 
     from .loss import LossState
-    src = partial_frame(spark, input_dir, apdex_ms)
-    agg = merge_partials(src).persist()
     state = LossState()
     failed: list[BaseException] = []
 
@@ -251,16 +279,109 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
 
     th = threading.Thread(target=walk, name="loss-walk", daemon=True)
     th.start()
+
+    def join() -> BaseException | None:
+        th.join()
+        return failed[0] if failed else None
+    return state, join
+
+
+def _finish(spark, tables: dict, summary: dict, state) -> None:
+    tables["loss"] = loss_table(spark, state)
+    summary["counts"]["loss"] = sum(len(d.rows) for d in state.devices.values())
+
+
+def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
+                   engine: str | None = None):
+    """(tables, summary, agg) of an archive directory; ``summary["engine"]`` names the
+    engine that made them (:func:`choose_engine` when ``engine`` is None).  Meanwhile a
+    driver thread walks the segments' meta frames in number order (no decompression) for
+    the loss table, which is sequential per device by definition (:mod:`.loss`)."""
+    if engine is None:
+        engine, _why = choose_engine(spark, input_dir)
+    elif engine == "sql":
+        can, why = choose_engine(spark, input_dir)
+        if can != "sql":
+            raise ValueError(f"engine sql: {why}")
+    if engine == "sql":
+        got = compute_tables_sql(spark, input_dir, apdex_ms)
+        if got is not None:
+            return got
+        engine = "python"
+    if engine != "python":
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    return compute_tables_python(spark, input_dir, apdex_ms)
+
+
+def summary_of_agg(agg) -> dict:
+    """:func:`summary_of_merged` for :func:`aggregate`'s result (with ``_undecided``): the
+    exceptions table's rows are the distinct exception names of each request group."""
+    from pyspark.sql import functions as F
+    req = F.col("kind") == K_REQUEST
+    r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json",
+                                               "_undecided")),
+                F.count(F.when(req, 1)).alias("request_stats"),
+                F.sum(F.when(req, F.size(F.array_distinct("_exceptions")))).alias("exceptions"),
+                F.count(F.when(F.col("kind") == K_TOPIC, 1)).alias("topics")).collect()[0]
+    return {"rows_in": r["_rows"] or 0, "bad_records": r["_bad"] or 0,
+            "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0,
+            "undecided": r["_undecided"] or 0,
+            "counts": {n: r[n] or 0 for n in ("request_stats", "exceptions", "topics")}}
+
+
+def sql_frame(spark, input_dir: str):
+    """The JVM reader's scan of the SQL engine (:data:`JVM_SCAN_DDL`)."""
+    return spark.read.format("logjam").schema(JVM_SCAN_DDL).load(input_dir)
+
+
+def compute_tables_sql(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+    """The ``sql`` engine: the JVM reader's columnar batches (request fields extracted on
+    the JVM, :data:`JVM_SCAN_DDL`) into :func:`aggregate`, one hash aggregation, then
+    :func:`split`.  None when some ``logs`` bodies need the Python definitions of the
+    fields (``undecided``: escapes in the strings kept, another ISO form of
+    ``started_at``, NaN, integers beyond 64 bits, very deep nesting): the caller then runs
+    the ``python`` engine, which decides every body."""
+    import logging
+    agg = aggregate(sql_frame(spark, input_dir), apdex_ms, undecided=True).persist()
+    state, join = _loss_walk(input_dir)
+    try:
+        summary = summary_of_agg(agg)     # runs the Spark job
+    finally:
+        failed = join()
+    if failed:
+        agg.unpersist()
+        raise failed
+    n = summary.pop("undecided")
+    if n:
+        agg.unpersist()
+        logging.getLogger("logjam_relay.pipeline.stats").warning(
+            "%d logs bodies need Python's JSON rules; the Python engine reads the archive", n)
+        return None
+    summary["engine"] = "sql"
+    tables = split(agg)
+    _finish(spark, tables, summary, state)
+    return tables, summary, agg
+
+
+def compute_tables_python(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+    """The ``python`` engine: the Python tasks decode slices of the segments and group
+    every decoded batch themselves (aggregate pushdown, :mod:`.partial`: the request fields
+    extracted in C, grouped by Arrow, no body, one row per group to the JVM); Spark merges
+    the partial rows into the request, exception and topic tables in one small
+    aggregation."""
+    src = partial_frame(spark, input_dir, apdex_ms)
+    agg = merge_partials(src).persist()
+    state, join = _loss_walk(input_dir)
     try:
         summary = summary_of_merged(agg)    # runs the Spark job
     finally:
-        th.join()
+        failed = join()
     if failed:
         agg.unpersist()
-        raise failed[0]
+        raise failed
+    summary["engine"] = "python"
     tables = split_merged(agg)
-    tables["loss"] = loss_table(spark, state)
-    summary["counts"]["loss"] = sum(len(d.rows) for d in state.devices.values())
+    _finish(spark, tables, summary, state)
     return tables, summary, agg
 
 
@@ -313,13 +434,20 @@ def _write_tables(tables: dict, output: str, dates=None, log=print,
 
 
 def run_batch(spark, input_dir: str, output: str, apdex_ms: float = DEFAULT_APDEX_MS,
-              log=print, compute=None) -> dict:
-    """Read the archive, write the four tables (dynamic partition overwrite by date).
-    ``compute``: what makes (tables, summary, agg) instead of :func:`compute_tables`
-    (Spark Connect: :func:`.connect.compute_tables`)."""
+              log=print, engine: str | None = None, compute=None) -> dict:
+    """Read the archive, write the four tables (dynamic partition overwrite by date);
+    ``engine``: :data:`ENGINES` (default: :func:`choose_engine`).  ``compute``: what
+    makes (tables, summary, agg) instead of :func:`compute_tables` (Spark Connect:
+    :func:`.connect.compute_tables`)."""
     t0 = time.perf_counter()
     configure(spark, datasource=False)
-    tables, summary, agg = (compute or compute_tables)(spark, input_dir, apdex_ms)
+    if compute is not None:
+        tables, summary, agg = compute(spark, input_dir, apdex_ms)
+    else:
+        if engine is None:
+            engine, why = choose_engine(spark, input_dir)
+            log(f"engine {engine} ({why})")
+        tables, summary, agg = compute_tables(spark, input_dir, apdex_ms, engine)
     log(f"read {summary['rows_in']} records ({summary['bad_records']} undecodable, "
         f"{summary['corrupt_segments']} corrupt segment regions, {summary['bad_json']} "
         f"logs bodies not JSON) and aggregated them in {time.perf_counter() - t0:.1f} s")

@@ -24,7 +24,17 @@ final class LogjamScanBuilder implements SupportsPushDownRequiredColumns {
     public Scan build() {
         // a schema naming columns this reader does not produce (the request fields
         // extracted from bodies): the Python source reads it all
-        if (LogjamTable.codes(table.schema()) == null) return table.pythonScan(options);
+        int[] codes = LogjamTable.codes(table.schema());
+        if (codes == null) return table.pythonScan(options);
+        // the request fields: here only for a caller that takes the "undecided" column too
+        // (the rows whose fields Extract leaves to the Python definitions); without it the
+        // Python source extracts every row itself
+        boolean fields = false, undecided = false;
+        for (int i = 0; i < codes.length; i++) {
+            fields |= codes[i] >= SegmentDecoder.ACTION;
+            undecided |= codes[i] == SegmentDecoder.UNDECIDED;
+        }
+        if (fields && !undecided) return table.pythonScan(options);
         // a segment too big for one Java array (over 2 GiB: spool_segment_bytes has no
         // upper bound): the Python source reads the whole scan
         long limit = LogjamScan.intOption(options, "jvmMaxSegmentBytes", Constants.MAX_ARRAY);

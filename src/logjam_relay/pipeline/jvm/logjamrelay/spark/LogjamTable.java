@@ -20,14 +20,21 @@ import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
 /** The archive directory as a table; see {@link LogjamProvider}. */
 final class LogjamTable implements SupportsRead {
+    /** the default schema: the first 11 of SegmentDecoder.COLUMNS */
     static final StructType SCHEMA;
+    /** the type of every column this reader produces (SegmentDecoder.COLUMNS) */
+    static final DataType[] TYPES = {DataTypes.StringType, DataTypes.StringType,
+        DataTypes.StringType, DataTypes.LongType, DataTypes.LongType, DataTypes.LongType,
+        DataTypes.StringType, DataTypes.StringType, DataTypes.StringType, DataTypes.LongType,
+        DataTypes.IntegerType,
+        // the request fields (extract.EXTRACT_DDL) and "undecided"
+        DataTypes.StringType, DataTypes.LongType, DataTypes.DoubleType, DataTypes.IntegerType,
+        DataTypes.IntegerType, DataTypes.createArrayType(DataTypes.StringType, true),
+        DataTypes.BooleanType, DataTypes.BooleanType};
     static {
-        DataType[] types = {DataTypes.StringType, DataTypes.StringType, DataTypes.StringType,
-            DataTypes.LongType, DataTypes.LongType, DataTypes.LongType, DataTypes.StringType,
-            DataTypes.StringType, DataTypes.StringType, DataTypes.LongType, DataTypes.IntegerType};
-        StructField[] f = new StructField[types.length];
-        for (int i = 0; i < types.length; i++)
-            f[i] = DataTypes.createStructField(SegmentDecoder.COLUMNS[i], types[i], true);
+        StructField[] f = new StructField[11];
+        for (int i = 0; i < f.length; i++)
+            f[i] = DataTypes.createStructField(SegmentDecoder.COLUMNS[i], TYPES[i], true);
         SCHEMA = DataTypes.createStructType(f);
     }
 
@@ -65,7 +72,7 @@ final class LogjamTable implements SupportsRead {
             int c = -1;
             for (int k = 0; k < SegmentDecoder.COLUMNS.length; k++)
                 if (SegmentDecoder.COLUMNS[k].equals(f[i].name())) c = k;
-            if (c < 0 || !SCHEMA.fields()[c].dataType().equals(f[i].dataType())) return null;
+            if (c < 0 || !TYPES[c].equals(f[i].dataType())) return null;
             out[i] = c;
         }
         return out;

@@ -18,9 +18,15 @@ import org.apache.spark.sql.execution.vectorized.WritableColumnVector;
  */
 final class SegmentDecoder {
     static final String[] COLUMNS = {"app", "env", "topic", "device", "sequence", "created_ms",
-        "compression", "body", "error", "segment", "record"};
+        "compression", "body", "error", "segment", "record",
+        // the request fields of logs bodies (extract.py; Extract.java), and whether a row's
+        // fields were left to the Python definitions (then all six are null here)
+        "action", "started_ms", "total_time", "code", "severity", "exceptions", "bad_json",
+        "undecided"};
     static final int APP = 0, ENV = 1, TOPIC = 2, DEVICE = 3, SEQUENCE = 4, CREATED = 5,
-        COMPRESSION = 6, BODY = 7, ERROR = 8, SEGMENT = 9, RECORD = 10;
+        COMPRESSION = 6, BODY = 7, ERROR = 8, SEGMENT = 9, RECORD = 10, ACTION = 11,
+        STARTED = 12, TOTAL_TIME = 13, CODE = 14, SEVERITY = 15, EXCEPTIONS = 16,
+        BAD_JSON = 17, UNDECIDED = 18;
 
     private static final byte[][] COMP_NAMES = new byte[256][];
     private static final byte[] E_META = ascii("meta"), E_FRAMES = ascii("frames"),
@@ -39,6 +45,8 @@ final class SegmentDecoder {
     private final boolean decode;                // body or error asked for
     private final boolean metaCols;
     private final boolean pairCols;
+    private final boolean fieldCols;             // any of ACTION..UNDECIDED asked for
+    private final Extract extract = new Extract();
     private final Bodies bodies = new Bodies();
     private final CRC32 crc = new CRC32();
 
@@ -61,6 +69,7 @@ final class SegmentDecoder {
         final int la;
         final int hash;
         final byte[] app, env, topic;
+        final boolean logs;                      // the topic's bytes start with "logs"
 
         Pair(byte[] key, int la, int hash) {
             this.key = key;
@@ -73,6 +82,8 @@ final class SegmentDecoder {
             this.app = a.getBytes(StandardCharsets.UTF_8);
             this.env = e.getBytes(StandardCharsets.UTF_8);
             this.topic = PyText.pyDecode(key, la, key.length - la).getBytes(StandardCharsets.UTF_8);
+            this.logs = key.length - la >= 4 && key[la] == 'l' && key[la + 1] == 'o'
+                && key[la + 2] == 'g' && key[la + 3] == 's';
         }
     }
 
@@ -82,10 +93,13 @@ final class SegmentDecoder {
         this.start = start;
         this.stop = stop < 0 ? Long.MAX_VALUE : stop;
         this.v = vectors;
-        this.decode = v[BODY] != null || v[ERROR] != null;
+        boolean fields = false;
+        for (int c = ACTION; c <= UNDECIDED; c++) fields |= v[c] != null;
+        this.fieldCols = fields;
+        this.decode = v[BODY] != null || v[ERROR] != null || fields;
         this.metaCols = v[DEVICE] != null || v[SEQUENCE] != null || v[CREATED] != null
             || v[COMPRESSION] != null;
-        this.pairCols = v[APP] != null || v[ENV] != null || v[TOPIC] != null;
+        this.pairCols = v[APP] != null || v[ENV] != null || v[TOPIC] != null || fields;
     }
 
     static byte[] ascii(String s) {
@@ -184,6 +198,7 @@ final class SegmentDecoder {
         if (v[ERROR] != null) putBytes(ERROR, row, ascii(pending));
         if (v[SEGMENT] != null) { v[SEGMENT].putNotNull(row); v[SEGMENT].putLong(row, segno); }
         if (v[RECORD] != null) { v[RECORD].putNotNull(row); v[RECORD].putInt(row, (int) pendingRecord); }
+        if (fieldCols) noFields(row);
         pending = null;
         return row + 1;
     }
@@ -268,12 +283,59 @@ final class SegmentDecoder {
         if (v[RECORD] != null) v[RECORD].putInt(row, (int) idx);
     }
 
-    private void pairRow(int row, byte[] b, int p, int la, int lt) {
-        if (!pairCols) return;
+    private Pair pairRow(int row, byte[] b, int p, int la, int lt) {
+        if (!pairCols) return null;
         Pair pr = pair(b, p, la, lt);
         if (v[APP] != null) v[APP].putByteArray(row, pr.app, 0, pr.app.length);
         if (v[ENV] != null) v[ENV].putByteArray(row, pr.env, 0, pr.env.length);
         if (v[TOPIC] != null) v[TOPIC].putByteArray(row, pr.topic, 0, pr.topic.length);
+        return pr;
+    }
+
+    /** the request fields of a row that has none (not logs, not decoded) */
+    private void noFields(int row) {
+        for (int c = ACTION; c <= EXCEPTIONS; c++) if (v[c] != null) v[c].putNull(row);
+        if (v[BAD_JSON] != null) { v[BAD_JSON].putNotNull(row); v[BAD_JSON].putBoolean(row, false); }
+        if (v[UNDECIDED] != null) { v[UNDECIDED].putNotNull(row); v[UNDECIDED].putBoolean(row, false); }
+    }
+
+    /** the request fields of a logs body src[off, off+len) (valid UTF-8) */
+    private void fields(int row, byte[] src, int off, int len) {
+        Extract x = extract;
+        int f = x.run(src, off, len);
+        if (v[ACTION] != null) {
+            if ((f & Extract.F_ACTION) != 0) v[ACTION].putByteArray(row, src, x.actionOff, x.actionLen);
+            else v[ACTION].putNull(row);
+        }
+        if (v[STARTED] != null) {
+            if ((f & Extract.F_STARTED) != 0) v[STARTED].putLong(row, x.started);
+            else v[STARTED].putNull(row);
+        }
+        if (v[TOTAL_TIME] != null) {
+            if ((f & Extract.F_TT) != 0) v[TOTAL_TIME].putDouble(row, x.totalTime);
+            else v[TOTAL_TIME].putNull(row);
+        }
+        if (v[CODE] != null) {
+            if ((f & Extract.F_CODE) != 0) v[CODE].putInt(row, x.code);
+            else v[CODE].putNull(row);
+        }
+        if (v[SEVERITY] != null) {
+            if ((f & Extract.F_SEV) != 0) v[SEVERITY].putInt(row, x.severity);
+            else v[SEVERITY].putNull(row);
+        }
+        if (v[EXCEPTIONS] != null) {
+            if ((f & Extract.F_EXC) != 0) {
+                WritableColumnVector e = v[EXCEPTIONS];
+                WritableColumnVector child = e.arrayData();
+                int first = child.getElementsAppended();
+                for (int k = 0; k < x.excN; k++) child.appendByteArray(src, x.excOff[k], x.excLen[k]);
+                e.putArray(row, first, x.excN);
+            } else {
+                v[EXCEPTIONS].putNull(row);
+            }
+        }
+        if (v[BAD_JSON] != null) v[BAD_JSON].putBoolean(row, (f & Extract.F_BAD) != 0);
+        if (v[UNDECIDED] != null) v[UNDECIDED].putBoolean(row, (f & Extract.F_UNDECIDED) != 0);
     }
 
     private void nullMeta(int row) {
@@ -289,11 +351,14 @@ final class SegmentDecoder {
         nullMeta(row);
         if (v[BODY] != null) v[BODY].putNull(row);
         if (v[ERROR] != null) v[ERROR].putByteArray(row, E_FRAMES, 0, E_FRAMES.length);
+        if (fieldCols) noFields(row);
     }
 
     private void logjamRow(int row, byte[] b, int p, int la, int lt, int r, int lb, int s, int lm) {
         common(row);
-        pairRow(row, b, p, la, lt);
+        Pair pr = pairRow(row, b, p, la, lt);
+        boolean want = fieldCols && pr.logs;
+        if (fieldCols && !want) noFields(row);
         int comp = -1;
         if (lm == 24 && b[s + 3] == 1 && ((b[s] == (byte) 0xCA && b[s + 1] == (byte) 0xBD)
                 || (b[s] == (byte) 0xBD && b[s + 1] == (byte) 0xCA)))
@@ -302,6 +367,7 @@ final class SegmentDecoder {
             nullMeta(row);
             if (v[BODY] != null) v[BODY].putNull(row);
             if (v[ERROR] != null) v[ERROR].putByteArray(row, E_META, 0, E_META.length);
+            if (want) noFields(row);
             return;
         }
         if (metaCols) {
@@ -327,15 +393,18 @@ final class SegmentDecoder {
         } else {
             if (v[BODY] != null) v[BODY].putNull(row);
             if (v[ERROR] != null) v[ERROR].putByteArray(row, E_DECOMPRESS, 0, E_DECOMPRESS.length);
+            if (want) noFields(row);
             return;
         }
         if (!Bodies.utf8(src, off, len)) {
             if (v[BODY] != null) v[BODY].putNull(row);
             if (v[ERROR] != null) v[ERROR].putByteArray(row, E_UTF8, 0, E_UTF8.length);
+            if (want) noFields(row);
             return;
         }
         if (v[BODY] != null) v[BODY].putByteArray(row, src, off, len);
         if (v[ERROR] != null) v[ERROR].putNull(row);
+        if (want) fields(row, src, off, len);
     }
 
     private Pair pair(byte[] b, int p, int la, int lt) {

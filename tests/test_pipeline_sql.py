@@ -1,0 +1,234 @@
+"""The ``sql`` engine of ``pipeline stats``: the JVM reader extracts the request fields
+(Extract.java, IsoTime.java) and one Spark SQL aggregation makes the tables.
+
+* the extracted columns equal the Python data source's (json.loads semantics) on every row
+  the JVM decides, on bodies chosen to break a JSON walk; the rows it leaves to Python are
+  exactly the expected ones;
+* the tables equal the ``python`` engine's (mapInArrow + partial aggregation) figure for
+  figure, exact percentiles included;
+* an archive with a body only Python decides runs the ``python`` engine.
+Real Spark local mode, one session, small archives.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("pyspark")
+
+from logjam_relay.pipeline import jvmreader, sample, stats  # noqa: E402
+from logjam_relay.protocols.logjam import compress  # noqa: E402
+
+CREATED = 1_700_006_280_000
+
+#: (body, decided by the JVM?) -- every one also goes through the Python source
+TRICKY = [
+    (b'{"action":"A#b","started_ms":1700006270123,"total_time":12.5,"code":200,'
+     b'"severity":1}', True),
+    (b' \t\r\n{"action" : "A#b" , "total_time" : 1e3 , "code" : 404 }  \n', True),
+    (b'{"action":"A#b","action":"C#d","total_time":1,"total_time":2.25}', True),   # last wins
+    (b'{"total_time":true,"code":false,"severity":null,"action":1}', True),
+    (b'{"total_time":"12","code":"200","action":["x"]}', True),
+    (b'{"code":2147483648,"severity":-2147483648,"total_time":-0.0}', True),
+    (b'{"code":9223372036854775807,"started_ms":-9223372036854775808}', True),
+    (b'{"total_time":1E-7,"code":0,"severity":-0}', True),
+    (b'{"total_time":123456789012345678,"started_ms":0}', True),
+    (b'{"total_time":1.7976931348623157e308}', True),
+    (b'{"total_time":2.5e400}', True),                                  # inf, as Python
+    (b'{"exceptions":["A::B",1,null,"C",{"x":"y"},["D"]],"action":"X#y"}', True),
+    (b'{"exceptions":[],"exceptions":["E"]}', True),
+    (b'{"exceptions":["E"],"exceptions":"no list"}', True),
+    (b'{"exceptions":["E"],"exceptions":null}', True),
+    (b'{"exceptions":{"a":"b"}}', True),
+    (b'{"started_at":"2023-11-14T23:58:01.5+02:00","started_ms":"x"}', True),
+    (b'{"started_at":"2023-11-14T23:58:01Z"}', True),
+    (b'{"started_at":"2023-11-14 23:58:01.123"}', True),
+    (b'{"started_at":"2023-11-14T23:58:01.12-05:30"}', True),
+    (b'{"started_at":"2024-02-29T00:00:00.000+00:00"}', True),
+    (b'{"started_at":17}', True),
+    (b'{"started_ms":1.5e12,"started_at":"2023-11-14T23:58:01Z"}', True),
+    (b'{"lines":[[1,2,"quoted \\"text\\" \\u00e9 \\n"]],"action":"Q#r",'
+     b'"x":{"y":[{}, [], {"z":[1,2,{"w":null}]}]}}', True),
+    ('{"action":"Bestellungen#übersicht","exceptions":["Fehler::Ä"]}'.encode(), True),
+    (b'{}', True),
+    (b'[]', True),                                     # not an object: bad_json
+    (b'"text"', True),
+    (b'17', True),
+    (b'{"action":"A#b"', True),                        # truncated
+    (b'{"action":"A#b"} x', True),                     # extra data
+    (b'{"action":"A#b",}', True),                      # trailing comma
+    (b'{"total_time":1.}', True),
+    (b'{"total_time":01}', True),
+    (b'{"total_time":.5}', True),
+    (b'{"action":"tab\tinside"}', True),                # control character in a string
+    (b'{"a":"\\x"}', True),                            # bad escape
+    (b'', True),
+    (b'   ', True),
+    (b'{"action":"esc\\"aped"}', False),               # escapes in a string it returns
+    (b'{"exceptions":["\\u00c4rger"]}', False),
+    (b'{"act\\u0069on":"A#b"}', False),                # escapes in a key
+    (b'{"started_at":"2023-11-14T23:58:01.123456"}', False),   # another ISO form
+    (b'{"started_at":"20231114T235801"}', False),
+    (b'{"total_time":NaN}', False),
+    (b'{"total_time":-Infinity}', False),
+    (b'{"code":123456789012345678901234567890}', False),
+    (b'\xef\xbb\xbf{"action":"bom"}', False),
+    (b'{"x":' + b'[' * 600 + b']' * 600 + b'}', False),         # very deep
+]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from logjam_relay.pipeline.cli import make_session
+    s = make_session("local[2]", "logjam-relay-sql-tests",
+                     {"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2"})
+    if not jvmreader.loaded(s):
+        s.stop()
+        pytest.fail("the JVM reader did not load: the sql engine cannot be tested")
+    yield s
+    s.stop()
+
+
+def _archive(d, bodies, *, extra=()):
+    """An archive with the ``bodies`` as logs records (all four compressions), plus
+    ``extra`` messages."""
+    msgs = []
+    for i, b in enumerate(bodies):
+        c = i % 4
+        msgs.append(sample.Msg(b"shop-production", b"logs.shop.production", b, c,
+                               compress(b, c), 1 + i % 2, CREATED + 997 * i, i + 1))
+    msgs.extend(extra)
+    sample.write_archive(d / "spool", d / "archive", msgs, segment_bytes=1 << 20, batch=50)
+    return str(d / "archive")
+
+
+@pytest.fixture(scope="module")
+def tricky(tmp_path_factory):
+    return _archive(tmp_path_factory.mktemp("sql_tricky"), [b for b, _ in TRICKY])
+
+
+def _rows(df, cols):
+    return sorted((tuple(r[c] for c in cols) for r in df.collect()),
+                  key=lambda t: (t[0], t[1]))
+
+
+def test_extracted_fields_equal_python(spark, tricky):
+    fields = ["action", "started_ms", "total_time", "code", "severity", "exceptions", "bad_json"]
+    ddl = ("segment long, record int, action string, started_ms long, total_time double, "
+           "code int, severity int, exceptions array<string>, bad_json boolean")
+    jvm_df = spark.read.format("logjam").schema(ddl + ", undecided boolean").load(tricky)
+    assert "JVM reader" in jvm_df._jdf.queryExecution().executedPlan().toString()
+    jvm = _rows(jvm_df, ["segment", "record", *fields, "undecided"])
+    py = _rows(spark.read.format("logjam_python").schema(ddl).load(tricky),
+               ["segment", "record", *fields])
+    assert len(jvm) == len(py) == len(TRICKY)
+    undecided = []
+    for (body, decided), j, p in zip(TRICKY, jvm, py):
+        assert j[:2] == p[:2]
+        if j[-1]:
+            undecided.append(body)
+            assert j[2:-1] == (None,) * 6 + (False,), body   # nothing half-decided
+            continue
+        for name, a, b in zip(fields, j[2:-1], p[2:]):
+            same = (a == b or (isinstance(a, float) and isinstance(b, float)
+                               and math.isnan(a) and math.isnan(b)))
+            assert same and (type(a) is type(b)), (body, name, a, b)
+            if isinstance(a, float) and a == 0:
+                assert math.copysign(1, a) == math.copysign(1, b), (body, name)
+    assert undecided == [b for b, d in TRICKY if not d]
+    # the Python source decides them all
+    assert sum(1 for r in py if r[-1]) == sum(1 for b, _ in TRICKY if not _is_object(b))
+
+
+def _is_object(body: bytes) -> bool:
+    import json
+    try:
+        return isinstance(json.loads(body), dict)
+    except ValueError:
+        return False
+
+
+def _table(df, key):
+    rows = {}
+    for r in df.collect():
+        d = r.asDict()
+        rows[tuple(d[k] for k in key)] = d
+    return rows
+
+
+KEYS = {"request_stats": ("minute", "app", "env", "action"),
+        "exceptions": ("minute", "app", "env", "action", "exception"),
+        "topics": ("minute", "app", "env", "topic"), "loss": ("minute", "device")}
+#: float sums and averages: the summation order differs between the engines (Spark's
+#: hash aggregation against per-batch partial sums); everything else exactly equal
+ROUNDED = ("total_time_sum", "total_time_avg")
+
+
+def assert_same_tables(a: dict, b: dict):
+    for name, key in KEYS.items():
+        ta, tb = _table(a[name], key), _table(b[name], key)
+        assert ta.keys() == tb.keys(), (name, sorted(ta.keys() ^ tb.keys())[:3])
+        assert ta, name
+        for k, ra in ta.items():
+            rb = tb[k]
+            assert ra.keys() == rb.keys()
+            for c, x in ra.items():
+                y = rb[c]
+                if c in ROUNDED and x is not None and y is not None:
+                    assert math.isclose(x, y, rel_tol=1e-12), (name, k, c, x, y)
+                else:
+                    assert x == y, (name, k, c, x, y)
+
+
+def test_sql_engine_equals_python_engine(spark, tmp_path):
+    # sample traffic (malformed records, gaps, four app-envs, other topics, started_at)
+    # plus the tricky bodies the JVM decides
+    extra = sample.make_messages(4000, seed=11, malformed=True, gaps=True,
+                                 base_ms=CREATED - 3 * 60_000)
+    # (not the started_ms beyond Spark's timestamp range: neither engine takes those)
+    archive = _archive(tmp_path, [b for b, d in TRICKY if d and b"922337" not in b],
+                       extra=extra)
+    assert stats.choose_engine(spark, archive) == ("sql", "JVM reader")
+    sql_t, sql_s, sql_agg = stats.compute_tables(spark, archive, 300.0, "sql")
+    py_t, py_s, py_agg = stats.compute_tables(spark, archive, 300.0, "python")
+    try:
+        assert sql_s["engine"] == "sql" and py_s["engine"] == "python"
+        assert sql_s == {**py_s, "engine": "sql"}
+        assert sql_s["bad_json"] > 10 and sql_s["bad_records"] > 3
+        assert_same_tables(sql_t, py_t)
+        # the data has several values per group: the exact percentiles mean something
+        big = [r for r in _table(sql_t["request_stats"], KEYS["request_stats"]).values()
+               if r["count"] >= 5 and r["total_time_p50"] != r["total_time_p95"]]
+        assert len(big) > 20
+    finally:
+        sql_agg.unpersist()
+        py_agg.unpersist()
+
+
+def test_undecided_body_runs_the_python_engine(spark, tmp_path, caplog):
+    bodies = [b'{"action":"A#b","total_time":%d}' % i for i in range(30)]
+    bodies.append(b'{"action":"A#b","total_time":NaN}')
+    archive = _archive(tmp_path, bodies)
+    tables, summary, agg = stats.compute_tables(spark, archive)
+    try:
+        assert summary["engine"] == "python"
+        assert "need Python's JSON rules" in caplog.text
+        (row,) = tables["request_stats"].collect()
+        assert row["count"] == 31
+    finally:
+        agg.unpersist()
+
+
+def test_engine_choice(spark, tmp_path, monkeypatch):
+    archive = _archive(tmp_path, [b'{"action":"A#b"}'])
+    assert stats.choose_engine(spark, archive)[0] == "sql"
+    monkeypatch.setattr(jvmreader, "MAX_SEGMENT_BYTES", 100)
+    engine, why = stats.choose_engine(spark, archive)
+    assert engine == "python" and "too big" in why
+    with pytest.raises(ValueError, match="engine sql: .*too big"):
+        stats.compute_tables(spark, archive, engine="sql")
+    assert os.path.isdir(archive)
