@@ -56,16 +56,17 @@ if _WORKER.startswith("gw"):
     _PORT_RANGE = (_lo, _lo + _part - 1)
 
 # Tests that share something outside their process run in one worker, one after the other
-# (xdist_group, with --dist loadgroup): the Spark tests (the JVM, its class-data archive in
-# the suite's cache and most of the machine while they run), the RabbitMQ tests (one broker,
-# which test_samwise_rabbitmq.py stops and starts), and the tests that bind logjam-device's
-# default ports 9604-9606 or build the container image.
+# (xdist_group, with --dist loadgroup): the RabbitMQ tests (one broker, which
+# test_samwise_rabbitmq.py stops and starts), and the tests that bind logjam-device's
+# default ports 9604-9606 or build the container image.  Each Spark test file runs whole in
+# one worker (its module's Spark session or Connect server is started once); the files are
+# spread over both.
 XDIST_GROUPS = {
-    "spark": {"test_pipeline*.py", "test_segscan.py", "test_progress.py"},
     "rabbitmq": {"test_samwise_rabbitmq.py", "test_relay_samwise.py"},
     "default-ports": {"test_first_hour.py", "test_deploy.py", "test_health_endpoints.py",
                       "test_container.py", "test_config.py", "test_operator_edges.py"},
 }
+PER_FILE = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
 
 
 # tryfirst: xdist's worker turns the marks into the node ids' "@group" suffix in its own
@@ -74,10 +75,14 @@ XDIST_GROUPS = {
 def pytest_collection_modifyitems(config, items):
     import fnmatch
     for item in items:
+        name = item.path.name
         for group, patterns in XDIST_GROUPS.items():
-            if any(fnmatch.fnmatch(item.path.name, p) for p in patterns):
+            if any(fnmatch.fnmatch(name, p) for p in patterns):
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+        else:
+            if any(fnmatch.fnmatch(name, p) for p in PER_FILE):
+                item.add_marker(pytest.mark.xdist_group(name))
 
 
 def free_port() -> int:
