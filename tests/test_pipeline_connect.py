@@ -78,6 +78,18 @@ def client_env(tmp_path):
     return env
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environ_restored():
+    """A Connect session made in this process sets SPARK_CONNECT_MODE_ENABLED, PySpark's
+    is_remote(): every later SparkSession of this test process, and every Spark command it
+    starts (they inherit it), would be a Connect client.  The module leaves the environment
+    as it found it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def messages():
     return sample.make_messages(N_MSGS, seed=23)
