@@ -174,16 +174,8 @@ def plan(spark, input_dir: str, min_records: int = 65536):
 def slices_of(segs, parallelism: int, min_records: int = 65536) -> list:
     """Slices ``(path, segno, start, stop)`` of ``(segno, path, records)`` segments: the
     cuts of :func:`.partial.plan_slices` (about four per core, at least ``min_records``)."""
-    total = sum(n for _, _, n in segs)
-    per = max(min_records, -(-total // max(1, 4 * parallelism)))
-    out = []
-    for segno, path, n in segs:
-        k = max(1, round(n / per))
-        cuts = [n * i // k for i in range(k + 1)]
-        out.extend((path, segno, a, z) for a, z in zip(cuts, cuts[1:], strict=False))
-        if n == 0:
-            out.append((path, segno, 0, 0))
-    return out
+    from .partial import cut_slices
+    return cut_slices([(path, segno, n) for segno, path, n in segs], parallelism, min_records)
 
 
 def partial_frame(spark, slices: list, apdex_ms: float = DEFAULT_APDEX_MS):

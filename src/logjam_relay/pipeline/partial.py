@@ -190,7 +190,14 @@ def plan_slices(input_dir: str, parallelism: int, min_records: int = 65536) -> l
     seal records: no scan), about four per core, so that the cores finish together; a
     segment without a seal is one slice (its reader reports what is wrong with it)."""
     from .decode import list_segments, record_count
-    segs = [(p, s, record_count(p)) for s, p in list_segments(input_dir)]
+    return cut_slices([(p, s, record_count(p)) for s, p in list_segments(input_dir)],
+                      parallelism, min_records)
+
+
+def cut_slices(segs, parallelism: int, min_records: int = 65536) -> list[Slice]:
+    """Slices of ``(path, segno, records)`` segments, about four per core and at least
+    ``min_records`` each (:func:`plan_slices`; Spark Connect counts the records on the
+    server's side, :func:`.connect.slices_of`)."""
     total = sum(n for _, _, n in segs)
     per = max(min_records, -(-total // max(1, 4 * parallelism)))
     out: list[Slice] = []
