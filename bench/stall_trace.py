@@ -25,7 +25,6 @@ import collections
 import gc
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import threading

@@ -136,7 +136,9 @@ def _fresh_rate_limits():
     for a warning must not find it spent by an earlier test in the same process."""
     import sys
     for mod, names in (("logjam_relay.relay.stamping", ("log", "_relay_log")),
-                       ("logjam_relay.relay.app", ("rlog",))):
+                       ("logjam_relay.relay.app", ("rlog",)),
+                       ("logjam_relay.relay.ticker", ("rlog",)),
+                       ("logjam_relay.relay.spoolwrite", ("rlog",))):
         m = sys.modules.get(mod)
         for n in names:
             limiter = getattr(m, n, None) if m is not None else None

@@ -30,8 +30,8 @@ import zmq
 
 import fuzzers
 from conftest import free_port
-from peers.lumberjack_reader import LumberjackReader
 from logjam_relay.relay import memory
+from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, relay_argv, relay_settings, wait_http
 
 MiB = 1024 * 1024

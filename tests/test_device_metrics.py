@@ -173,7 +173,7 @@ def test_parser_reads_the_device_scrape():
 #: ROUTER rows of the reference table in the replay: all but "meta[:23] / version 2" (see
 #: the module docstring); the two async rows first, each followed by a request, whose
 #: reply then tells that the relay has read them (one connection: read in order).
-PROBE_ROUTER = [row for row in ROUTER_TABLE if not row[0][-1] in (META_OK[:23], meta(ver=2))]
+PROBE_ROUTER = [row for row in ROUTER_TABLE if row[0][-1] not in (META_OK[:23], meta(ver=2))]
 PROBE_ROUTER.sort(key=lambda row: row[1] is not None)
 
 PULL_ACCEPTED = [
@@ -607,7 +607,7 @@ async def test_compression_runs_in_threads_named_compressor_n(tmp_path, monkeypa
             assert [stat_cpu(f"/proc/self/task/{t}/stat")[0] for t in pool.tids] == \
                 ["compressor0", "compressor1", "compressor2"]
         push = cl.push()
-        for i in range(3000):
+        for _ in range(3000):
             await send(push, [b"zip-test", b"logs", b"x" * 300, meta(comp=0)])
         with trio.fail_after(20):
             while relay.pipeline.counters.compressed < 3000:

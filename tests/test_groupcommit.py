@@ -15,10 +15,10 @@ import contextlib
 import trio
 import zmq
 
+from conftest import free_port
 from logjam_relay.io import zmq_trio
 from logjam_relay.relay.service import build
 from logjam_relay.spool.errors import SpoolWriteError
-from conftest import free_port
 from relay_harness import Clients, meta, recv, relay_settings
 
 APP, TOPIC = b"bench-test", b"logs.gc"

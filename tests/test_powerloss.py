@@ -25,8 +25,8 @@ import zmq
 
 from conftest import free_port
 from logjam_relay.io import zmq_trio
-from peers.lumberjack_reader import LumberjackReader
 from logjam_relay.spool import segment as fmt
+from peers.lumberjack_reader import LumberjackReader
 from powerloss_fs import Mount
 from relay_harness import meta, relay_settings, start_process, stop_process
 

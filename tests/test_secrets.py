@@ -139,3 +139,38 @@ def test_tracebacks_are_redacted_too():
         rec = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
     out = f.format(rec)
     assert "amqp://guest:***@10.0.0.1/" in out and PW not in out
+
+
+def test_a_record_logged_while_formatting_another_neither_recurses_nor_leaks():
+    """The redacting factory formats a record's message when it is created; an argument
+    whose __str__ logs would make it recurse until RecursionError.  The inner record keeps
+    only its format string (redacted), the outer one is formatted once."""
+    install_log_redaction()
+    seen: list[tuple[str, object]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.name, record.msg))
+
+    calls = []
+
+    class Loud:
+        def __str__(self):
+            calls.append(1)
+            logging.getLogger("secrets.inner").warning(
+                f"loud amqp://guest:{PW}@10.0.0.1/ %s", self)
+            return "loud"
+
+    lg = logging.getLogger("secrets")
+    h = Keep()
+    lg.addHandler(h)
+    old = lg.propagate
+    lg.propagate = False
+    try:
+        logging.getLogger("secrets.outer").warning("value %s", Loud())
+    finally:
+        lg.removeHandler(h)
+        lg.propagate = old
+    assert len(calls) == 1
+    assert seen == [("secrets.inner", "loud amqp://guest:***@10.0.0.1/ %s"),
+                    ("secrets.outer", "value loud")]

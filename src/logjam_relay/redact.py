@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from typing import Any
 
 MASK = "***"
@@ -66,12 +67,23 @@ def install_log_redaction() -> None:
     _installed = True
     old = logging.getLogRecordFactory()
 
+    busy = threading.local()
+
     def factory(*args, **kwargs):
         record = old(*args, **kwargs)
+        if getattr(busy, "on", False):
+            # created while an argument of another record is formatted (its __str__ logs):
+            # formatting this one too would recurse; its format string alone, redacted
+            record.msg = redact_text(str(record.msg))
+            record.args = None
+            return record
+        busy.on = True
         try:
             msg = record.getMessage()
         except Exception:       # a broken format string: leave it to the handler
             return record
+        finally:
+            busy.on = False
         red = redact_text(msg)
         if red is not msg or record.args:
             record.msg = red

@@ -154,6 +154,7 @@ class LoopLag:
         self.period = period
         self.last = 0.0
         self._max = 0.0
+        self.max_ever = 0.0
         self.samples = 0
 
     def take_max(self) -> float:
@@ -171,6 +172,8 @@ class LoopLag:
             self.samples += 1
             if lag > self._max:
                 self._max = lag
+                if lag > self.max_ever:
+                    self.max_ever = lag
 
     def stats(self) -> dict[str, float]:
         return {"loop_lag_seconds": self.last}

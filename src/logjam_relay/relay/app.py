@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import threading
 import time
 
@@ -12,6 +11,7 @@ import trio
 import zmq
 
 from ..config import Settings
+from ..health.cmdp import LoopLag
 from ..io import zmq_fast, zmq_trio
 from ..io.peers import set_domain as set_zap_domain
 from ..protocols import logjam as L
@@ -21,16 +21,14 @@ from .binding import bind_cause  # noqa: F401  (re-exported)
 from .compressors import CompressorPool
 from .groupcommit import GroupCommit, max_pending
 from .sequence import SequenceState, StateDirError
+from .spoolwrite import SpoolWrites
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
+from .ticker import Ticker, now_ms, poll_subscriptions
 
 log = logging.getLogger("logjam_relay.relay")
 _SOCKET_NAMES = {"router_port": "router", "pull_port": "pull", "pub_port": "pub",
                  "stats_port": "stats"}
 rlog = RateLimitedLog(log)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Relay:
@@ -57,9 +55,8 @@ class Relay:
         self.metrics_registry = None
         self.metrics_collector = None
         self.stopping = False
-        self.loop_lag = 0.0
-        self.loop_lag_max = 0.0
-        self.heartbeats = 0
+        self.lag = LoopLag()                    # the loop's lag (metrics, CMDP)
+        self.ticker: Ticker | None = None       # heartbeats, stats tick (run())
         self.reply_drops = 0
         self.stats_guard: zmq_trio.SubscriptionGuard | None = None
         self.batches = 0
@@ -75,8 +72,7 @@ class Relay:
         self.curve = None                       # io.curve.Curve when CURVE is on
         self.peer_limit = None                  # io.peers.PeerLimit (zmq_max_peers, ZAP)
         self.fd_guard = None                    # io.fdguard.FdGuard (service.build)
-        self.spool_write_failures = 0
-        self.spool_blocked_seconds = 0.0
+        self.spool_writes = SpoolWrites(lambda: self.stopping)  # counts ingress pauses
         self._outputs_scope: trio.CancelScope | None = None
         self._outputs_done = trio.Event()
         self._shutdown_requested = trio.Event()
@@ -181,9 +177,6 @@ class Relay:
                 for starter in self._extra_tasks:
                     await starter(nursery)
                 nursery.start_soon(ingest_tasks)
-                nursery.start_soon(self._ticker, stats_sock)
-                nursery.start_soon(self._poll_subscriptions)
-                nursery.start_soon(self._lag_monitor)
                 if self.spool is not None:
                     nursery.start_soon(self.spool.run)
                     if self.spool.defer_batch_sync:
@@ -192,8 +185,13 @@ class Relay:
                             self.spool, self._send_released,
                             max_pending=max_pending(s.batch_size),
                             max_bytes=s.ingest_max_bytes,
-                            on_error=self._sync_failed)
+                            on_error=self.spool_writes.failed)
                         nursery.start_soon(self.commits.run)
+                self.ticker = self._make_ticker(stats_sock)
+                nursery.start_soon(self.ticker.run)
+                nursery.start_soon(poll_subscriptions,
+                                   [g for g in (self.pub.guard, self.stats_guard) if g])
+                nursery.start_soon(self.lag.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
                 self.ready.set()
@@ -294,9 +292,7 @@ class Relay:
         """
         spool = self.spool
         if spool is not None and spool.would_block():
-            t0 = trio.current_time()
-            await spool.wait_writable()
-            self.spool_blocked_seconds += trio.current_time() - t0
+            await self.spool_writes.paused(spool.wait_writable)
         if self.stopping or self.pipeline is None:
             return False
         with trio.CancelScope(shield=True):
@@ -306,7 +302,7 @@ class Relay:
                 if self.compress_method:
                     idx = p.needs_compression(acc)
                     if idx:
-                        await self._compress(acc, idx)
+                        await self.compressors.compress(p, acc, idx)
                 records = p.commit(acc, now_ms())
                 if p.seq >= self.sequence_state.reserved:
                     self.sequence_state.reserve(p.seq, len(records))
@@ -359,18 +355,14 @@ class Relay:
         while True:
             if spool is not None and spool.would_block():
                 # policy "block": stop reading; ZeroMQ's HWM pushes back to the clients
-                t0 = trio.current_time()
                 rlog.warning("spool_full", "spool is full (%d bytes): ingress paused until "
                              "outputs catch up", spool.max_bytes)
-                await spool.wait_writable()
-                self.spool_blocked_seconds += trio.current_time() - t0
+                await self.spool_writes.paused(spool.wait_writable)
             commits = self.commits
             if commits is not None and commits.would_block():
                 # group commit: too many replies wait for the fdatasync (a slow disk), or
                 # it fails (retried): stop reading, as for a full spool
-                t0 = trio.current_time()
-                await commits.wait_room()
-                self.spool_blocked_seconds += trio.current_time() - t0
+                await self.spool_writes.paused(commits.wait_room)
             # bounded in messages and in bytes (ingest_max_bytes + one message): only one
             # batch per input socket is in the process at a time
             if fused:
@@ -412,7 +404,7 @@ class Relay:
             if self.compress_method:
                 idx = p.needs_compression(acc)
                 if idx:
-                    await self._compress(acc, idx)
+                    await self.compressors.compress(p, acc, idx)
             if records is None:
                 records = p.commit(acc, now_ms())
             if p.seq >= self.sequence_state.reserved:
@@ -464,13 +456,6 @@ class Relay:
         scope = self._in_wait.get(sock)
         if scope is not None and sock.get(zmq.EVENTS) & zmq.POLLIN:
             scope.cancel()
-
-    def _sync_failed(self, e) -> None:
-        """The group commit's append or fdatasync failed (retried, ingress paused
-        meanwhile)."""
-        self.spool_write_failures += 1
-        rlog.error("spool_write", "spool write or sync failed (%s): %s; ingress paused, "
-                   "retrying", e.reason, e)
 
     async def _drain_commits(self) -> None:
         """Shutdown: the group commit's last rounds (a failing write or sync is not retried
@@ -524,64 +509,14 @@ class Relay:
 
     async def _spool_write(self, records: list[tuple] | None,
                            encoded: tuple | None = None) -> bool:
-        """Append a committed batch; on a write error keep the batch, pause, retry.
-        True once the batch is in the spool; False only when shutting down gave up on it.
+        """Append a committed batch (relay/spoolwrite.py); replies leave only after it
+        returned True.  Not used under spool_fsync=batch while the group commit runs."""
+        return await self.spool_writes.write(
+            self.spool, records, encoded,
+            sync=self.spool.defer_batch_sync and self.commits is None)
 
-        Replies are sent only after this returns, so a 202 always means "in the spool".
-        Not used under spool_fsync=batch while the group commit runs (relay/groupcommit.py
-        appends, syncs and answers).  The caller is shielded from cancellation; during
-        shutdown we give up after one more attempt (the batch was published on PUB, not
-        spooled).
-        ``encoded``: ``(data, n, first_seq, last_meta)``, records the C PULL pass encoded,
-        instead of ``records``.
-        """
-        from ..spool.spool import SpoolWriteError
-        spool = self.spool
-        delay = 0.05
-        written = False
-        while True:
-            try:
-                if not written:
-                    if encoded is not None:
-                        spool.append_encoded(*encoded)
-                    else:
-                        spool.append_batch(records)
-                    written = True
-                if spool.defer_batch_sync and self.commits is None:
-                    await spool.sync_async()        # no group commit running (not run())
-                return True
-            except SpoolWriteError as e:
-                self.spool_write_failures += 1
-                rlog.error("spool_write", "spool %s failed (%s): %s; ingress paused, retrying",
-                           "sync" if written else "write", e.reason, e)
-                if self.stopping:
-                    return False
-                # paused (counted in spool_blocked_seconds while it lasts); retried at
-                # once when the spool frees space, else after the backoff
-                t0 = trio.current_time()
-                with trio.move_on_after(delay):
-                    if spool.would_block():
-                        await spool.wait_writable()
-                    else:
-                        await trio.sleep(delay)
-                self.spool_blocked_seconds += trio.current_time() - t0
-                delay = min(delay * 2, 2.0)
-
-    async def _compress(self, acc: list[tuple], idx: list[int]) -> None:
-        p = self.pipeline
-        n = len(idx)
-        workers = min(self.settings.compressors, max(1, n // 128))
-        if workers == 1:
-            await self.compressors.run(p.compress_in_place, acc, idx)
-        else:
-            step = math.ceil(n / workers)
-            async with trio.open_nursery() as nursery:
-                for start in range(0, n, step):
-                    nursery.start_soon(self._compress_chunk, acc, idx, start, start + step)
-        p.count_compressed(acc, idx)
-
-    async def _compress_chunk(self, acc, idx, start, stop) -> None:
-        await self.compressors.run(self.pipeline.compress_in_place, acc, idx, start, stop)
+    spool_write_failures = property(lambda self: self.spool_writes.failures)
+    spool_blocked_seconds = property(lambda self: self.spool_writes.blocked_seconds)
 
     async def _drain_final(self, router, pull) -> None:
         """After ingest stopped: take what is already queued in the sockets, then stop."""
@@ -600,88 +535,29 @@ class Relay:
                     batch = None
 
     # --------------------------------------------------------------- ticker
-    async def _ticker(self, stats_sock: zmq.Socket | None) -> None:
+    def _make_ticker(self, stats_sock: zmq.Socket | None) -> Ticker:
         s = self.settings
-        p = self.pipeline
-        hb_every = s.heartbeat_interval
-        st_every = s.stats_interval
         pub_port = s.pub_port
         if pub_port == 0 and "pub" in self.endpoints:
             pub_port = int(self.endpoints["pub"].rsplit(":", 1)[1])
-        clock = trio.current_time
-        next_hb = clock() + hb_every
-        next_st = clock() + st_every
-        next_ckpt = clock() + 1.0
-        last_seq_ckpt = p.seq
-        while True:
-            await trio.sleep_until(min(next_hb, next_st, next_ckpt))
-            t = clock()
-            if t >= next_hb:
-                next_hb += hb_every
-                if next_hb < t:
-                    next_hb = t + hb_every
-                frames = L.heartbeat_frames(self.fqdn, pub_port, s.device_id, now_ms(),
-                                            p.next_sequence())
-                self.pub.publish(frames)
-                self.heartbeats += 1
-                if self.commits is not None:
-                    self.commits.submit(None, None, records=[frames])   # in sequence order
-                elif self.spool is not None:
-                    # spooled too, so the archive holds every sequence number (loss report);
-                    # the upstream outputs skip heartbeats
-                    try:
-                        self.spool.append_batch([frames])
-                    except Exception as e:
-                        rlog.error("spool_write", "spooling a heartbeat failed: %s", e)
-            if t >= next_st:
-                next_st += st_every
-                if next_st < t:
-                    next_st = t + st_every
-                # logjam-device's timer: msgs_received_max_bytes is the largest body of
-                # the tick that ends (stats_interval, 1 s by default: 0 when idle)
-                p.counters.roll_max()
-                if stats_sock is not None:
-                    try:
-                        zmq_trio.send_multipart_nowait(stats_sock,
-                                                       L.stats_frames(s.device_id, p.seq))
-                    except zmq.ZMQError:
-                        pass
-            if t >= next_ckpt:
-                next_ckpt = t + 1.0
-                rate = p.seq - last_seq_ckpt
-                last_seq_ckpt = p.seq
-                if p.seq + 2 * rate >= self.sequence_state.reserved:
-                    # ahead of the ingest, off the loop (the ingest's own reserve() on the
-                    # loop is the fallback when it reaches the bound first)
-                    await self.sequence_state.reserve_async(p.seq, rate)
+        spool_frames = None
+        if self.commits is not None:
+            def spool_frames(frames):           # in sequence order with the ingest's
+                self.commits.submit(None, None, records=[frames])
+        elif self.spool is not None:
+            # spooled too, so the archive holds every sequence number (loss report); the
+            # upstream outputs skip heartbeats
+            def spool_frames(frames):
+                self.spool.append_batch([frames])
+        return Ticker(pipeline=self.pipeline, publish=self.pub.publish, fqdn=self.fqdn,
+                      device_id=s.device_id, pub_port=pub_port,
+                      heartbeat_interval=s.heartbeat_interval,
+                      stats_interval=s.stats_interval, stats_sock=stats_sock,
+                      sequence_state=self.sequence_state, spool_frames=spool_frames)
 
-    async def _poll_subscriptions(self) -> None:
-        """Apply the subscription cap on PUB and stats often enough that a flood is cut
-        within a poll (nobody waits on their FDs, so any task may publish)."""
-        guards = [g for g in (self.pub.guard, self.stats_guard) if g is not None]
-        while True:
-            busy = False
-            for g in guards:
-                refused, cut = g.refused, g.disconnected
-                g.poll(500)           # small rounds: a flood never holds the event loop
-                busy = busy or g.busy
-                if g.disconnected > cut:
-                    rlog.warning("subscriptions", "subscriptions over max_subscriptions=%d "
-                                 "on %s: %d refused, peer disconnected", g.max_subscriptions,
-                                 g.sock.getsockopt_string(zmq.LAST_ENDPOINT),
-                                 g.refused - refused)
-            await trio.sleep(0 if busy else 0.05)
-
-    async def _lag_monitor(self) -> None:
-        period = 0.1
-        clock = trio.current_time
-        while True:
-            t0 = clock()
-            await trio.sleep(period)
-            lag = max(0.0, clock() - t0 - period)
-            self.loop_lag = lag
-            if lag > self.loop_lag_max:
-                self.loop_lag_max = lag
+    heartbeats = property(lambda self: self.ticker.heartbeats if self.ticker else 0)
+    loop_lag = property(lambda self: self.lag.last)
+    loop_lag_max = property(lambda self: self.lag.max_ever)
 
     # ---------------------------------------------------------------- stats
     def readiness_problems(self) -> list[str]:

@@ -2,7 +2,7 @@
 
 logjam-device compresses in a pool of ``-s N`` threads (``compressor0`` ...) and exports
 the CPU of each as ``logjam:device:cpu_seconds_total{thread="compressorN"}``.  The relay
-does the same: the chunks :meth:`Relay._compress` cuts from a batch go round-robin to
+does the same: the chunks :meth:`CompressorPool.compress` cuts from a batch go round-robin to
 threads of its own, named ``compressorN`` for the operating system too (``top -H``,
 ``/proc/self/task/<tid>/comm``), whose native thread ids the metrics collector reads the
 CPU of (``health/cpu.py``).  A chunk is waited for without cancellation (it works on the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import queue
 import threading
 
@@ -106,6 +107,22 @@ class CompressorPool:
         if not ok:
             raise value
         return value
+
+    async def compress(self, pipeline, acc: list[tuple], idx: list[int]) -> None:
+        """Recompress the messages ``idx`` of ``acc`` in place (``pipeline``'s
+        ``compress_in_place``), in chunks of at least 128 over up to ``n`` threads, and
+        count them."""
+        n = len(idx)
+        workers = min(self.n, max(1, n // 128))
+        if workers == 1:
+            await self.run(pipeline.compress_in_place, acc, idx)
+        else:
+            step = math.ceil(n / workers)
+            async with trio.open_nursery() as nursery:
+                for start in range(0, n, step):
+                    nursery.start_soon(self.run, pipeline.compress_in_place, acc, idx,
+                                       start, start + step)
+        pipeline.count_compressed(acc, idx)
 
     def close(self, timeout: float = 5.0) -> None:
         for q in self._queues:

@@ -203,7 +203,7 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
     """CMDP STAT/LOG topics on an XPUB, announced through CHIRP (off unless cmdp_port)."""
     if not settings.cmdp_port:
         return
-    from ..health.cmdp import CMDPConfig, CMDPSender, LoopLag, ProcessStats, RelayStatsProvider
+    from ..health.cmdp import CMDPConfig, CMDPSender, ProcessStats, RelayStatsProvider
 
     cfg = CMDPConfig(cmdp_port=settings.cmdp_port, cmdp_name=settings.cmdp_name,
                      chirp_group=settings.chirp_group, chirp_interface=settings.chirp_interface,
@@ -226,7 +226,7 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
             }
         return out
 
-    lag = LoopLag()
+    lag = relay.lag                     # the relay's own probe (it runs in the relay's nursery)
     provider = RelayStatsProvider(relay=relay.stats, outputs=outputs, process=ProcessStats(),
                                   loop_lag=lag)
     # the relay's context: its ZAP handler (zmq_max_peers) serves that context only
@@ -242,7 +242,6 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
             sender.remove_log_handler("logjam_relay")
 
     async def start_cmdp(nursery):
-        nursery.start_soon(lag.run)
         try:
             await nursery.start(run_cmdp)
         except BaseException as e:

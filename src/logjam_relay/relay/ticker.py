@@ -1,0 +1,124 @@
+"""The relay's timed work, apart from the ingest: heartbeats, the stats tick and the
+sequence reservation (:class:`Ticker`), and the subscription cap's poll
+(:func:`poll_subscriptions`).
+
+Each owns its own state; the relay starts them in its nursery once its sockets are bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+import zmq
+
+from ..io import zmq_trio
+from ..protocols import logjam as L
+from ..ratelimit import RateLimitedLog
+from .sequence import SequenceState
+from .stamping import Pipeline
+
+log = logging.getLogger("logjam_relay.relay")
+rlog = RateLimitedLog(log)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Ticker:
+    """Heartbeats on PUB (spooled in sequence order, so the archive holds every sequence
+    number), the stats tick (logjam-device's timer: ``msgs_received_max_bytes`` rolls, a
+    stats message on the stats socket) and, every second, the sequence reservation ahead
+    of the ingest (in a thread, off the loop)."""
+
+    def __init__(self, *, pipeline: Pipeline, publish: Callable[[list], None], fqdn: str,
+                 device_id: int, pub_port: int, heartbeat_interval: float,
+                 stats_interval: float, stats_sock: zmq.Socket | None,
+                 sequence_state: SequenceState, spool_frames: Callable[[list], None] | None):
+        self.pipeline = pipeline
+        self.publish = publish
+        self.fqdn = fqdn
+        self.device_id = device_id
+        self.pub_port = pub_port
+        self.heartbeat_interval = heartbeat_interval
+        self.stats_interval = stats_interval
+        self.stats_sock = stats_sock
+        self.sequence_state = sequence_state
+        #: hands a heartbeat to the spool (the group commit or the spool's append), or None
+        self.spool_frames = spool_frames
+        self.heartbeats = 0
+
+    def heartbeat(self) -> None:
+        p = self.pipeline
+        frames = L.heartbeat_frames(self.fqdn, self.pub_port, self.device_id, now_ms(),
+                                    p.next_sequence())
+        self.publish(frames)
+        self.heartbeats += 1
+        if self.spool_frames is not None:
+            try:
+                self.spool_frames(frames)
+            except Exception as e:
+                rlog.error("spool_write", "spooling a heartbeat failed: %s", e)
+
+    def stats_tick(self) -> None:
+        p = self.pipeline
+        # logjam-device's timer: msgs_received_max_bytes is the largest body of the tick
+        # that ends (stats_interval, 1 s by default: 0 when idle)
+        p.counters.roll_max()
+        if self.stats_sock is not None:
+            try:
+                zmq_trio.send_multipart_nowait(self.stats_sock,
+                                               L.stats_frames(self.device_id, p.seq))
+            except zmq.ZMQError:
+                pass
+
+    async def run(self) -> None:
+        p = self.pipeline
+        hb_every = self.heartbeat_interval
+        st_every = self.stats_interval
+        clock = trio.current_time
+        next_hb = clock() + hb_every
+        next_st = clock() + st_every
+        next_ckpt = clock() + 1.0
+        last_seq_ckpt = p.seq
+        while True:
+            await trio.sleep_until(min(next_hb, next_st, next_ckpt))
+            t = clock()
+            if t >= next_hb:
+                next_hb += hb_every
+                if next_hb < t:
+                    next_hb = t + hb_every
+                self.heartbeat()
+            if t >= next_st:
+                next_st += st_every
+                if next_st < t:
+                    next_st = t + st_every
+                self.stats_tick()
+            if t >= next_ckpt:
+                next_ckpt = t + 1.0
+                rate = p.seq - last_seq_ckpt
+                last_seq_ckpt = p.seq
+                if p.seq + 2 * rate >= self.sequence_state.reserved:
+                    # ahead of the ingest, off the loop (the ingest's own reserve() on the
+                    # loop is the fallback when it reaches the bound first)
+                    await self.sequence_state.reserve_async(p.seq, rate)
+
+
+async def poll_subscriptions(guards: list[zmq_trio.SubscriptionGuard]) -> None:
+    """Apply the subscription cap on PUB and stats often enough that a flood is cut
+    within a poll (nobody waits on their FDs, so any task may publish)."""
+    while True:
+        busy = False
+        for g in guards:
+            refused, cut = g.refused, g.disconnected
+            g.poll(500)           # small rounds: a flood never holds the event loop
+            busy = busy or g.busy
+            if g.disconnected > cut:
+                rlog.warning("subscriptions", "subscriptions over max_subscriptions=%d "
+                             "on %s: %d refused, peer disconnected", g.max_subscriptions,
+                             g.sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                             g.refused - refused)
+        await trio.sleep(0 if busy else 0.05)
