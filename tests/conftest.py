@@ -46,6 +46,23 @@ _HANDED_OUT: set[int] = set()
 _rng = random.Random(os.getpid() ^ time.monotonic_ns())
 _PORT_RANGE = (20000, 32767)  # below Linux's ephemeral range (32768-60999): outgoing
                               # connections never take these behind a test's back
+# Spark's JVMs in the tests (the drivers of `pipeline stats`, the tests' own sessions, the
+# executors of the cluster test, the Connect server) run with the C1 JIT compiler only:
+# jobs of a few thousand records in JVMs that live seconds, where C2's compiler threads
+# cost more CPU than they save (the product does the same for a local batch run,
+# pipeline/cli.py C1_ONLY).  Nothing the tests assert depends on the JIT tier; the benches
+# in bench/ use Spark's defaults.  A SPARK_CONF_DIR of the caller's is kept as it is.
+if "SPARK_CONF_DIR" not in os.environ:
+    import tempfile
+    _conf = tempfile.mkdtemp(prefix="logjam-relay-tests-sparkconf-")
+    with open(os.path.join(_conf, "spark-defaults.conf"), "w") as _f:
+        _f.write("spark.driver.extraJavaOptions -XX:TieredStopAtLevel=1\n"
+                 "spark.executor.extraJavaOptions -XX:TieredStopAtLevel=1\n")
+    os.environ["SPARK_CONF_DIR"] = _conf
+    import atexit
+    import shutil
+    atexit.register(shutil.rmtree, _conf, True)
+
 # The suite runs in two pytest-xdist workers (pyproject.toml: -n 2): each worker hands out
 # ports from its own part of the range, so two workers never pick the same port.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -55,18 +72,13 @@ if _WORKER.startswith("gw"):
     _lo = _PORT_RANGE[0] + int(_WORKER[2:]) * _part
     _PORT_RANGE = (_lo, _lo + _part - 1)
 
-# Tests that share something outside their process run in one worker, one after the other
-# (xdist_group, with --dist loadgroup): the RabbitMQ tests (one broker, which
-# test_samwise_rabbitmq.py stops and starts), and the tests that bind logjam-device's
-# default ports 9604-9606 or build the container image.  Each Spark test file runs whole in
-# one worker (its module's Spark session or Connect server is started once); the files are
-# spread over both.
-XDIST_GROUPS = {
-    "rabbitmq": {"test_samwise_rabbitmq.py", "test_relay_samwise.py"},
-    "default-ports": {"test_first_hour.py", "test_deploy.py", "test_health_endpoints.py",
-                      "test_container.py", "test_config.py", "test_operator_edges.py"},
-}
-PER_FILE = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
+# With -n 2 --dist loadgroup the suite is two work units, one per worker: every Spark test
+# file in one ("spark": their JVMs would slow each other down on two cores, and each
+# module starts its Spark session or Connect server once), every other test in the other
+# ("relay"), so the tests that share something outside their process (the RabbitMQ broker,
+# which test_samwise_rabbitmq.py stops and starts; logjam-device's default ports
+# 9604-9606; the container image) run one after the other too.
+SPARK_FILES = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
 
 
 # tryfirst: xdist's worker turns the marks into the node ids' "@group" suffix in its own
@@ -76,13 +88,8 @@ def pytest_collection_modifyitems(config, items):
     import fnmatch
     for item in items:
         name = item.path.name
-        for group, patterns in XDIST_GROUPS.items():
-            if any(fnmatch.fnmatch(name, p) for p in patterns):
-                item.add_marker(pytest.mark.xdist_group(group))
-                break
-        else:
-            if any(fnmatch.fnmatch(name, p) for p in PER_FILE):
-                item.add_marker(pytest.mark.xdist_group(name))
+        spark = any(fnmatch.fnmatch(name, p) for p in SPARK_FILES)
+        item.add_marker(pytest.mark.xdist_group("spark" if spark else "relay"))
 
 
 def free_port() -> int:
