@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
@@ -529,9 +529,10 @@ class SegmentWriter:
         return self.fsync == "never" or (self.fsync == "batch" and self.defer_batch_sync) \
             or (self.fsync == "interval" and self.defer_interval_sync)
 
-    async def run_seals(self, on_sealed: Callable[[], None], retry_s: float = 0.5) -> None:
+    async def run_seals(self, on_sealed: Callable[[], Awaitable[None]],
+                        retry_s: float = 0.5) -> None:
         """Do the queued seals, in order, their waits in worker threads (the spool's
-        :meth:`run`); ``on_sealed()`` after each.  A failed seal is counted and retried
+        :meth:`run`); ``await on_sealed()`` after each.  A failed seal is counted and retried
         (meanwhile :meth:`sync_async` raises its error)."""
         while True:
             if not self.sealing:
@@ -565,7 +566,7 @@ class SegmentWriter:
             if job.stage == SealJob.DONE:
                 self.sealing.popleft()
                 job._changed()
-                on_sealed()
+                await on_sealed()
             else:
                 await trio.sleep(retry_s)
 
