@@ -194,13 +194,27 @@ def test_sync_waits_for_the_queued_seal_and_the_new_segments_name(tmp_path):
     sp2.close()
 
 
+class SlowSyncFS(ModelFS):
+    """fsync in a worker thread takes 50 ms: a sync_async that did not wait for the seal
+    would return before the closed segment's records are synced."""
+
+    def fsync(self, fd: int) -> None:
+        import threading
+        import time
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)
+        super().fsync(fd)
+
+    fdatasync = fsync
+
+
 async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
     """fsync="batch" as the relay runs it: Spool.run seals in the background, and what
     sync_async returned for survives a power loss (the closed segment's records, the
     next segment's name and records)."""
     import trio
     import trio.testing
-    fs = ModelFS()
+    fs = SlowSyncFS()
     d = str(tmp_path / "spool")
     sealed = []
     sp = open_spool(d, fs, fsync="batch", on_seal=lambda no, path: sealed.append(no))
@@ -253,3 +267,22 @@ def test_a_segment_dropped_while_its_seal_runs_is_not_sealed_again(tmp_path):
     assert not job.seg.sealed and job.seg.segno not in sp.ledger.segs
     assert not any(p.endswith(".seg") for p in fs.listdir(d))     # no file comes back
     sp.close()
+
+
+@pytest.mark.parametrize("how", ["sync", "sync_async"])
+async def test_a_new_segments_name_is_durable_after_a_sync(tmp_path, how):
+    """With background seals a segment is created without the directory fsync; the next
+    sync (or sync_async) does it before it returns."""
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs)
+    sp.writer.defer_seals = True
+    sp.append_batch([msg(j) for j in range(5)])
+    assert sp.writer.dir_synced < sp.writer.dir_gen
+    if how == "sync":
+        sp.sync()
+    else:
+        await sp.sync_async()
+    sp2 = open_spool(d, fs.crash())
+    assert bodies(sp2) == [msg(j)[2] for j in range(5)]
+    sp2.close()
