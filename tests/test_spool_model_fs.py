@@ -12,6 +12,7 @@ import pytest
 
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool.spool import Spool, SpoolWriteError
+from logjam_relay.spool.writer import SPARE_FILE
 from model_fs import ModelFS
 
 
@@ -223,7 +224,13 @@ async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
         nursery.start_soon(sp.run)
         await trio.testing.wait_all_tasks_blocked()
         assert sp.writer.defer_seals
+        # the next segment's file is made ahead, off the loop
+        with trio.fail_after(5):
+            while sp.writer.spare_fd is None:
+                await trio.sleep(0.001)
+        assert SPARE_FILE in fs.listdir(d) and sp.writer.spare_fd is not None
         n, job = roll_deferred(sp, 0)
+        assert sp.writer.spare_fd is None        # the new segment is the spare, renamed
         assert sealed == []                       # announced only once sealed
         await sp.sync_async()
         assert job.stage == job.DONE and sealed == [job.seg.segno]
@@ -233,8 +240,10 @@ async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
     sp2 = open_spool(d, crashed, fsync="batch")
     assert bodies(sp2) == [msg(j)[2] for j in range(n)]
     assert sp2.stats()["lost"] == 0 and sp2.corrupt_tails_cut == 0
+    assert SPARE_FILE not in crashed.listdir(d)     # the recovery deletes a spare
     sp2.close()
     sp.close()
+    assert SPARE_FILE not in fs.listdir(d)
 
 
 def test_a_closed_segment_is_deleted_only_once_sealed(tmp_path):

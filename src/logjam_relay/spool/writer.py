@@ -52,6 +52,9 @@ from .ledger import Ledger, Seg
 log = logging.getLogger("logjam_relay.spool")
 
 STATE_FILE = "spool.state"
+#: the next segment's file, created ahead by run_seals (in a worker thread) and renamed to
+#: its segment name when a roll needs it; the recovery deletes it (``*.tmp``)
+SPARE_FILE = "next-segment.tmp"
 
 
 class Reserve(Protocol):
@@ -124,6 +127,8 @@ class SegmentWriter:
         self._seal_wake = trio.Event()
         self.dir_gen = 0                        # segments created, directory fsync owed
         self.dir_synced = 0                     # dir_gen covered by a directory fsync
+        self.spare_fd: int | None = None        # SPARE_FILE, open O_APPEND, empty
+        self._closed = False
         self._state_lock = threading.Lock()
         self._state_written: tuple[int, int] = (-1, -1)
         self.appends = 0
@@ -234,9 +239,11 @@ class SegmentWriter:
         segno = led.next_segno
         path = os.path.join(self.directory, fmt.segment_name(segno, False))
         header = fmt.encode_header(segno, now_ms, led.next_seq)
+        fd = self._take_spare(path)
         try:
-            fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                         0o644)
+            if fd is None:
+                fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND |
+                             os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise self._errors.count(write_error("creating segment", path, e)) from None
         try:
@@ -259,6 +266,42 @@ class SegmentWriter:
         led.add(seg)
         led.next_segno = segno + 1
         self.active, self.fd = seg, fd
+
+    def _take_spare(self, path: str) -> int | None:
+        """The spare file (created ahead off the loop) renamed to ``path``, or None."""
+        fd = self.spare_fd
+        if fd is None:
+            return None
+        self.spare_fd = None
+        self._seal_wake.set()                   # run_seals creates the next spare
+        fs = self._fs
+        spare = os.path.join(self.directory, SPARE_FILE)
+        try:
+            if fs.exists(path):
+                raise FileExistsError(path)     # never over a segment (O_EXCL's promise)
+            fs.replace(spare, path)
+        except OSError:
+            fs.close(fd)
+            unlink_quiet(spare, fs)
+            return None
+        return fd
+
+    async def _make_spare(self) -> None:
+        """Create the spare file in a worker thread (run_seals, when idle)."""
+        fs = self._fs
+        path = os.path.join(self.directory, SPARE_FILE)
+        try:
+            fd = await trio.to_thread.run_sync(
+                fs.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND |
+                os.O_CLOEXEC, 0o644)
+        except OSError:
+            return                              # the next segment is created on the loop
+        if self._closed or self.spare_fd is not None:
+            fs.close(fd)
+            if self._closed:
+                unlink_quiet(path, fs)
+            return
+        self.spare_fd = fd
 
     # -- syncing ------------------------------------------------------------------
     def sync(self) -> None:
@@ -536,6 +579,10 @@ class SegmentWriter:
         (meanwhile :meth:`sync_async` raises its error)."""
         while True:
             if not self.sealing:
+                if self.spare_fd is None and not self._closed:
+                    await self._make_spare()
+                    if self.sealing:
+                        continue
                 self._seal_wake = trio.Event()
                 await self._seal_wake.wait()
                 continue
@@ -686,6 +733,11 @@ class SegmentWriter:
             self._ledger.announce_append()     # readers and output workers look again
 
     def close(self) -> None:
+        self._closed = True
+        if self.spare_fd is not None:
+            self._fs.close(self.spare_fd)
+            self.spare_fd = None
+            unlink_quiet(os.path.join(self.directory, SPARE_FILE), self._fs)
         if self.fd is not None:
             self._fs.close(self.fd)
             self.fd = None
