@@ -493,6 +493,12 @@ class Spool:
         acknowledged, as :meth:`delete_acknowledged` does, with the cursor syncs and the
         unlinks (tens of ms for a big file on a busy disk) in worker threads."""
         readers = list(self.readers.values())
+        if not readers:
+            # as before background seals: a spool without readers deletes at an explicit
+            # (or age) seal and at start, not at every roll (the unlink of a 64 MiB
+            # segment, even in a thread, held ext4's journal under the appends: one-way
+            # p99.9 at 100k msg/s 22-148 ms against 6 ms, bench_latency --targets batch)
+            return
         for r in readers:
             r.normalize_ack()
 
