@@ -27,7 +27,9 @@ listeners) only once all of it is durable.  :meth:`SegmentWriter.sync_async` and
 :meth:`SegmentWriter.sync` return only once the seals queued before them are done (their
 records are then on disk) and a new segment's name is durable.  A crash in the middle
 leaves an ``.open`` segment that is not the newest (sealed by the recovery), or one with
-its seal record (renamed by the recovery), or a sealed ``.seg``.
+its seal record (renamed by the recovery), or a sealed ``.seg``.  The next segment's file
+is created ahead by :meth:`SegmentWriter.run_seals` (:data:`SPARE_FILE`, in a worker
+thread) and renamed at the roll.
 """
 
 from __future__ import annotations
