@@ -2,6 +2,7 @@
 
     python bench/stall_trace.py [--rate 100000] [--seconds 10] [--path dealer|push]
                                 [--fsync none|interval|batch] [--threshold-ms 2]
+                                [--segment-bytes N]
 
 Runs a relay in this process (trio, with a trio Instrument) and ``zmq_latency.c`` (the
 fixed-rate load of bench_latency.py) against it.  Recorded:
@@ -38,6 +39,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import bench_latency as BL  # noqa: E402
 import bench_relay as BR  # noqa: E402
+
+#: the writer's methods a roll runs, and where they run
+ROLL_PARTS = {"seal_active": "on the loop", "_create_segment": "on the loop",
+              "roll": "on the loop", "_seal_written": "on the loop",
+              "_seal_rename": "on the loop", "_seal_finish": "on the loop",
+              "_seal_write": "in a worker thread", "_seal_dirsync": "in a worker thread"}
 
 
 def thread_cpu(clk) -> float:
@@ -118,6 +125,8 @@ async def run(args, tool: str, tracer: Tracer) -> None:
     extra = {}
     if args.fsync != "none":
         extra = {"spool_dir": os.path.join(tmp, "spool"), "spool_fsync": args.fsync}
+        if args.segment_bytes:
+            extra["spool_segment_bytes"] = args.segment_bytes
     settings = relay_settings(pathlib.Path(tmp), metrics_port=0, heartbeat_interval=5.0, stats_interval=1.0,
                               **extra)
     relay = build(settings)
@@ -133,7 +142,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
             await real_sync()
             syncs.append(time.perf_counter() - t0)
         relay.spool.sync_async = timed_sync
-        from logjam_relay.spool import spool as spool_mod
+        from logjam_relay.spool import fs as spool_mod  # the seam's os calls
         real_write = spool_mod._write
         clk = time.pthread_getcpuclockid(threading.get_ident())
 
@@ -154,9 +163,14 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                 raw_syncs.append(time.perf_counter() - t0)
         spool_mod._fdatasync = timed_fdatasync
         # segment roll: sealing (seal record, fsync, rename, directory fsync, state file)
-        # and creating the next segment (directory fsync), both on the loop
-        for name in ("_seal_active", "_create_segment"):
-            real = getattr(relay.spool, name)
+        # and creating the next segment; on the loop, or (background seals) the loop's
+        # parts and the worker threads' parts of a SealJob.  The names a tree lacks are
+        # skipped (a before/after of two trees with the same script).
+        writer = relay.spool.writer
+        for name in ROLL_PARTS:
+            real = getattr(writer, name, None)
+            if real is None:
+                continue
 
             def timed(*a, _real=real, _name=name, **k):
                 t0 = time.perf_counter()
@@ -164,7 +178,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                     return _real(*a, **k)
                 finally:
                     rolls.append((_name, time.perf_counter() - t0))
-            setattr(relay.spool, name, timed)
+            setattr(writer, name, timed)
     async with trio.open_nursery() as nursery:
         await nursery.start(relay.run)
         tune_gc()
@@ -220,10 +234,10 @@ async def run(args, tool: str, tracer: Tracer) -> None:
             print(f"spool write() on the loop: {len(w)} calls, p50 {w[len(w) // 2][0] * 1000:.2f}"
                   f" ms, p99 {w[int(len(w) * 0.99)][0] * 1000:.2f} ms, max {w[-1][0] * 1000:.2f} "
                   f"ms (its CPU {w[-1][1] * 1000:.2f} ms)")
-        for name in ("_seal_active", "_create_segment"):
+        for name, where in ROLL_PARTS.items():
             d = sorted(x[1] for x in rolls if x[0] == name)
             if d:
-                print(f"spool {name} on the loop: {len(d)} calls, max {d[-1] * 1000:.2f} ms, "
+                print(f"spool {name} {where}: {len(d)} calls, max {d[-1] * 1000:.2f} ms, "
                       f"total {sum(d) * 1000:.1f} ms")
         relay.shutdown()
 
@@ -236,6 +250,9 @@ def main() -> int:
     ap.add_argument("--path", default="dealer", choices=("dealer", "push"))
     ap.add_argument("--fsync", default="none", choices=("none", "interval", "batch"))
     ap.add_argument("--threshold-ms", type=float, default=2.0)
+    ap.add_argument("--segment-bytes", type=int, default=0,
+                    help="spool_segment_bytes (default: the relay's, 64 MiB); smaller ones "
+                         "roll more often")
     ap.add_argument("--gc-threshold", default="",
                     help="gc.set_threshold after the relay's own tune_gc (e.g. 500000,20,100)")
     args = ap.parse_args()

@@ -12,6 +12,7 @@ import pytest
 
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool.spool import Spool, SpoolWriteError
+from logjam_relay.spool.writer import SPARE_FILE
 from model_fs import ModelFS
 
 
@@ -122,4 +123,175 @@ def test_a_segment_whose_name_was_never_synced_is_lost_with_fsync_never(tmp_path
     assert os.path.basename(sp.writer.active.path) in fs.listdir(d)
     sp2 = open_spool(d, fs.crash(), fsync="never")
     assert bodies(sp2) == [] and sp2.next_seq == 0 and not sp2.ledger.segs
+    sp2.close()
+
+
+# -- background seals (spool/writer.py SealJob): a roll closes the segment and its seal
+#    (seal record + fsync, rename, directory fsync, state) runs off the event loop
+
+def roll_deferred(sp: Spool, start: int) -> tuple[int, object]:
+    """Append batches from message ``start`` until a roll queues a seal; returns the
+    next message number and the job."""
+    w = sp.writer
+    n = start
+    while not w.sealing:
+        sp.append_batch([msg(j) for j in range(n, n + 10)])
+        n += 10
+    return n, w.sealing[0]
+
+
+@pytest.mark.parametrize("stage", ["queued", "written", "renamed", "done"])
+def test_a_power_loss_during_a_background_seal(tmp_path, stage):
+    """A crash at every stage of a background seal: what was synced survives, the closed
+    segment comes back sealed (or is continued when it was the newest name on disk),
+    nothing is reported lost, and the numbering goes on."""
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs)
+    w = sp.writer
+    sp.append_batch([msg(j) for j in range(10)])
+    sp.sync()                                     # the first segment's name and 10 records
+    w.defer_seals = True                          # the test is the sealer: stage by stage
+    n, job = roll_deferred(sp, 10)
+    closed = job.seg
+    assert closed.closed and not closed.sealed and w.active is not closed
+    assert w.dir_synced < w.dir_gen               # the new segment's name is not durable
+    assert len(bodies(sp)) == n                   # readers read on past the closed segment
+    if stage != "queued":
+        w._seal_written(job, w._seal_write(job))
+        assert job.stage == job.RENAME
+    if stage in ("renamed", "done"):
+        w._seal_rename(job)
+        assert closed.path.endswith(".seg") and not closed.sealed
+    if stage == "done":
+        gen = w.dir_gen
+        w._seal_finish(job, w._seal_dirsync(job), gen)
+        assert closed.sealed and w.dir_synced == gen
+    after = fs.crash()
+    sp2 = open_spool(d, after)
+    got = bodies(sp2)
+    upto = 10 if stage == "queued" else closed.end_seq     # synced: the seal fsyncs all
+    assert got == [msg(j)[2] for j in range(upto)]
+    assert sp2.next_seq == upto and sp2.stats()["lost"] == 0
+    if stage != "queued":
+        seg = sp2.ledger.segs[closed.segno]
+        assert seg.sealed and seg.path.endswith(".seg") and seg.count == closed.count
+    sp2.append_batch([msg(999)])                  # appending goes on after it
+    assert bodies(sp2) == [msg(999)[2]]
+    sp2.close()
+
+
+def test_sync_waits_for_the_queued_seal_and_the_new_segments_name(tmp_path):
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs)
+    sp.writer.defer_seals = True
+    n, job = roll_deferred(sp, 0)
+    sp.sync()                                     # finishes the seal here, then syncs
+    assert not sp.writer.sealing and job.seg.sealed
+    sp2 = open_spool(d, fs.crash())
+    assert bodies(sp2) == [msg(j)[2] for j in range(n)]
+    assert sp2.stats()["lost"] == 0 and sp2.corrupt_tails_cut == 0
+    sp2.close()
+
+
+class SlowSyncFS(ModelFS):
+    """fsync in a worker thread takes 50 ms: a sync_async that did not wait for the seal
+    would return before the closed segment's records are synced."""
+
+    def fsync(self, fd: int) -> None:
+        import threading
+        import time
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)
+        super().fsync(fd)
+
+    fdatasync = fsync
+
+
+async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
+    """fsync="batch" as the relay runs it: Spool.run seals in the background, and what
+    sync_async returned for survives a power loss (the closed segment's records, the
+    next segment's name and records)."""
+    import trio
+    import trio.testing
+    fs = SlowSyncFS()
+    d = str(tmp_path / "spool")
+    sealed = []
+    sp = open_spool(d, fs, fsync="batch", on_seal=lambda no, path: sealed.append(no))
+    sp.defer_batch_sync = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sp.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sp.writer.defer_seals
+        # the next segment's file is made ahead, off the loop
+        with trio.fail_after(5):
+            while sp.writer.spare_fd is None:
+                await trio.sleep(0.001)
+        assert SPARE_FILE in fs.listdir(d) and sp.writer.spare_fd is not None
+        n, job = roll_deferred(sp, 0)
+        assert sp.writer.spare_fd is None        # the new segment is the spare, renamed
+        assert sealed == []                       # announced only once sealed
+        await sp.sync_async()
+        assert job.stage == job.DONE and sealed == [job.seg.segno]
+        crashed = fs.crash()
+        nursery.cancel_scope.cancel()
+    assert not sp.writer.defer_seals
+    sp2 = open_spool(d, crashed, fsync="batch")
+    assert bodies(sp2) == [msg(j)[2] for j in range(n)]
+    assert sp2.stats()["lost"] == 0 and sp2.corrupt_tails_cut == 0
+    assert SPARE_FILE not in crashed.listdir(d)     # the recovery deletes a spare
+    sp2.close()
+    sp.close()
+    assert SPARE_FILE not in fs.listdir(d)
+
+
+def test_a_closed_segment_is_deleted_only_once_sealed(tmp_path):
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs)
+    sp.writer.defer_seals = True
+    n, job = roll_deferred(sp, 0)
+    r = sp.reader("out")
+    recs = r.read(10_000)
+    assert len(recs) == n
+    r.ack(recs[-1].position)                      # past the closed segment
+    assert job.seg.segno in sp.ledger.segs        # not sealed yet: kept
+    sp.writer.finish_seals()
+    sp.delete_acknowledged()
+    assert job.seg.segno not in sp.ledger.segs
+    sp.close()
+
+
+def test_a_segment_dropped_while_its_seal_runs_is_not_sealed_again(tmp_path):
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs, policy="drop_oldest")
+    w = sp.writer
+    w.defer_seals = True
+    n, job = roll_deferred(sp, 0)
+    w._seal_written(job, w._seal_write(job))
+    sp._drop_segments([job.seg], "dropped")       # as the budget would
+    w.finish_seals()
+    assert not job.seg.sealed and job.seg.segno not in sp.ledger.segs
+    assert not any(p.endswith(".seg") for p in fs.listdir(d))     # no file comes back
+    sp.close()
+
+
+@pytest.mark.parametrize("how", ["sync", "sync_async"])
+async def test_a_new_segments_name_is_durable_after_a_sync(tmp_path, how):
+    """With background seals a segment is created without the directory fsync; the next
+    sync (or sync_async) does it before it returns."""
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs)
+    sp.writer.defer_seals = True
+    sp.append_batch([msg(j) for j in range(5)])
+    assert sp.writer.dir_synced < sp.writer.dir_gen
+    if how == "sync":
+        sp.sync()
+    else:
+        await sp.sync_async()
+    sp2 = open_spool(d, fs.crash())
+    assert bodies(sp2) == [msg(j)[2] for j in range(5)]
     sp2.close()

@@ -31,8 +31,9 @@ Design invariants:
 4. A reader's cursor is made durable before a segment it allows to delete is deleted; a
    cursor that does not point at a record is relocated by its seq (duplicates, no loss).
 5. What ``sync``/``sync_async`` returned for is on disk (``fsync``: batch, interval,
-   never); recovery cuts a torn or damaged ``.open`` tail, never a ``.seg``, and damage
-   costs only the damaged records.
+   never; also the records of a segment whose seal runs in the background, and a new
+   segment's name: they wait for the seals queued before them); recovery cuts a torn or
+   damaged ``.open`` tail, never a ``.seg``, and damage costs only the damaged records.
 6. A full disk never deadlocks: the reserve file gives a seal its space, the seal is
    deferred otherwise, and ``block`` pauses ingress instead of failing.
 7. Every descriptor the spool opens, duplicates or closes goes through the fd reserve

@@ -24,6 +24,9 @@ class Seg:
     data_end: int       # end of the data records (committed size of the active segment)
     size: int           # bytes on disk
     sealed: bool
+    # closed by a roll, its seal still running off the loop (writer.SealJob): no record is
+    # appended any more, readers may go on with the next segment; not deletable until sealed
+    closed: bool = False
     bad_offset: int | None = None    # first corrupt record found while reading (no resync)
     # damaged stretches found while reading: offset -> (resume offset, resume seq)
     holes: dict = field(default_factory=dict)

@@ -126,7 +126,7 @@ class SpoolReader:
                 if hole is not None:
                     pos, seq = Position(seg.segno, hole[0]), max(seq, hole[1])
                     continue
-            if seg.sealed and pos.offset >= seg.limit:
+            if (seg.sealed or seg.closed) and pos.offset >= seg.limit:
                 pos, seq = Position(seg.segno + 1, fmt.HEADER_LEN), max(seq, seg.end_seq)
                 continue
             return pos, seq

@@ -88,12 +88,14 @@ def _read_into_c(block, buf, pos: int, end: int, max_records: int, base: int, se
 
 # snapshot entry: (segno, path, limit, sealed, first_seq, holes)
 #   limit: where readers stop (committed end of the active segment, data end of a
-#   sealed one, or the first unreadable offset); holes: ((offset, resume, seq), ...)
+#   sealed one, or the first unreadable offset); holes: ((offset, resume, seq), ...);
+#   sealed: no record is appended any more (also a segment closed by a roll whose seal
+#   still runs: a worker reads on in the next one, and a path .open may be .seg by now)
 
 
 def snapshot(spool, from_segment: int) -> tuple:
     """The segments from ``from_segment`` on, as the relay announces them to a worker."""
-    return tuple((s.segno, s.path, s.limit, s.sealed, s.first_seq,
+    return tuple((s.segno, s.path, s.limit, s.sealed or s.closed, s.first_seq,
                   tuple(sorted((o, h[0], h[1]) for o, h in s.holes.items())) if s.holes
                   else ())
                  for s in spool.ledger.segs.values() if s.segno >= from_segment)

@@ -14,6 +14,22 @@ is closed in memory without its seal record (*deferred seal*: readers treat it a
 sealed, it can be deleted once acknowledged) and :meth:`retry_pending_seals` writes the
 record once there is space again.  A crash meanwhile is harmless: an ``.open`` segment
 that is not the newest is sealed by the recovery.  See docs/spool-format.md, "Full disk".
+
+*Background seals* (:attr:`SegmentWriter.defer_seals`, on while :meth:`Spool.run
+<logjam_relay.spool.spool.Spool.run>` runs :meth:`SegmentWriter.run_seals` and the owner's
+syncs are off the loop too): a roll only *closes* the active segment (no record is
+appended to it any more; readers may read to its end and go on with the next one) and
+the next append creates the next segment at once; the seal -- seal record and fsync,
+rename, directory fsync (which also makes the new segment's name durable), state file --
+runs as a :class:`SealJob`, its waits in worker threads, so the event loop never waits
+for the disk at a roll.  The segment is *sealed* (deletable, announced to the seal
+listeners) only once all of it is durable.  :meth:`SegmentWriter.sync_async` and
+:meth:`SegmentWriter.sync` return only once the seals queued before them are done (their
+records are then on disk) and a new segment's name is durable.  A crash in the middle
+leaves an ``.open`` segment that is not the newest (sealed by the recovery), or one with
+its seal record (renamed by the recovery), or a sealed ``.seg``.  The next segment's file
+is created ahead by :meth:`SegmentWriter.run_seals` (:data:`SPARE_FILE`, in a worker
+thread) and renamed at the roll.
 """
 
 from __future__ import annotations
@@ -22,7 +38,9 @@ import errno
 import json
 import logging
 import os
-from collections.abc import Callable
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
@@ -36,6 +54,9 @@ from .ledger import Ledger, Seg
 log = logging.getLogger("logjam_relay.spool")
 
 STATE_FILE = "spool.state"
+#: the next segment's file, created ahead by run_seals (in a worker thread) and renamed to
+#: its segment name when a roll needs it; the recovery deletes it (``*.tmp``)
+SPARE_FILE = "next-segment.tmp"
 
 
 class Reserve(Protocol):
@@ -44,6 +65,34 @@ class Reserve(Protocol):
     def segment_limit(self) -> int: ...
 
     def release_reserve(self) -> bool: ...
+
+
+class SealJob:
+    """The seal of a segment a roll closed (see the module text), done in stages:
+    ``WRITE`` (seal record + fsync, worker thread), ``RENAME`` (on the loop),
+    ``DIRSYNC`` (directory fsync + state file, worker thread), ``DONE``."""
+
+    WRITE, RENAME, DIRSYNC, DONE = range(4)
+    __slots__ = ("seg", "fd", "rec", "state", "unsynced", "stage", "error", "changed",
+                 "idle", "attempts", "runner")
+
+    def __init__(self, seg: Seg, fd: int, rec: bytes, state: dict, unsynced: bool) -> None:
+        self.seg = seg
+        self.fd: int | None = fd
+        self.rec = rec
+        self.state = state              # spool.state as of the roll (nothing newer is synced)
+        self.unsynced = unsynced
+        self.stage = SealJob.WRITE
+        self.error: SpoolWriteError | None = None     # the last attempt failed
+        self.changed = trio.Event()     # set (and replaced) when stage or error change
+        self.idle = threading.Event()   # clear while a stage runs in a worker thread
+        self.idle.set()
+        self.attempts = 0
+        self.runner: object | None = None   # the run_seals stage in a worker thread
+
+    def _changed(self) -> None:
+        ev, self.changed = self.changed, trio.Event()
+        ev.set()
 
 
 class SegmentWriter:
@@ -74,6 +123,16 @@ class SegmentWriter:
         # spool's run() does, every fsync_interval_s, in a worker thread.
         self.defer_interval_sync = False
         self.pending_seals: list[Seg] = []      # closed on a full disk, seal record owed
+        # background seals (module text): on while run_seals() runs
+        self.defer_seals = False
+        self.sealing: deque[SealJob] = deque()  # closed by a roll, seal not yet done
+        self._seal_wake = trio.Event()
+        self.dir_gen = 0                        # segments created, directory fsync owed
+        self.dir_synced = 0                     # dir_gen covered by a directory fsync
+        self.spare_fd: int | None = None        # SPARE_FILE, open O_APPEND, empty
+        self._closed = False
+        self._state_lock = threading.Lock()
+        self._state_written: tuple[int, int] = (-1, -1)
         self.appends = 0
         self.append_batches = 0
         self.bytes_appended = 0
@@ -104,6 +163,25 @@ class SegmentWriter:
         return act is not None and act.count > 0 and (
             act.data_end + nbytes > self._budget.segment_limit()
             or now_ms - act.created_ms >= self.segment_age_s * 1000)
+
+    def roll(self) -> None:
+        """The active segment is full or old: seal it, or with :attr:`defer_seals` close
+        it and queue its seal (:meth:`run_seals`); the next append creates the next one."""
+        if self.active is None:
+            return
+        if not self.defer_seals or self.active.count == 0:
+            self.seal_active()
+            return
+        seg, fd = self.active, self.fd
+        if self.dirty_tail:
+            self.cut_tail()
+        rec = fmt.encode_seal(seg.end_seq, seg.count, seg.data_end, self.now_ms())
+        job = SealJob(seg, fd, rec, self._ledger.state(), self.unsynced)
+        seg.closed = True
+        self.active, self.fd = None, None
+        self.unsynced = False
+        self.sealing.append(job)
+        self._seal_wake.set()
 
     def append(self, data, n: int, now_ms: int) -> Position:
         """Write ``n`` encoded records (numbered from the ledger's next seq) with one
@@ -163,9 +241,11 @@ class SegmentWriter:
         segno = led.next_segno
         path = os.path.join(self.directory, fmt.segment_name(segno, False))
         header = fmt.encode_header(segno, now_ms, led.next_seq)
+        fd = self._take_spare(path)
         try:
-            fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                         0o644)
+            if fd is None:
+                fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND |
+                             os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise self._errors.count(write_error("creating segment", path, e)) from None
         try:
@@ -175,7 +255,9 @@ class SegmentWriter:
             unlink_quiet(path, fs)
             raise self._errors.count(write_error("writing segment header to", path, e)) \
                 from None
-        if self.fsync != "never":
+        if self.fsync != "never" and self.defer_seals:
+            self.dir_gen += 1                   # by the seal job or the next sync
+        elif self.fsync != "never":
             try:
                 self.sync_dir()
             except SpoolWriteError:
@@ -187,9 +269,53 @@ class SegmentWriter:
         led.next_segno = segno + 1
         self.active, self.fd = seg, fd
 
+    def _take_spare(self, path: str) -> int | None:
+        """The spare file (created ahead off the loop) renamed to ``path``, or None."""
+        fd = self.spare_fd
+        if fd is None:
+            return None
+        self.spare_fd = None
+        self._seal_wake.set()                   # run_seals creates the next spare
+        fs = self._fs
+        spare = os.path.join(self.directory, SPARE_FILE)
+        try:
+            if fs.exists(path):
+                raise FileExistsError(path)     # never over a segment (O_EXCL's promise)
+            fs.replace(spare, path)
+        except OSError:
+            fs.close(fd)
+            unlink_quiet(spare, fs)
+            return None
+        return fd
+
+    async def _make_spare(self) -> None:
+        """Create the spare file in a worker thread (run_seals, when idle)."""
+        fs = self._fs
+        path = os.path.join(self.directory, SPARE_FILE)
+        try:
+            fd = await trio.to_thread.run_sync(
+                fs.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND |
+                os.O_CLOEXEC, 0o644)
+        except OSError:
+            return                              # the next segment is created on the loop
+        if self._closed or self.spare_fd is not None:
+            fs.close(fd)
+            if self._closed:
+                unlink_quiet(path, fs)
+            return
+        self.spare_fd = fd
+
     # -- syncing ------------------------------------------------------------------
     def sync(self) -> None:
-        """fdatasync the active segment now (if anything is unsynced)."""
+        """fdatasync the active segment now (if anything is unsynced), after the seals
+        queued so far (done here, blocking, if need be) and the directory fsync a new
+        segment is owed."""
+        if self.sealing:
+            self.finish_seals()
+        if self.dir_synced < self.dir_gen:
+            gen = self.dir_gen
+            self.sync_dir()
+            self.dir_synced = max(self.dir_synced, gen)
         if not self.unsynced or self.fd is None:
             return
         try:
@@ -207,7 +333,29 @@ class SegmentWriter:
         meanwhile is harmless (sealing fsyncs by itself).  Everything appended before the
         call started is durable when it returns; raises :class:`SpoolWriteError` otherwise.
         The duplicate comes from the fd reserve when the process is out of descriptors.
+        Waits first for the seals queued before the call (the records of the segments
+        they close are durable then) and makes a new segment's name durable.
         """
+        gen = self.dir_gen
+        if self.sealing:
+            # every segment that existed at the call may hold records appended before it,
+            # also one a roll closes while this waits
+            below = self._ledger.next_segno
+            while True:
+                job = next((j for j in self.sealing
+                            if j.seg.segno < below and j.stage != SealJob.DONE), None)
+                if job is None:
+                    break
+                if job.error is not None:
+                    raise job.error
+                await job.changed.wait()
+        if self.dir_synced < gen:
+            try:
+                await trio.to_thread.run_sync(self._fs.sync_dir, self.directory)
+            except OSError as e:
+                raise self._errors.count(write_error("syncing directory", self.directory,
+                                                     e)) from None
+            self.dir_synced = max(self.dir_synced, gen)
         if not self.unsynced or self.fd is None:
             return
         fs = self._fs
@@ -247,23 +395,45 @@ class SegmentWriter:
 
     # -- small files --------------------------------------------------------------
     def write_json(self, path: str, obj: dict) -> None:
-        fs = self._fs
-        tmp = path + ".tmp"
-        data = json.dumps(obj).encode()
         try:
-            fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                write_all(fs, fd, data, path)    # a short write must not replace the file
-                if self.fsync != "never":
-                    fs.fsync(fd)
-            finally:
-                fs.close(fd)
-            fs.replace(tmp, path)
+            self._write_json(path, obj)
         except OSError as e:
             raise self._errors.count(write_error("writing", path, e)) from None
 
+    def _write_json(self, path: str, obj: dict, tmp: str | None = None) -> None:
+        """Replace ``path`` by ``obj`` (raises ``OSError``; no counting: a worker thread
+        calls it too)."""
+        fs = self._fs
+        tmp = tmp or path + ".tmp"
+        data = json.dumps(obj).encode()
+        fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fs, fd, data, path)    # a short write must not replace the file
+            if self.fsync != "never":
+                fs.fsync(fd)
+        finally:
+            fs.close(fd)
+        fs.replace(tmp, path)
+
     def save_state(self) -> None:
-        self.write_json(os.path.join(self.directory, STATE_FILE), self._ledger.state())
+        try:
+            self._save_state(self._ledger.state(), ".tmp")
+        except OSError as e:
+            raise self._errors.count(write_error("writing", self._state_path(), e)) from None
+
+    def _state_path(self) -> str:
+        return os.path.join(self.directory, STATE_FILE)
+
+    def _save_state(self, state: dict, suffix: str) -> None:
+        """Write ``state`` unless a newer one was written (a seal job's worker thread and
+        the loop may both write it; the numbering in the file never goes back)."""
+        key = (state["next_segno"], state["next_seq"])
+        with self._state_lock:
+            if key < self._state_written:
+                return
+            path = self._state_path()
+            self._write_json(path, state, path + suffix)
+            self._state_written = key
 
     # -- sealing ------------------------------------------------------------------
     def seal_active(self, notify: bool = True) -> None:
@@ -293,7 +463,10 @@ class SegmentWriter:
                 write_all(fs, fd, rec, "seal record")
             fs.fsync(fd)                       # always: sealed segments are published
         except OSError as e:
-            if is_disk_full(e) and self._seal_later(seg, fd, e):
+            if is_disk_full(e) and self._seal_later(seg, fd, e, self.unsynced):
+                self.active, self.fd = None, None
+                self.unsynced = False
+                self.dirty_tail = False
                 return
             self.dirty_tail = True
             raise self._errors.count(write_error("sealing", seg.path, e)) from None
@@ -337,16 +510,16 @@ class SegmentWriter:
             except Exception:
                 log.exception("spool: seal listener %r failed", cb)
 
-    def _seal_later(self, seg: Seg, fd: int, err: OSError) -> bool:
-        """The disk is full and the reserve is gone: close the segment in memory and owe
-        its seal record (written by :meth:`retry_pending_seals`)."""
+    def _seal_later(self, seg: Seg, fd: int, err: OSError, unsynced: bool) -> bool:
+        """The disk is full and the reserve is gone: close the segment (and ``fd``) in
+        memory and owe its seal record (written by :meth:`retry_pending_seals`)."""
         fs = self._fs
         try:
             fs.ftruncate(fd, seg.data_end)
         except OSError:
             return False
         self._errors.count(write_error("sealing", seg.path, err))
-        if self.unsynced:
+        if unsynced:
             # its records are no longer the active segment's: sync() would not reach them
             try:
                 fs.fdatasync(fd)
@@ -354,9 +527,6 @@ class SegmentWriter:
             except OSError:
                 pass
         fs.close(fd)
-        self.active, self.fd = None, None
-        self.unsynced = False
-        self.dirty_tail = False
         seg.sealed = True
         self.deferred_seals += 1
         self.pending_seals.append(seg)
@@ -397,7 +567,179 @@ class SegmentWriter:
                 continue
             self._notify_sealed(seg)
 
+    # -- background seals (module text) ---------------------------------------------
+    def can_defer_seals(self) -> bool:
+        """Background seals only where the owner's syncs wait off the loop too (else
+        :meth:`sync` would wait for them on the loop anyway)."""
+        return self.fsync == "never" or (self.fsync == "batch" and self.defer_batch_sync) \
+            or (self.fsync == "interval" and self.defer_interval_sync)
+
+    async def run_seals(self, on_sealed: Callable[[], Awaitable[None]],
+                        retry_s: float = 0.5) -> None:
+        """Do the queued seals, in order, their waits in worker threads (the spool's
+        :meth:`run`); ``await on_sealed()`` after each.  A failed seal is counted and retried
+        (meanwhile :meth:`sync_async` raises its error)."""
+        while True:
+            if not self.sealing:
+                if self.spare_fd is None and not self._closed:
+                    await self._make_spare()
+                    if self.sealing:
+                        continue
+                self._seal_wake = trio.Event()
+                await self._seal_wake.wait()
+                continue
+            job = self.sealing[0]
+            if job.stage == SealJob.WRITE:
+                job.runner = token = object()
+                job.idle.clear()
+                try:
+                    err = await trio.to_thread.run_sync(self._seal_write, job)
+                finally:
+                    job.idle.set()
+                if job.runner is not token:
+                    continue                    # done meanwhile by finish_seals (close)
+                self._seal_written(job, err)
+            if job.stage == SealJob.RENAME:
+                self._seal_rename(job)
+            if job.stage == SealJob.DIRSYNC:
+                gen = self.dir_gen
+                job.runner = token = object()
+                job.idle.clear()
+                try:
+                    err = await trio.to_thread.run_sync(self._seal_dirsync, job)
+                finally:
+                    job.idle.set()
+                if job.runner is not token:
+                    continue
+                self._seal_finish(job, err, gen)
+            if job.stage == SealJob.DONE:
+                self.sealing.popleft()
+                job._changed()
+                await on_sealed()
+            else:
+                await trio.sleep(retry_s)
+
+    def finish_seals(self, final: bool = False) -> None:
+        """Do the queued seals here and now (blocking: closing, or a sync on the loop).
+        A seal that fails raises its :class:`SpoolWriteError`; with ``final`` (closing)
+        its segment is left ``.open`` instead (the recovery seals it) and the rest go on."""
+        while self.sealing:
+            job = self.sealing[0]
+            job.idle.wait()                   # a stage running in a worker thread
+            job.runner = None                 # its result is stale now: done again here
+            if job.stage == SealJob.WRITE:
+                self._seal_written(job, self._seal_write(job))
+            if job.stage == SealJob.RENAME:
+                self._seal_rename(job)
+            if job.stage == SealJob.DIRSYNC:
+                gen = self.dir_gen
+                self._seal_finish(job, self._seal_dirsync(job), gen)
+            if job.stage != SealJob.DONE:
+                if not final:
+                    raise job.error
+                if job.fd is not None:
+                    self._fs.close(job.fd)
+                    job.fd = None
+                job.stage = SealJob.DONE
+            self.sealing.popleft()
+            job._changed()
+
+    def _seal_write(self, job: SealJob) -> OSError | None:
+        """(worker thread) Append the seal record and fsync: every record of the
+        segment is durable then."""
+        fs = self._fs
+        try:
+            if job.attempts:
+                fs.ftruncate(job.fd, job.seg.data_end)      # what a failed attempt left
+            job.attempts += 1
+            write_all(fs, job.fd, job.rec, "seal record")
+            fs.fsync(job.fd)
+        except OSError as e:
+            return e
+        return None
+
+    def _seal_written(self, job: SealJob, err: OSError | None) -> None:
+        seg, fd = job.seg, job.fd
+        if err is not None and is_disk_full(err):
+            # the reserve gives a seal its space (on the loop: a full disk is rare)
+            fs = self._fs
+            try:
+                fs.ftruncate(fd, seg.data_end)
+                if not self._budget.release_reserve():
+                    raise err
+                write_all(fs, fd, job.rec, "seal record")
+                fs.fsync(fd)
+                err = None
+            except OSError as e:
+                if is_disk_full(e) and self._seal_later(seg, fd, e, job.unsynced):
+                    job.fd = None
+                    job.stage = SealJob.DONE
+                    job.error = None
+                    job._changed()
+                    return
+                err = e
+        if err is not None:
+            job.error = self._errors.count(write_error("sealing", seg.path, err))
+            job._changed()
+            return
+        self.fsyncs += 1
+        job.error = None
+        job.stage = SealJob.RENAME
+        job._changed()
+
+    def _seal_rename(self, job: SealJob) -> None:
+        """(loop) The seal record is durable: rename the segment to its sealed name."""
+        seg = job.seg
+        self._fs.close(job.fd)
+        job.fd = None
+        if self._ledger.segs.get(seg.segno) is not seg:
+            job.stage = SealJob.DONE             # dropped meanwhile: nothing to announce
+            return
+        seg.size = seg.data_end + len(job.rec)
+        self._ledger.bytes += len(job.rec)
+        self.sealed_segments += 1
+        new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
+        try:
+            self._fs.replace(seg.path, new)
+        except OSError as e:
+            # the seal record is on disk; recovery renames it.  Readers keep the old name.
+            self._errors.count(write_error("renaming sealed segment", seg.path, e))
+            seg.sealed = True
+            job.stage = SealJob.DONE
+            return
+        seg.path = new
+        job.stage = SealJob.DIRSYNC
+
+    def _seal_dirsync(self, job: SealJob) -> OSError | None:
+        """(worker thread) fsync the directory (the rename, and the names of segments
+        created since), then the state file as of the roll."""
+        try:
+            self._fs.sync_dir(self.directory)
+            self._save_state(job.state, ".seal.tmp")
+        except OSError as e:
+            return e
+        return None
+
+    def _seal_finish(self, job: SealJob, err: OSError | None, gen: int) -> None:
+        """(loop) The segment is sealed: announce it."""
+        seg = job.seg
+        if err is not None:
+            # counted; the seal record is durable, the name is fixed up by the recovery
+            self._errors.count(write_error("syncing directory", self.directory, err))
+        else:
+            self.dir_synced = max(self.dir_synced, gen)
+        job.stage = SealJob.DONE
+        if self._ledger.segs.get(seg.segno) is seg:
+            seg.sealed = True
+            self._notify_sealed(seg)
+            self._ledger.announce_append()     # readers and output workers look again
+
     def close(self) -> None:
+        self._closed = True
+        if self.spare_fd is not None:
+            self._fs.close(self.spare_fd)
+            self.spare_fd = None
+            unlink_quiet(os.path.join(self.directory, SPARE_FILE), self._fs)
         if self.fd is not None:
             self._fs.close(self.fd)
             self.fd = None
