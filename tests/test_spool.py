@@ -493,3 +493,61 @@ def test_cursor_log_torn_tail_and_compaction(tmp_path, monkeypatch):
     sp = open_spool(tmp_path, readers=["a"])
     assert seq_of(sp.reader("a").read(1)[0]) == 60
     sp.close()
+
+
+async def test_a_cursor_sync_still_running_is_not_taken_for_durable(tmp_path, monkeypatch):
+    """A cursor fdatasync running in a worker thread marks the log clean when it starts;
+    a deletion on the loop meanwhile must sync again (its own fdatasync), not find the log
+    clean and delete a segment whose cursor is not on disk yet (a power loss would then
+    report delivered records as lost)."""
+    from logjam_relay.spool import cursors as cursors_mod
+    from logjam_relay.spool import reader as reader_mod
+    release = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    loop_syncs = []
+
+    def slow_thread_sync(fd):                       # the worker thread's fdatasync, held
+        trio.from_thread.run_sync(lambda: None, trio_token=token)
+        trio.from_thread.run(release.wait, trio_token=token)
+
+    monkeypatch.setattr(reader_mod, "_fdatasync", slow_thread_sync)
+    monkeypatch.setattr(cursors_mod, "_fdatasync", lambda fd: loop_syncs.append(fd))
+    sp = open_spool(tmp_path, readers=["a"], fsync="interval", segment_bytes=1 << 20)
+    fill(sp, 0, 20)                                 # one segment, still active
+    r = sp.reader("a")
+    recs = drain(r)
+    r.ack(recs[-1].position)                        # written, nothing to delete yet
+    assert r._log.dirty and loop_syncs == [] and sp.stats()["segments"] == 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(r.sync_cursor_async)
+        await trio.sleep(0.05)                      # its fdatasync is running (held)
+        assert not r._log.dirty and loop_syncs == []
+        sp.seal()                                   # sealed, acknowledged: deleted
+        assert len(loop_syncs) == 1                 # ... after a sync of its own
+        assert sp.stats()["segments"] == 0
+        release.set()
+    assert await r.sync_cursor_async() is True      # nothing left to sync
+    sp.close()
+
+
+def test_no_deletion_when_the_cursor_cannot_be_made_durable(tmp_path, monkeypatch):
+    from logjam_relay.spool import cursors as cursors_mod
+    fail = [True]
+
+    def sync(fd):
+        if fail[0]:
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(cursors_mod, "_fdatasync", sync)
+    sp = open_spool(tmp_path, readers=["a"], fsync="interval")
+    fill(sp, 0, 200)
+    r = sp.reader("a")
+    recs = drain(r)
+    r.ack(recs[-1].position)
+    before = sp.stats()["segments"]
+    sp.delete_acknowledged()
+    assert sp.stats()["segments"] == before and r.cursor_errors >= 1
+    fail[0] = False
+    sp.delete_acknowledged()
+    assert sp.stats()["segments"] < before
+    sp.close()

@@ -120,6 +120,7 @@ class CursorLog:
         self._fd: int | None = None
         self._entries = 0
         self.dirty = False
+        self._syncing = 0                       # fdatasyncs running in worker threads
         self.writes = 0
         self.compactions = 0
 
@@ -186,17 +187,27 @@ class CursorLog:
 
     def take_sync(self) -> int | None:
         """For a sync off the event loop: a duplicate of the log's descriptor, which the
-        caller fdatasyncs and closes (a compaction meanwhile is harmless: it fsyncs by
-        itself), with the log marked clean -- an append meanwhile marks it dirty again.
-        None when there is nothing to sync."""
-        if not self.dirty or self._fd is None:
+        caller fdatasyncs, then closes and reports with :meth:`sync_finished` (a
+        compaction meanwhile is harmless: it fsyncs by itself), with the log marked clean
+        -- an append meanwhile marks it dirty again.  None when there is nothing to sync:
+        nothing written since the last sync and no sync still running (one that runs is
+        not durable yet, so a caller that needs durability syncs again)."""
+        if not (self.dirty or self._syncing) or self._fd is None:
             return None
         fd = _FDS.dup(self._fd)
         self.dirty = False
+        self._syncing += 1
         return fd
 
+    def sync_finished(self, ok: bool) -> None:
+        self._syncing -= 1
+        if not ok:
+            self.dirty = True                   # try again next time
+
     def sync(self) -> None:
-        if self.dirty and self._fd is not None:
+        """fdatasync now when anything written may not be durable yet (also while a
+        sync of it runs in a thread: the caller may be about to rely on it)."""
+        if (self.dirty or self._syncing) and self._fd is not None:
             _fdatasync(self._fd)
             self.dirty = False
 

@@ -421,33 +421,40 @@ class SpoolReader:
         except SpoolError:
             pass                # counted and logged; a stale cursor only causes duplicates
 
-    def sync_cursor(self) -> None:
+    def sync_cursor(self) -> bool:
+        """True once the cursor log is durable (False: the error is counted)."""
         try:
             self._log.sync()
+            return True
         except OSError as e:
             self.cursor_errors += 1
             self._spool.errors.count(write_error("syncing cursor", self._log.path, e))
+            return False
 
-    async def sync_cursor_async(self) -> None:
+    async def sync_cursor_async(self) -> bool:
         """:meth:`sync_cursor` in a worker thread (``fsync = "interval"`` with
-        ``defer_interval_sync``): an fdatasync no longer stalls the event loop."""
+        ``defer_interval_sync``): an fdatasync no longer stalls the event loop.  True once
+        the cursor log is durable, a sync that was still running included."""
         log = self._log
         try:
             fd = log.take_sync()
         except OSError as e:
             self.cursor_errors += 1
             self._spool.errors.count(write_error("syncing cursor", log.path, e))
-            return
+            return False
         if fd is None:
-            return
+            return True
+        ok = False
         try:
             await trio.to_thread.run_sync(_fdatasync, fd)
+            ok = True
         except OSError as e:
-            log.dirty = True                     # try again next time
             self.cursor_errors += 1
             self._spool.errors.count(write_error("syncing cursor", log.path, e))
         finally:
             _FDS.close(fd)
+            log.sync_finished(ok)
+        return ok
 
     def close(self) -> None:
         if self._pending:

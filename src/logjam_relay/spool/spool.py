@@ -381,21 +381,24 @@ class Spool:
                                         for r in readers):
                 break
             if not durable:
-                self._cursors_durable()
+                if not self._cursors_durable():
+                    break                       # counted; deleted after a sync that worked
                 durable = True
             self._delete(oldest)
             self.deleted_segments += 1
         self._prune_gaps()
 
-    def _cursors_durable(self) -> None:
+    def _cursors_durable(self) -> bool:
         """Before an acknowledged segment is deleted, the cursors that allow it are made
         durable (written and fdatasynced; once per deleted segment, whatever ``fsync``
         says).  Otherwise a power loss could keep the deletion and lose the cursor: the
         restarted reader's cursor would point into the deleted segment, and records that
         were delivered would be reported lost."""
+        ok = True
         for r in self.readers.values():
             r.persist_quiet()
-            r.sync_cursor()
+            ok = r.sync_cursor() and ok
+        return ok
 
     def _prune_gaps(self) -> None:
         """Forget gaps every reader's cursor (and pending drop) is past."""
@@ -510,9 +513,12 @@ class Spool:
             return oldest
         if deletable() is None:
             return
+        durable = True
         for r in readers:                       # durable before the deletion (invariant 4)
             r.persist_quiet()
-            await r.sync_cursor_async()
+            durable = await r.sync_cursor_async() and durable
+        if not durable:
+            return                              # counted; deleted after a sync that worked
         while not self._closed and (seg := deletable()) is not None:
             for r in readers:
                 r.forget(seg.segno)
