@@ -46,23 +46,6 @@ _HANDED_OUT: set[int] = set()
 _rng = random.Random(os.getpid() ^ time.monotonic_ns())
 _PORT_RANGE = (20000, 32767)  # below Linux's ephemeral range (32768-60999): outgoing
                               # connections never take these behind a test's back
-# Spark's JVMs in the tests (the drivers of `pipeline stats`, the tests' own sessions, the
-# executors of the cluster test, the Connect server) run with the C1 JIT compiler only:
-# jobs of a few thousand records in JVMs that live seconds, where C2's compiler threads
-# cost more CPU than they save (the product does the same for a local batch run,
-# pipeline/cli.py C1_ONLY).  Nothing the tests assert depends on the JIT tier; the benches
-# in bench/ use Spark's defaults.  A SPARK_CONF_DIR of the caller's is kept as it is.
-if "SPARK_CONF_DIR" not in os.environ:
-    import tempfile
-    _conf = tempfile.mkdtemp(prefix="logjam-relay-tests-sparkconf-")
-    with open(os.path.join(_conf, "spark-defaults.conf"), "w") as _f:
-        _f.write("spark.driver.extraJavaOptions -XX:TieredStopAtLevel=1\n"
-                 "spark.executor.extraJavaOptions -XX:TieredStopAtLevel=1\n")
-    os.environ["SPARK_CONF_DIR"] = _conf
-    import atexit
-    import shutil
-    atexit.register(shutil.rmtree, _conf, True)
-
 # The suite runs in two pytest-xdist workers (pyproject.toml: -n 2): each worker hands out
 # ports from its own part of the range, so two workers never pick the same port.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")

@@ -182,7 +182,6 @@ def cluster(tmp_path_factory):
     d = tmp_path_factory.mktemp("cluster")
     spark_class = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-class")
     env = base_env(SPARK_HOME=os.path.dirname(pyspark.__file__), SPARK_DAEMON_MEMORY="256m",
-                   SPARK_DAEMON_JAVA_OPTS="-XX:TieredStopAtLevel=1",
                    SPARK_LOG_DIR=str(d / "logs"), SPARK_WORKER_DIR=str(d / "work"),
                    SPARK_NO_DAEMONIZE="1")
     port, ui = free_port(), free_port()

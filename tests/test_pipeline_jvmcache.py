@@ -163,3 +163,33 @@ def test_a_build_keeps_jars_in_use_and_removes_what_dead_runs_left(tmp_path):
     (archive_dir / f"spark-abc.{live}.tmp").write_bytes(b"x")
     jvmcache.remove_stale_parts(str(archive_dir), "spark-*.*.tmp")
     assert os.listdir(archive_dir) == [f"spark-abc.{live}.tmp"]
+
+
+def test_no_archive_with_a_configuration_directory_on_the_classpath(tmp_path, monkeypatch):
+    """Spark's launcher puts SPARK_CONF_DIR (or $SPARK_HOME/conf), HADOOP_CONF_DIR and
+    YARN_CONF_DIR on the driver's classpath, and the JVM writes no class archive with a
+    non-empty directory there: it printed "Error occurred during initialization of VM"
+    into the command's output at the end of every run.  No archive is tried; one line says
+    why.  An empty or missing directory is no obstacle."""
+    from logjam_relay.pipeline.cli import _class_archive
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    for k in ("SPARK_CONF_DIR", "HADOOP_CONF_DIR", "YARN_CONF_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "no-spark-home"))
+    monkeypatch.setenv("SPARK_CONF_DIR", str(conf_dir))
+    lines: list[str] = []
+    conf: dict = {}
+    assert jvmcache.classpath_blockers() == []
+    archive = _class_archive(str(tmp_path / "cache"), conf, True, lines.append)
+    assert archive is not None and "ArchiveClassesAtExit" in conf["spark.driver.extraJavaOptions"]
+    (conf_dir / "spark-defaults.conf").write_text("spark.ui.enabled false\n")
+    for env in ({"SPARK_CONF_DIR": str(conf_dir)},
+                {"SPARK_CONF_DIR": str(tmp_path / "missing"), "HADOOP_CONF_DIR": str(conf_dir)}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        lines.clear()
+        conf = {}
+        assert jvmcache.classpath_blockers() == [str(conf_dir)]
+        assert _class_archive(str(tmp_path / "cache"), conf, True, lines.append) is None
+        assert conf == {} and len(lines) == 1 and str(conf_dir) in lines[0], lines

@@ -126,10 +126,15 @@ def _class_archive(setting: str, conf: dict, launching: bool, log):
     ``spark.driver.extraJavaOptions``; None when off or not applicable."""
     if not launching or setting == "off":
         return None
-    from .jvmcache import ClassArchive, default_dir
+    from .jvmcache import ClassArchive, classpath_blockers, default_dir
     d = default_dir() if setting == "auto" else setting
     opts = conf.get("spark.driver.extraJavaOptions", "")
     if d is None or "SharedArchiveFile" in opts or "ArchiveClassesAtExit" in opts:
+        return None
+    blockers = classpath_blockers()
+    if blockers:
+        log(f"JVM class archive: off ({blockers[0]} is on the driver's classpath and not "
+            f"empty: the JVM archives no classes then)")
         return None
     try:
         os.environ.update(ensure_java())

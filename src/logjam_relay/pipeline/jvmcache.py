@@ -139,6 +139,32 @@ class ClassArchive:
         return ok
 
 
+def classpath_blockers(env: dict | None = None) -> list[str]:
+    """The non-empty directories Spark's launcher puts on the driver's classpath (its
+    configuration directory, ``HADOOP_CONF_DIR``, ``YARN_CONF_DIR``): the JVM refuses to
+    write or map a class archive with one of them there ("Cannot have non-empty directory
+    in paths"), so none is tried."""
+    env = os.environ if env is None else env
+    conf = env.get("SPARK_CONF_DIR")
+    if not conf:
+        home = env.get("SPARK_HOME")
+        if not home:
+            try:
+                from pyspark.find_spark_home import _find_spark_home
+                home = _find_spark_home()
+            except Exception:
+                home = None
+        conf = os.path.join(home, "conf") if home else None
+    out = []
+    for d in (conf, env.get("HADOOP_CONF_DIR"), env.get("YARN_CONF_DIR")):
+        try:
+            if d and os.path.isdir(d) and os.listdir(d):
+                out.append(d)
+        except OSError:
+            pass
+    return out
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
