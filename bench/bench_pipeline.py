@@ -396,7 +396,7 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--data", default=None,
                     help="keep the generated data here (DATA/N) and reuse it in later runs")
-    ap.add_argument("--engine", default="auto", choices=("auto", "sql", "python"),
+    ap.add_argument("--engine", default="auto", choices=("auto", "jvm", "sql", "python"),
                     help="pipeline stats --engine")
     ap.add_argument("--repeat", type=int, default=3, help="scan repetitions")
     ap.add_argument("--repeat-jobs", type=int, default=2, help="whole-process repetitions")
