@@ -2,7 +2,7 @@
 data source scan against Spark's Parquet scan, at several sizes in one run.
 
     python bench/bench_pipeline.py [--records 1000000 10000000] [--master local[2]]
-                                   [--data DIR] [--dir /tmp] [--engine auto|sql|python]
+                                   [--data DIR] [--dir /tmp] [--engine auto|jvm|sql|python]
 
 1. For each size, realistic records (``bench/pipeline_data.py``: 7 apps in 13 app-envs, the
    logjam agents' body fields, bodies of ~300 B-3.4 KB, mixed compressions, 4 devices with
