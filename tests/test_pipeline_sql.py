@@ -1,11 +1,14 @@
-"""The ``sql`` engine of ``pipeline stats``: the JVM reader extracts the request fields
-(Extract.java, IsoTime.java) and one Spark SQL aggregation makes the tables.
+"""The JVM engines of ``pipeline stats``: the JVM reader extracts the request fields
+(Extract.java, IsoTime.java); the ``jvm`` engine aggregates them per partition on the JVM
+(Partials.java: the partial rows of partial.py) and Spark merges them as the python
+engine's; the ``sql`` engine makes the tables in one Spark SQL aggregation.
 
 * the extracted columns equal the Python data source's (json.loads semantics) on every row
   the JVM decides, on bodies chosen to break a JSON walk; the rows it leaves to Python are
   exactly the expected ones;
-* the tables equal the ``python`` engine's (mapInArrow + partial aggregation) figure for
-  figure, exact percentiles included;
+* the tables of both equal the ``python`` engine's (mapInArrow + partial aggregation)
+  figure for figure, exact percentiles included, also with the JVM's partial rows cut in
+  small slices and batches (groups split across partitions);
 * an archive with a body only Python decides runs the ``python`` engine.
 Real Spark local mode, one session, small archives.
 """
@@ -21,6 +24,8 @@ pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark")
 
 from logjam_relay.pipeline import jvmreader, sample, stats  # noqa: E402
+from logjam_relay.pipeline.decode import list_segments  # noqa: E402
+from logjam_relay.pipeline.partial import PARTIAL_DDL  # noqa: E402
 from logjam_relay.protocols.logjam import compress  # noqa: E402
 
 CREATED = 1_700_006_280_000
@@ -93,7 +98,7 @@ def spark():
     s.stop()
 
 
-def _archive(d, bodies, *, extra=()):
+def _archive(d, bodies, *, extra=(), segment_bytes=1 << 20):
     """An archive with the ``bodies`` as logs records (all four compressions), plus
     ``extra`` messages."""
     msgs = []
@@ -102,7 +107,8 @@ def _archive(d, bodies, *, extra=()):
         msgs.append(sample.Msg(b"shop-production", b"logs.shop.production", b, c,
                                compress(b, c), 1 + i % 2, CREATED + 997 * i, i + 1))
     msgs.extend(extra)
-    sample.write_archive(d / "spool", d / "archive", msgs, segment_bytes=1 << 20, batch=50)
+    sample.write_archive(d / "spool", d / "archive", msgs, segment_bytes=segment_bytes,
+                         batch=50)
     return str(d / "archive")
 
 
@@ -184,35 +190,57 @@ def assert_same_tables(a: dict, b: dict):
                     assert x == y, (name, k, c, x, y)
 
 
-def test_sql_engine_equals_python_engine(spark, tmp_path):
+def test_jvm_and_sql_engines_equal_python_engine(spark, tmp_path):
     # sample traffic (malformed records, gaps, four app-envs, other topics, started_at)
-    # plus the tricky bodies the JVM decides
+    # plus the tricky bodies the JVM decides, over several segments
     extra = sample.make_messages(4000, seed=11, malformed=True, gaps=True,
                                  base_ms=CREATED - 3 * 60_000)
     # (not the started_ms beyond Spark's timestamp range: neither engine takes those)
     archive = _archive(tmp_path, [b for b, d in TRICKY if d and b"922337" not in b],
-                       extra=extra)
-    assert stats.choose_engine(spark, archive) == ("sql", "JVM reader")
-    sql_t, sql_s, sql_agg = stats.compute_tables(spark, archive, 300.0, "sql")
+                       extra=extra, segment_bytes=256 << 10)
+    assert len(list_segments(archive)) > 2
+    assert stats.choose_engine(spark, archive) == ("jvm", "JVM reader")
     py_t, py_s, py_agg = stats.compute_tables(spark, archive, 300.0, "python")
+    aggs = [py_agg]
     try:
-        assert sql_s["engine"] == "sql" and py_s["engine"] == "python"
-        assert sql_s == {**py_s, "engine": "sql"}
-        assert sql_s["bad_json"] > 10 and sql_s["bad_records"] > 3
-        assert_same_tables(sql_t, py_t)
+        assert py_s["engine"] == "python"
+        assert py_s["bad_json"] > 10 and py_s["bad_records"] > 3
+        for engine in ("jvm", "sql"):
+            t, s, agg = stats.compute_tables(spark, archive, 300.0, engine)
+            aggs.append(agg)
+            assert s == {**py_s, "engine": engine}
+            assert_same_tables(t, py_t)
         # the data has several values per group: the exact percentiles mean something
-        big = [r for r in _table(sql_t["request_stats"], KEYS["request_stats"]).values()
+        big = [r for r in _table(py_t["request_stats"], KEYS["request_stats"]).values()
                if r["count"] >= 5 and r["total_time_p50"] != r["total_time_p95"]]
         assert len(big) > 20
+        # the JVM's partial rows: the schema of partial.py's; groups cut across many small
+        # partitions and output batches merge to the same tables
+        whole = stats.jvm_partial_frame(spark, archive, 300.0)
+        assert whole.schema == stats.partial_frame(spark, archive).schema
+        sliced = spark.read.format("logjam").schema(PARTIAL_DDL) \
+            .option("aggregate", "requests").option("apdexMs", "300") \
+            .option("recordsPerPartition", "97").option("batchRows", "5").load(archive)
+        assert sliced.rdd.getNumPartitions() > 40
+        merged = stats.merge_partials(sliced)
+        tables = stats.split_merged(merged)
+        tables["loss"] = py_t["loss"]
+        assert_same_tables(tables, py_t)
+        assert stats.summary_of_merged(merged, undecided=True) == {
+            **{k: v for k, v in py_s.items() if k != "engine"}, "undecided": 0,
+            "counts": {k: v for k, v in py_s["counts"].items() if k != "loss"}}
     finally:
-        sql_agg.unpersist()
-        py_agg.unpersist()
+        for a in aggs:
+            a.unpersist()
 
 
 def test_undecided_body_runs_the_python_engine(spark, tmp_path, caplog):
     bodies = [b'{"action":"A#b","total_time":%d}' % i for i in range(30)]
     bodies.append(b'{"action":"A#b","total_time":NaN}')
     archive = _archive(tmp_path, bodies)
+    # the jvm engine's partial rows count it (and only it)
+    merged = stats.merge_partials(stats.jvm_partial_frame(spark, archive))
+    assert stats.summary_of_merged(merged, undecided=True)["undecided"] == 1
     tables, summary, agg = stats.compute_tables(spark, archive)
     try:
         assert summary["engine"] == "python"
@@ -225,10 +253,16 @@ def test_undecided_body_runs_the_python_engine(spark, tmp_path, caplog):
 
 def test_engine_choice(spark, tmp_path, monkeypatch):
     archive = _archive(tmp_path, [b'{"action":"A#b"}'])
-    assert stats.choose_engine(spark, archive)[0] == "sql"
+    assert stats.choose_engine(spark, archive)[0] == "jvm"
+    with pytest.raises(Exception, match="option aggregate must be 'requests'"):
+        spark.read.format("logjam").option("aggregate", "sums").load(archive)
+    with pytest.raises(Exception, match="option aggregate: the schema is"):
+        spark.read.format("logjam").schema("app string").option("aggregate", "requests") \
+            .load(archive).collect()
     monkeypatch.setattr(jvmreader, "MAX_SEGMENT_BYTES", 100)
     engine, why = stats.choose_engine(spark, archive)
     assert engine == "python" and "too big" in why
-    with pytest.raises(ValueError, match="engine sql: .*too big"):
-        stats.compute_tables(spark, archive, engine="sql")
+    for asked in ("jvm", "sql"):
+        with pytest.raises(ValueError, match=f"engine {asked}: .*too big"):
+            stats.compute_tables(spark, archive, engine=asked)
     assert os.path.isdir(archive)

@@ -193,12 +193,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--report", metavar="FILE.html",
                     help="then write the report of the tables (as `pipeline report`); "
                          "batch runs and --stream --available-now")
-    st.add_argument("--engine", choices=("auto", "sql", "python"), default="python",
-                    help="batch runs: python (default) = Python tasks decode and "
-                         "pre-aggregate (mapInArrow); sql = the JVM reader extracts the "
-                         "request fields and one Spark SQL aggregation makes the tables "
-                         "(same tables; not yet shown faster, see docs/pipeline.md); "
-                         "auto = sql when the JVM reader is available, else python")
+    st.add_argument("--engine", choices=("auto", "jvm", "sql", "python"), default="auto",
+                    help="batch runs: auto (default) = jvm when the JVM reader is "
+                         "available, else python; jvm = the JVM reader decodes, extracts "
+                         "and pre-aggregates each partition, Spark merges; python = Python "
+                         "tasks decode and pre-aggregate (mapInArrow); sql = the JVM reader "
+                         "extracts the request fields and one Spark SQL aggregation makes "
+                         "the tables (slower; see docs/pipeline.md).  Same tables")
     st.add_argument("-q", "--quiet", action="store_true", help="only the summary")
     rp = sub.add_parser("report", help="one self-contained HTML file of charts from the "
                                        "tables of `pipeline stats` (no Spark needed)")
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.stream and a.engine == "python" and master is not None and _is_local(master):
         # the python engine in one short-lived JVM: its C2 JIT compiler threads cost more
         # CPU than the optimised code saves (measured: ~40 % less JVM CPU time for 1M
-        # records); the sql engine decodes and parses every body on the JVM, where C2 pays
+        # records); the jvm and sql engines decode and parse every body on the JVM, where C2 pays
         # off.  `--conf spark.driver.extraJavaOptions=` (empty) gives the JVM's default back
         conf.setdefault("spark.driver.extraJavaOptions", C1_ONLY)
     if not a.stream:

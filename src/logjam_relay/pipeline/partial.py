@@ -16,7 +16,10 @@ Partial rows (:data:`PARTIAL_DDL`) have a ``kind``:
 * ``K_EXCEPTION`` (1) -- one (minute, app, env, action, exception) count;
 * ``K_TOPIC`` (2) -- one (minute, app, env, topic) count for the other topics;
 * ``K_OTHER`` (3) -- per batch: the input summary counters (rows, undecodable, corrupt,
-  bodies not JSON).
+  bodies not JSON);
+* ``K_UNDECIDED`` (4) -- only from the JVM reader's partial rows (the ``jvm`` engine,
+  ``Partials.java``, the same rows made on the JVM): ``count`` = the logs bodies whose
+  fields it leaves to Python's JSON rules (then the python engine reads the archive).
 
 The definitions are those of :func:`logjam_relay.pipeline.stats.aggregate` (the DataFrame
 version the streaming mode runs over ``_records``), figure for figure; the tests compare
@@ -31,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-K_REQUEST, K_EXCEPTION, K_TOPIC, K_OTHER = 0, 1, 2, 3
+K_REQUEST, K_EXCEPTION, K_TOPIC, K_OTHER, K_UNDECIDED = 0, 1, 2, 3, 4
 
 #: the columns the partial aggregation needs from the decoder (no body)
 SCAN_COLUMNS = ("app", "env", "topic", "created_ms", "error", "action", "started_ms",

@@ -40,7 +40,7 @@ RECORD_DDL = ("app string, env string, topic string, device long, sequence long,
               "exceptions array<string>, bad_json boolean")
 
 # kinds of the combined aggregation's keys (one numbering with the partial rows)
-from .partial import K_EXCEPTION, K_OTHER, K_REQUEST, K_TOPIC  # noqa: E402,F401
+from .partial import K_EXCEPTION, K_OTHER, K_REQUEST, K_TOPIC, K_UNDECIDED  # noqa: E402,F401
 
 # --------------------------------------------------------------------- Spark side
 
@@ -208,16 +208,22 @@ def split_merged(agg) -> dict:
     return {"request_stats": _request_table(a), "exceptions": exc, "topics": _topic_table(a)}
 
 
-def summary_of_merged(agg) -> dict:
-    """The input summary and the row count of each table, in one (small) job."""
+def summary_of_merged(agg, undecided: bool = False) -> dict:
+    """The input summary and the row count of each table, in one (small) job;
+    ``undecided``: also the count of the JVM reader's K_UNDECIDED rows (``undecided``)."""
     from pyspark.sql import functions as F
+    und = [F.sum(F.when(F.col("kind") == K_UNDECIDED, F.col("count"))).alias("undecided")] \
+        if undecided else []
     r = agg.agg(*(F.sum(c).alias(c) for c in ("_rows", "_bad", "_corrupt", "_bad_json")),
                 *(F.count(F.when(F.col("kind") == k, 1)).alias(n) for k, n in (
                     (K_REQUEST, "request_stats"), (K_EXCEPTION, "exceptions"),
-                    (K_TOPIC, "topics")))).collect()[0]
-    return {"rows_in": r["_rows"] or 0, "bad_records": r["_bad"] or 0,
-            "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0,
-            "counts": {n: r[n] for n in ("request_stats", "exceptions", "topics")}}
+                    (K_TOPIC, "topics"))), *und).collect()[0]
+    out = {"rows_in": r["_rows"] or 0, "bad_records": r["_bad"] or 0,
+           "corrupt_segments": r["_corrupt"] or 0, "bad_json": r["_bad_json"] or 0,
+           "counts": {n: r[n] for n in ("request_stats", "exceptions", "topics")}}
+    if undecided:
+        out["undecided"] = r["undecided"] or 0
+    return out
 
 
 def partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
@@ -236,15 +242,19 @@ def partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
     return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, PARTIAL_DDL)
 
 
-ENGINES = ("sql", "python")
+ENGINES = ("jvm", "sql", "python")
 
 
 def choose_engine(spark, input_dir: str) -> tuple[str, str]:
     """(engine, why) of a batch run -- the one place that picks it.
 
-    * ``sql``: the JVM reader (:mod:`.jvmreader`) decodes the segments and extracts the
-      request fields into columnar batches; one Spark SQL aggregation (:func:`aggregate`)
-      makes the tables; no Python on the per-record path.
+    * ``jvm`` (the default when the reader loads): the JVM reader (:mod:`.jvmreader`)
+      decodes each partition's records, extracts the request fields and aggregates them
+      itself (``option("aggregate", "requests")``: the partial rows of :mod:`.partial`, one
+      per group and partition); Spark merges them as the python engine's
+      (:func:`merge_partials`): no row per record, no Python worker.
+    * ``sql`` (only when asked for): the JVM reader extracts the request fields into
+      columnar batches, one Spark SQL aggregation (:func:`aggregate`) makes the tables.
     * ``python``: Python tasks (``mapInArrow``) decode slices and pre-aggregate each batch
       (:mod:`.partial`); Spark merges the partial rows.  Used when the session's JVM cannot
       load the reader (no jar, Spark Connect) or a segment is too big for it."""
@@ -258,7 +268,7 @@ def choose_engine(spark, input_dir: str) -> tuple[str, str]:
                 return "python", f"{path} is too big for the JVM reader"
         except OSError:
             pass                        # the reader reports it as a row
-    return "sql", "JVM reader"
+    return "jvm", "JVM reader"
 
 
 def _loss_walk(input_dir: str):
@@ -299,12 +309,13 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
     the loss table, which is sequential per device by definition (:mod:`.loss`)."""
     if engine is None:
         engine, _why = choose_engine(spark, input_dir)
-    elif engine == "sql":
+    elif engine in ("jvm", "sql"):
         can, why = choose_engine(spark, input_dir)
-        if can != "sql":
-            raise ValueError(f"engine sql: {why}")
-    if engine == "sql":
-        got = compute_tables_sql(spark, input_dir, apdex_ms)
+        if can != "jvm":
+            raise ValueError(f"engine {engine}: {why}")
+    if engine in ("jvm", "sql"):
+        run = compute_tables_jvm if engine == "jvm" else compute_tables_sql
+        got = run(spark, input_dir, apdex_ms)
         if got is not None:
             return got
         engine = "python"
@@ -369,17 +380,50 @@ def compute_tables_python(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX
     extracted in C, grouped by Arrow, no body, one row per group to the JVM); Spark merges
     the partial rows into the request, exception and topic tables in one small
     aggregation."""
-    src = partial_frame(spark, input_dir, apdex_ms)
+    return _merged_tables(spark, input_dir, partial_frame(spark, input_dir, apdex_ms),
+                          "python")
+
+
+def jvm_partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+    """The JVM reader's partial aggregates (the rows of :mod:`.partial`, plus a K_UNDECIDED
+    row counting the logs bodies it leaves to Python's JSON rules): one Spark task per
+    segment, each decoding, extracting and grouping its records on the JVM."""
+    from .partial import PARTIAL_DDL
+    return spark.read.format("logjam").schema(PARTIAL_DDL) \
+        .option("aggregate", "requests").option("apdexMs", repr(float(apdex_ms))) \
+        .load(input_dir)
+
+
+def compute_tables_jvm(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+    """The ``jvm`` engine: the JVM reader aggregates each partition
+    (:func:`jvm_partial_frame`), Spark merges the partial rows as the python engine's
+    (:func:`merge_partials`).  None when some ``logs`` bodies need the Python definitions
+    of the fields (see :func:`compute_tables_sql`): the caller then runs the ``python``
+    engine."""
+    return _merged_tables(spark, input_dir, jvm_partial_frame(spark, input_dir, apdex_ms),
+                          "jvm")
+
+
+def _merged_tables(spark, input_dir: str, src, engine: str):
+    """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`), the loss
+    walk beside the Spark job; None when ``src`` counted undecided bodies (engine jvm)."""
+    import logging
     agg = merge_partials(src).persist()
     state, join = _loss_walk(input_dir)
     try:
-        summary = summary_of_merged(agg)    # runs the Spark job
+        summary = summary_of_merged(agg, undecided=engine == "jvm")    # runs the Spark job
     finally:
         failed = join()
     if failed:
         agg.unpersist()
         raise failed
-    summary["engine"] = "python"
+    n = summary.pop("undecided", 0)
+    if n:
+        agg.unpersist()
+        logging.getLogger("logjam_relay.pipeline.stats").warning(
+            "%d logs bodies need Python's JSON rules; the Python engine reads the archive", n)
+        return None
+    summary["engine"] = engine
     tables = split_merged(agg)
     _finish(spark, tables, summary, state)
     return tables, summary, agg

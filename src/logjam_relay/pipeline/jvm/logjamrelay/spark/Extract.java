@@ -33,6 +33,8 @@ final class Extract {
 
     // parser state
     private byte[] b;
+    private byte[] bbArray, bbArray2;
+    private java.nio.ByteBuffer bb, bb2;
     private int p, end, depth;
     private boolean undecided;
     // the last scalar value parsed
@@ -55,11 +57,31 @@ final class Extract {
         return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
     }
 
+    private static final long ONES = 0x0101010101010101L, HIGH = 0x8080808080808080L,
+        QUOTES = 0x2222222222222222L, BACKSLASHES = 0x5C5C5C5C5C5C5C5CL,
+        SPACES = 0x2020202020202020L;
+
     /** a string at b[p] == '"'; false when invalid */
     private boolean str() {
         int q = p + 1;
         boolean esc = false;
+        java.nio.ByteBuffer w = bb;
         while (q < end) {
+            // 8 bytes at a time up to the first '"', '\\' or control character (exact:
+            // without a borrow from a lower flagged byte no byte is flagged wrongly, so the
+            // lowest flag is the first such byte; the loop below then sees every byte it
+            // would have seen one by one but the plain ones)
+            while (q + 8 <= end) {
+                long x = w.getLong(q);
+                long t1 = x ^ QUOTES, t2 = x ^ BACKSLASHES;
+                long m = (((t1 - ONES) & ~t1) | ((t2 - ONES) & ~t2) | ((x - SPACES) & ~x)) & HIGH;
+                if (m != 0) {
+                    q += Long.numberOfTrailingZeros(m) >>> 3;
+                    break;
+                }
+                q += 8;
+            }
+            if (q >= end) break;
             int c = b[q] & 0xFF;
             if (c == '"') {
                 vType = T_STR;
@@ -124,7 +146,12 @@ final class Extract {
         } else {
             long acc = 0;
             boolean of = false;
-            for (int k = start + (neg ? 1 : 0); k < q; k++) {
+            int k0 = start + (neg ? 1 : 0);
+            if (q - k0 <= 18) {                  // 18 digits cannot overflow: no check
+                for (int k = k0; k < q; k++) acc = acc * 10 + (b[k] - '0');
+                k0 = q;
+            }
+            for (int k = k0; k < q; k++) {
                 int dgt = b[k] - '0';
                 // acc * 10 + dgt within [0, 2^63] (the magnitude of Long.MIN_VALUE)
                 if (acc > (Long.MAX_VALUE - dgt) / 10) {
@@ -218,6 +245,19 @@ final class Extract {
 
     /** Extract the fields of buf[off, off+len); returns the flags. */
     int run(byte[] buf, int off, int len) {
+        if (buf != bbArray) {                    // a little-endian view for 8-byte reads
+            java.nio.ByteBuffer o = bb;          // (two kept: the segment's, the bodies')
+            byte[] oa = bbArray;
+            if (buf == bbArray2) {
+                bb = bb2;
+                bbArray = bbArray2;
+            } else {
+                bb = java.nio.ByteBuffer.wrap(buf).order(java.nio.ByteOrder.LITTLE_ENDIAN);
+                bbArray = buf;
+            }
+            bb2 = o;
+            bbArray2 = oa;
+        }
         b = buf;
         p = off;
         end = off + len;

@@ -23,6 +23,7 @@ public final class LogjamProvider implements TableProvider, DataSourceRegister {
     }
 
     public StructType inferSchema(CaseInsensitiveStringMap options) {
+        if (PartialScan.asked(options)) return Partials.SCHEMA;
         return LogjamTable.SCHEMA;
     }
 

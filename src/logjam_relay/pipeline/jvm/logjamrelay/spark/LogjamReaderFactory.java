@@ -75,15 +75,15 @@ final class LogjamReaderFactory implements PartitionReaderFactory {
     }
 
     static final class Rows implements PartitionReader {
-        private final Columnar columnar;
+        private final PartitionReader columnar;
         private Iterator rows;
         private Object row;
 
-        Rows(Columnar columnar) {
+        Rows(PartitionReader columnar) {
             this.columnar = columnar;
         }
 
-        public boolean next() {
+        public boolean next() throws java.io.IOException {
             while (rows == null || !rows.hasNext()) {
                 if (!columnar.next()) return false;
                 rows = ((ColumnarBatch) columnar.get()).rowIterator();
@@ -96,7 +96,7 @@ final class LogjamReaderFactory implements PartitionReaderFactory {
             return (InternalRow) row;
         }
 
-        public void close() {
+        public void close() throws java.io.IOException {
             columnar.close();
         }
     }

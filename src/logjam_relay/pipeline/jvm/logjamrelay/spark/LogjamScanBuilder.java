@@ -22,6 +22,18 @@ final class LogjamScanBuilder implements SupportsPushDownRequiredColumns {
     }
 
     public Scan build() {
+        // the partial aggregates of the stats pipeline (PartialScan): always this reader
+        if (PartialScan.asked(options)) {
+            if (!table.schema().equals(Partials.SCHEMA))
+                throw new IllegalArgumentException("logjam data source: option aggregate: "
+                    + "the schema is " + Partials.SCHEMA.toDDL() + ", not "
+                    + table.schema().toDDL());
+            String dir = LogjamScan.path(options);
+            if (Segments.largest(dir) > Constants.MAX_ARRAY)
+                throw new IllegalArgumentException("logjam data source: option aggregate: a "
+                    + "segment of " + dir + " is too big for the JVM reader");
+            return new PartialScan(new LogjamScan(table, options, table.schema()), options);
+        }
         // a schema naming columns this reader does not produce (the request fields
         // extracted from bodies): the Python source reads it all
         int[] codes = LogjamTable.codes(table.schema());

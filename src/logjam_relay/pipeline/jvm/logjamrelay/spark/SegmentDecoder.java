@@ -46,6 +46,7 @@ final class SegmentDecoder {
     private final boolean metaCols;
     private final boolean pairCols;
     private final boolean fieldCols;             // any of ACTION..UNDECIDED asked for
+    private final Partials agg;                  // aggregate mode: records go here, no rows
     private final Extract extract = new Extract();
     private final Bodies bodies = new Bodies();
     private final CRC32 crc = new CRC32();
@@ -70,6 +71,9 @@ final class SegmentDecoder {
         final int hash;
         final byte[] app, env, topic;
         final boolean logs;                      // the topic's bytes start with "logs"
+        // Partials' string ids of app, env, topic (-1: not yet), and app/env == heartbeat/""
+        int aid = -1, eid, tid;
+        boolean heartbeat;
 
         Pair(byte[] key, int la, int hash) {
             this.key = key;
@@ -88,6 +92,18 @@ final class SegmentDecoder {
     }
 
     SegmentDecoder(String path, long segno, long start, long stop, WritableColumnVector[] vectors) {
+        this(path, segno, start, stop, vectors, null);
+    }
+
+    /** Aggregate mode: every record of the slice into agg (Partials), no column written;
+     *  fill(max) then counts the records walked. */
+    SegmentDecoder(String path, long segno, long start, long stop, Partials agg) {
+        this(path, segno, start, stop, new WritableColumnVector[COLUMNS.length], agg);
+    }
+
+    private SegmentDecoder(String path, long segno, long start, long stop,
+                           WritableColumnVector[] vectors, Partials agg) {
+        this.agg = agg;
         this.path = path;
         this.segno = segno;
         this.start = start;
@@ -96,10 +112,11 @@ final class SegmentDecoder {
         boolean fields = false;
         for (int c = ACTION; c <= UNDECIDED; c++) fields |= v[c] != null;
         this.fieldCols = fields;
-        this.decode = v[BODY] != null || v[ERROR] != null || fields;
+        this.decode = v[BODY] != null || v[ERROR] != null || fields || agg != null;
         this.metaCols = v[DEVICE] != null || v[SEQUENCE] != null || v[CREATED] != null
             || v[COMPRESSION] != null;
-        this.pairCols = v[APP] != null || v[ENV] != null || v[TOPIC] != null || fields;
+        this.pairCols = v[APP] != null || v[ENV] != null || v[TOPIC] != null || fields
+            || agg != null;
     }
 
     static byte[] ascii(String s) {
@@ -199,6 +216,7 @@ final class SegmentDecoder {
         if (v[SEGMENT] != null) { v[SEGMENT].putNotNull(row); v[SEGMENT].putLong(row, segno); }
         if (v[RECORD] != null) { v[RECORD].putNotNull(row); v[RECORD].putInt(row, (int) pendingRecord); }
         if (fieldCols) noFields(row);
+        if (agg != null) agg.errorRow(pending);
         pending = null;
         return row + 1;
     }
@@ -352,6 +370,7 @@ final class SegmentDecoder {
         if (v[BODY] != null) v[BODY].putNull(row);
         if (v[ERROR] != null) v[ERROR].putByteArray(row, E_FRAMES, 0, E_FRAMES.length);
         if (fieldCols) noFields(row);
+        if (agg != null) agg.badRecord();
     }
 
     private void logjamRow(int row, byte[] b, int p, int la, int lt, int r, int lb, int s, int lm) {
@@ -368,6 +387,11 @@ final class SegmentDecoder {
             if (v[BODY] != null) v[BODY].putNull(row);
             if (v[ERROR] != null) v[ERROR].putByteArray(row, E_META, 0, E_META.length);
             if (want) noFields(row);
+            if (agg != null) agg.badRecord();
+            return;
+        }
+        if (agg != null) {
+            aggregate(b, s, r, lb, comp, pr);
             return;
         }
         if (metaCols) {
@@ -405,6 +429,32 @@ final class SegmentDecoder {
         if (v[BODY] != null) v[BODY].putByteArray(row, src, off, len);
         if (v[ERROR] != null) v[ERROR].putNull(row);
         if (want) fields(row, src, off, len);
+    }
+
+    /** aggregate mode: the record (its meta frame at b[s], body at b[r, r+lb)) into agg */
+    private void aggregate(byte[] b, int s, int r, int lb, int comp, Pair pr) {
+        long created = be64(b, s + 8);
+        byte[] src;
+        int off;
+        int len;
+        if (comp == 0) {
+            src = b;
+            off = r;
+            len = lb;
+        } else if (bodies.decompress(b, r, lb, comp)) {
+            src = bodies.out;
+            off = 0;
+            len = bodies.len;
+        } else {
+            agg.badBody(pr, created);
+            return;
+        }
+        if (!Bodies.utf8(src, off, len)) {
+            agg.badBody(pr, created);
+            return;
+        }
+        if (pr.logs) agg.request(pr, created, extract.run(src, off, len), extract, src);
+        else agg.other(pr, created);
     }
 
     private Pair pair(byte[] b, int p, int la, int lt) {
