@@ -187,6 +187,9 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
                   f"good messages")
             print(f"SIGTERM: exit {rc} after {stop_seconds:.1f} s")
             print(f"new ZeroMQ connections reset: {peers_reset}")
+            print("new ZeroMQ connections reset per XPUB: " + str(
+                {n: fuzzers.metric(text, "logjam_relay_zmq_peers_refused_total", socket=n)
+                 for n in refused}))
             print(f"attackers: {results}")
 
             assert rc == 0 and stop_seconds < SHUTDOWN_BUDGET, \
@@ -202,8 +205,12 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
             assert len(good.latencies) >= 10 and not good.lost and not good.wrong
             assert not late, late
             assert good_sub.received == len(good.latencies)
-            # the attack happened: floods were cut, garbage was sent
-            assert all(n > 0 for n in refused.values()), refused
+            # the attack happened: on each XPUB the floods were cut, by the subscription cap
+            # or by the peer cap (zmq_max_peers: on a loaded machine the peer flood may hold
+            # a socket's places so that the subscription flood never gets one)
+            kept_out = {n: fuzzers.metric(text, "logjam_relay_zmq_peers_refused_total",
+                                          socket=n) for n in refused}
+            assert all(refused[n] > 0 or kept_out[n] > 0 for n in refused), (refused, kept_out)
         finally:
             for a in attackers:
                 a.stop()

@@ -133,13 +133,13 @@ def test_extracted_fields_equal_python(spark, tricky):
                ["segment", "record", *fields])
     assert len(jvm) == len(py) == len(TRICKY)
     undecided = []
-    for (body, decided), j, p in zip(TRICKY, jvm, py):
+    for (body, _decided), j, p in zip(TRICKY, jvm, py, strict=True):
         assert j[:2] == p[:2]
         if j[-1]:
             undecided.append(body)
             assert j[2:-1] == (None,) * 6 + (False,), body   # nothing half-decided
             continue
-        for name, a, b in zip(fields, j[2:-1], p[2:]):
+        for name, a, b in zip(fields, j[2:-1], p[2:], strict=True):
             same = (a == b or (isinstance(a, float) and isinstance(b, float)
                                and math.isnan(a) and math.isnan(b)))
             assert same and (type(a) is type(b)), (body, name, a, b)
