@@ -13,9 +13,10 @@ Asserted: the peak RSS of the relay plus its output workers stays under
 ``memory.ceiling()`` for this configuration; the subscriptions held (the relay's own
 peak, ``/metrics``) never exceed ``max_subscriptions`` plus the overshoot the ceiling
 budgets (``memory.SUBSCRIPTION_OVERSHOOT_PAIRS``) on any socket; every good request is
-answered ``202`` within ``REPLY_BOUND`` (5 s; the target is 2 s, ``REPLY_WITHIN``) and reaches
-the subscriber; every scrape of ``/metrics`` is
-answered within 5 s; SIGTERM afterwards exits 0 within 10 s.
+answered ``202`` within ``REPLY_WITHIN`` (2 s) and reaches the subscriber on PUB, or is
+among the messages the relay counts as PUB drops (PUB is lossy: its thread can stall in
+libzmq's trie walks, io/xpubthread.py); every scrape of ``/metrics`` is answered within
+5 s; SIGTERM afterwards exits 0 within 10 s.
 """
 
 from __future__ import annotations
@@ -39,12 +40,7 @@ MiB = 1024 * 1024
 ATTACK_SECONDS = 30
 MAX_SUBSCRIPTIONS = 2000
 MAX_PEERS = 4            # zmq_max_peers: connections each ZeroMQ socket keeps
-REPLY_WITHIN = 2.0       # issue 21's target for a good request's 202
-#: what is asserted, for now: libzmq's subscription-trie walks on the event loop (each ended
-#: flood connection) hold good requests up to 2.4-4.5 s on a slow day of this machine
-#: (docs/operations.md, "Where the 2 s reply bound does not hold yet"); the target stays
-#: printed with every run
-REPLY_BOUND = 5.0
+REPLY_WITHIN = 2.0       # issue 21's bound for a good request's 202
 #: Docker's default grace period (docs/operations.md "Container image"): SIGTERM to exit
 SHUTDOWN_BUDGET = 10.0
 
@@ -153,7 +149,8 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
             await trio.sleep(0.5)            # the last good message's way through PUB
             good_sub.stop()
             probe.stop()
-            text = probe.last
+            await trio.sleep(0.5)            # PUB's thread counts its drops as it pauses
+            text = await trio.to_thread.run_sync(probe.scrape)
 
             # ---- SIGTERM
             t_term = time.monotonic()
@@ -170,7 +167,7 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
             peers_reset = {k: fuzzers.metric(text, "logjam_relay_zmq_peers_refused_total",
                                              reason=k) for k in ("max_peers", "busy")}
             lat = sorted(probe.latencies)
-            late = good.late(REPLY_BOUND)
+            late = good.late(REPLY_WITHIN)
             refused = {n: fuzzers.metric(text, "logjam_relay_subscriptions_refused_total",
                                          socket=n) for n in ("pub", "stats", "cmdp")}
             # the relay's own record of the most pairs held at once, per socket
@@ -187,11 +184,12 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
                   f"{probe.failures[:5]}; latency median "
                   f"{lat[len(lat) // 2] if lat else 0:.3f} s, max {lat[-1] if lat else 0:.3f} s")
             print(f"good ROUTER requests: {len(good.latencies)} answered, "
-                  f"{len(good.late(REPLY_WITHIN))} after {REPLY_WITHIN} s (the target), "
-                  f"{len(late)} after {REPLY_BOUND} s (worst {max(good.latencies, default=0):.2f} s), "
+                  f"{len(late)} after {REPLY_WITHIN} s (worst "
+                  f"{max(good.latencies, default=0):.2f} s), "
                   f"{good.lost} unanswered, {len(good.wrong)} wrong replies")
+            pub_drops = fuzzers.metric(text, "logjam_relay_pub_drops_total")
             print(f"good subscriber on PUB: {good_sub.received} of {len(good.latencies)} "
-                  f"good messages")
+                  f"good messages; PUB drops counted: {pub_drops:.0f}")
             print(f"SIGTERM: exit {rc} after {stop_seconds:.1f} s")
             print(f"new ZeroMQ connections reset: {peers_reset}")
             print("new ZeroMQ connections reset per XPUB: " + str(
@@ -211,7 +209,10 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
             assert not probe.failures and len(lat) >= ATTACK_SECONDS // 3, probe.failures
             assert len(good.latencies) >= 10 and not good.lost and not good.wrong
             assert not late, late
-            assert good_sub.received == len(good.latencies)
+            # what the subscriber missed, the relay counted (heartbeats are published too,
+            # so the count may be higher)
+            missed = len(good.latencies) - good_sub.received
+            assert missed == 0 or 0 < missed <= pub_drops, (missed, pub_drops)
             # the attack happened: on each XPUB the floods were cut, by the subscription cap
             # or by the peer cap (zmq_max_peers: on a loaded machine the peer flood may hold
             # a socket's places so that the subscription flood never gets one)

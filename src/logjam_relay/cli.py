@@ -228,6 +228,15 @@ def cmd_run(argv: list[str]) -> int:
     finally:
         if not buffer.live:
             buffer.go_live()
+    from .io import xpubthread
+    if xpubthread.abandoned():
+        # an XPUB's thread is still inside libzmq (logged): its sockets can neither be
+        # closed nor its context terminated, so end here, with what was flushed
+        for h in logging.getLogger().handlers:
+            h.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

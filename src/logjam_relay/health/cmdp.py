@@ -34,6 +34,7 @@ import zmq
 
 from ..io import zmq_trio
 from ..io.peers import set_domain as set_zap_domain
+from ..io.xpubthread import ThreadedPub
 from ..protocols import chirp as chirp_proto
 from ..protocols.cmdp import LogLevel, MetricType, Publisher, level_from_levelno, sanitize_name
 from ..ratelimit import RateLimitedLog
@@ -402,7 +403,7 @@ class CMDPSender:
         self.port: int | None = None
         self.chirp = None
         self.chirp_error: str | None = None
-        self.pub: zmq_trio.PubSocket | None = None
+        self.pub: ThreadedPub | None = None
         self.sent = {"stat": 0, "log": 0, "notification": 0}
         self.provider_errors = 0
         self.subscription_messages = 0
@@ -443,13 +444,13 @@ class CMDPSender:
         self._publish(self.publisher.notification(kind, self.clock_ns()), "notification")
 
     async def _subscriptions(self) -> None:
-        assert self.pub is not None
-        sock = self.pub.sock
+        assert self.pub is not None and self.pub.notes is not None
+        notes = self.pub.notes
         while True:
-            # A timeout as a safety net for the edge-triggered FD (other tasks send on it).
-            with trio.move_on_after(0.25):
-                await zmq_trio.wait_for(sock, zmq_trio.POLLIN)
-            # the guard caps the subscriptions and reports them as XPUB_VERBOSE would
+            with trio.move_on_after(0.25):     # a safety net for the edge-triggered FD
+                await zmq_trio.wait_for(notes, zmq_trio.POLLIN)
+            # the XPUB's thread runs the guard (the cap), and hands over the notifications
+            # XPUB_VERBOSE would give
             batch = self.pub.poll_subscriptions()
             for frame in batch:
                 self.subscription_messages += 1
@@ -558,10 +559,14 @@ class CMDPSender:
                 set_zap_domain(sock, "cmdp")        # every handshake asks the ZAP handler
             sock.bind(self.endpoint)
             self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-            # XPUB_MANUAL with a cap; every STAT?/LOG? subscriber still gets its answer
-            self.pub = zmq_trio.PubSocket(sock, self.config.max_subscriptions)
+            # XPUB_MANUAL with a cap; every STAT?/LOG? subscriber still gets its answer.
+            # Owned by a thread: libzmq's trie walks at the end of a subscriber's
+            # connection run there, not on the loop (io/xpubthread.py)
+            self.pub = ThreadedPub(sock, self.config.max_subscriptions, name="cmdp",
+                                   hwm=self.config.snd_hwm, notify=True)
             if self.peer_limit is not None:
                 self.peer_limit.watch("cmdp", sock, guard=self.pub.guard)
+            self.pub.start()
             self.handler.attach(self.publisher, trio.lowlevel.current_trio_token(), self._wake)
             log.info("CMDP: %s publishing on port %d", self.name, self.port)
             async with trio.open_nursery() as nursery:
@@ -582,6 +587,7 @@ class CMDPSender:
             self.handler.detach()
             if self.peer_limit is not None:
                 self.peer_limit.forget("cmdp")
-            if self.pub is not None and self.pub.guard is not None:
-                self.pub.guard.close()
-            zmq_trio.close_all([sock], 200)
+            if self.pub is not None:
+                self.pub.close(linger=200, timeout=2.0)
+            else:
+                zmq_trio.close_all([sock], 200)

@@ -199,7 +199,8 @@ class RelayCollector:
         yield from self._fds(d, http)
         yield _one(_counter, "logjam_relay_published", "messages published on PUB (incl. heartbeats)",
                    dl, r.pub.published if r.pub else 0)
-        yield _one(_counter, "logjam_relay_pub_drops", "messages a PUB subscriber missed because its queue was at the HWM",
+        yield _one(_counter, "logjam_relay_pub_drops", "messages a PUB subscriber missed: its queue was at "
+                   "the HWM, or the hand-over to PUB's thread was full (every subscriber)",
                    dl, r.pub.drops if r.pub else 0)
         yield _one(_gauge, "logjam_relay_pub_subscriptions", "distinct topics subscribed on PUB",
                    dl, len(r.pub.subscriptions) if r.pub else 0)

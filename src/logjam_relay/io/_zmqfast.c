@@ -16,11 +16,13 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <zlib.h>
 
 #include "../spool/_crc32.h"
 
 typedef struct { _Alignas(8) unsigned char _[64]; } zmq_msg_t;
+typedef struct { void *socket; int fd; short events; short revents; } zmq_pollitem_t;
 
 static int (*p_msg_init)(zmq_msg_t *);
 static int (*p_msg_recv)(zmq_msg_t *, void *, int);
@@ -31,9 +33,11 @@ static int (*p_msg_more)(const zmq_msg_t *);
 static int (*p_send)(void *, const void *, size_t, int);
 static int (*p_msg_send)(zmq_msg_t *, void *, int);
 static int (*p_errno)(void);
+static int (*p_poll)(zmq_pollitem_t *, int, long);
+static int (*p_setsockopt)(void *, int, const void *, size_t);
 static const char *(*p_strerror)(int);
 
-enum { ZMQ_DONTWAIT = 1, ZMQ_SNDMORE = 2 };
+enum { ZMQ_DONTWAIT = 1, ZMQ_SNDMORE = 2, ZMQ_POLLIN = 1, ZMQ_XPUB_NODROP = 69 };
 
 static PyObject *ZMQFastError;   /* raised with (errno, message) */
 
@@ -70,6 +74,8 @@ static PyObject *fast_init(PyObject *self, PyObject *args) {
     SYM(p_msg_send, "zmq_msg_send");
     SYM(p_errno, "zmq_errno");
     SYM(p_strerror, "zmq_strerror");
+    SYM(p_poll, "zmq_poll");
+    SYM(p_setsockopt, "zmq_setsockopt");
 #undef SYM
     /* the library stays loaded as long as pyzmq is: keep our reference for good */
     Py_RETURN_NONE;
@@ -548,6 +554,176 @@ fail:
     return result;
 }
 
+
+/* ------------------------------------------------------------------ the XPUB thread's pump
+ *
+ * pump(src, xpub, watch, timeout_ms, batch) -> (forwarded, dropped, flags)
+ *
+ * The loop of the thread that owns an XPUB (io/xpubthread.py), without the GIL: waits up
+ * to timeout_ms (-1: no bound) for any of `src` (the inproc PULL the event loop publishes
+ * to), `xpub` and the sockets of `watch` (a sequence of handles: the guard's monitor) to
+ * become readable, and moves whole messages from src to xpub (zero-copy, at most `batch`
+ * per wake-up) until xpub or a watched socket is readable (flags 1 and 2: the guard has
+ * work; the pass returns after forwarding what was pending), the timeout passes (flag 8)
+ * or src delivers the stop sentinel, a message of one empty frame (flag 16; nothing after
+ * it is read).  A message whose first frame meets a subscriber at its HWM (XPUB_NODROP:
+ * EAGAIN) is sent again lossy, so that only the slow subscriber misses it (PUB
+ * semantics), and counted in `dropped`.  libzmq's own work on xpub -- a subscriber's
+ * connection ending walks the whole subscription trie -- happens in these calls, on this
+ * thread, with the GIL released.
+ */
+enum { PUMP_XPUB = 1, PUMP_WATCH = 2, PUMP_TIMEOUT = 8, PUMP_STOP = 16 };
+#define PUMP_MAX_WATCH 4
+
+static int pump_send(zmq_msg_t *msg, void *xpub, int flags) {
+    int rc;
+    while ((rc = p_msg_send(msg, xpub, flags | ZMQ_DONTWAIT)) < 0 && p_errno() == EINTR)
+        ;
+    return rc;
+}
+
+/* 1: forwarded (*dropped set when sent lossy), 0: nothing queued, 2: the stop sentinel,
+ * -1: error (*err) */
+static int pump_one(void *src, void *xpub, zmq_msg_t *msg, int *dropped, int *err) {
+    int first = 1, lossy = 0, rc;
+    for (;;) {
+        while ((rc = p_msg_recv(msg, src, first ? ZMQ_DONTWAIT : 0)) < 0 &&
+               p_errno() == EINTR)
+            ;
+        if (rc < 0) {
+            *err = p_errno();
+            if (first && *err == EAGAIN) return 0;
+            break;
+        }
+        int more = p_msg_more(msg);
+        if (first && !more && p_msg_size(msg) == 0) return 2;
+        int flags = more ? ZMQ_SNDMORE : 0;
+        rc = pump_send(msg, xpub, flags);
+        if (rc < 0 && first && p_errno() == EAGAIN) {
+            int off = 0;
+            lossy = 1;
+            p_setsockopt(xpub, ZMQ_XPUB_NODROP, &off, sizeof off);
+            rc = pump_send(msg, xpub, flags);
+        }
+        if (rc < 0) {
+            *err = p_errno();
+            break;
+        }
+        first = 0;
+        if (!more) {
+            if (lossy) {
+                int on = 1;
+                p_setsockopt(xpub, ZMQ_XPUB_NODROP, &on, sizeof on);
+                *dropped = 1;
+            }
+            return 1;
+        }
+    }
+    if (lossy) {
+        int on = 1;
+        p_setsockopt(xpub, ZMQ_XPUB_NODROP, &on, sizeof on);
+    }
+    return -1;
+}
+
+static long elapsed_ms(const struct timespec *t0) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long)(t.tv_sec - t0->tv_sec) * 1000 + (t.tv_nsec - t0->tv_nsec) / 1000000;
+}
+
+static PyObject *fast_pump(PyObject *self, PyObject *args) {
+    PyObject *sobj, *xobj, *watch;
+    long timeout;
+    Py_ssize_t batch;
+    if (!p_poll) {
+        PyErr_SetString(PyExc_RuntimeError, "_zmqfast.init() was not called");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOOln", &sobj, &xobj, &watch, &timeout, &batch)) return NULL;
+    void *src = handle_of(sobj);
+    if (!src) return NULL;
+    void *xpub = handle_of(xobj);
+    if (!xpub) return NULL;
+    zmq_pollitem_t items[2 + PUMP_MAX_WATCH];
+    memset(items, 0, sizeof items);
+    items[0].socket = src;
+    items[1].socket = xpub;
+    int n = 2;
+    PyObject *seq = PySequence_Fast(watch, "watch must be a sequence of handles");
+    if (!seq) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) > PUMP_MAX_WATCH) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many sockets to watch");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        void *h = handle_of(PySequence_Fast_GET_ITEM(seq, i));
+        if (!h) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        items[n++].socket = h;
+    }
+    Py_DECREF(seq);
+    long forwarded = 0, dropped = 0;
+    int flags = 0, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    zmq_msg_t msg;
+    p_msg_init(&msg);
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    long wait = timeout;
+    for (;;) {
+        for (int i = 0; i < n; i++) {
+            items[i].events = ZMQ_POLLIN;
+            items[i].revents = 0;
+        }
+        int rc = p_poll(items, n, wait);
+        if (rc < 0) {
+            if (p_errno() != EINTR) {
+                err = p_errno();
+                break;
+            }
+        } else {
+            if (items[1].revents & ZMQ_POLLIN) flags |= PUMP_XPUB;
+            for (int i = 2; i < n; i++)
+                if (items[i].revents & ZMQ_POLLIN) flags |= PUMP_WATCH;
+            if (items[0].revents & ZMQ_POLLIN) {
+                for (Py_ssize_t k = 0; k < batch; k++) {
+                    int d = 0;
+                    int r = pump_one(src, xpub, &msg, &d, &err);
+                    if (r == 0) {
+                        err = 0;
+                        break;
+                    }
+                    if (r < 0) goto out;
+                    if (r == 2) {
+                        flags |= PUMP_STOP;
+                        goto out;
+                    }
+                    forwarded++;
+                    dropped += d;
+                }
+            }
+            if (flags) break;
+            if (rc == 0) {
+                flags |= PUMP_TIMEOUT;
+                break;
+            }
+        }
+        if (timeout >= 0) {
+            wait = timeout - elapsed_ms(&t0);
+            if (wait < 0) wait = 0;
+        }
+    }
+out:
+    p_msg_close(&msg);
+    Py_END_ALLOW_THREADS
+    if (err) return zmq_error(err);
+    return Py_BuildValue("(lli)", forwarded, dropped, flags);
+}
+
 #define INGEST_PASS_DOC \
     "ingest_pass(in, pub, limit, max_bytes, max_event, good_streams, good_topics, device, " \
     "seq, now8, spool_seq, router, replies, accepted) -> (consumed, total, seq, nfast, " \
@@ -562,6 +738,9 @@ static PyMethodDef methods[] = {
     {"publish", fast_publish, METH_VARARGS,
      "publish(handle, records, start) -> (index, errno) of the first record not sent"},
     {"ingest_pass", ingest_pass, METH_VARARGS, INGEST_PASS_DOC},
+    {"pump", fast_pump, METH_VARARGS,
+     "pump(src, xpub, watch, timeout_ms, batch) -> (forwarded, dropped, flags): the XPUB "
+     "thread's forwarding loop, without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 
 import zmq
@@ -119,9 +120,13 @@ class SubscriptionGuard:
     WALK_SECONDS_PER_BYTE = 0.4e-6
     #: the same for taking a subscription byte in (a trie node allocated per byte)
     INSERT_SECONDS_PER_BYTE = 0.1e-6
-    #: the share of the event loop that ends of connections may cost: after one that cost
-    #: ``t`` s, no new connection is admitted (:meth:`admit`) for ``t / WALK_SHARE`` s
+    #: the share of the socket's thread that libzmq's work on ended connections may take:
+    #: after one that cost ``t`` s, no new connection is admitted (:meth:`admit`) for
+    #: ``t / WALK_SHARE`` s
     WALK_SHARE = 0.2
+    #: a call to recv that took longer was libzmq's work (walks, a flood's commands):
+    #: measured, it is charged as such
+    STALL_SECONDS = 0.005
 
     def __init__(self, sock: zmq.Socket, max_subscriptions: int = 10_000):
         if sock.type != zmq.XPUB:
@@ -163,6 +168,16 @@ class SubscriptionGuard:
         # fd -> (our dup (TCP_INFO, abort), when it was accepted)
         self._conns: dict[int, tuple[socket.socket, float]] = {}
         self._monitor = monitor_socket(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        #: guards every field and the monitor, not the XPUB: the socket's owner (the
+        #: thread that calls :meth:`poll`) takes it between its calls to libzmq, so that
+        #: :meth:`watch` and :meth:`refresh` may run on another thread while the owner is
+        #: inside libzmq (a trie walk, or commands that keep coming: io/xpubthread.py)
+        self.lock = threading.RLock()
+
+    @property
+    def monitor(self) -> zmq.Socket:
+        """The socket monitor's PAIR (ACCEPTED and DISCONNECTED, never dropped)."""
+        return self._monitor
 
     def close(self) -> None:
         try:
@@ -243,9 +258,15 @@ class SubscriptionGuard:
         """A connection ended: libzmq walks both tries on the socket's thread."""
         cost = (2 * self.held_bytes * self.WALK_SECONDS_PER_BYTE
                 + self._sent.pop(fd, 0) * self.INSERT_SECONDS_PER_BYTE)
-        self.walk_seconds += cost
+        self._charge(cost)
+
+    def _charge(self, seconds: float) -> None:
+        """libzmq's work on the socket took ``seconds`` (estimated at a connection's end,
+        or measured: a call to recv that took longer than ``STALL_SECONDS``): no new
+        connection is admitted for ``seconds / WALK_SHARE``."""
+        self.walk_seconds += seconds
         now = time.monotonic()
-        self._admit_after = max(self._admit_after, now) + cost / self.WALK_SHARE
+        self._admit_after = max(self._admit_after, now) + seconds / self.WALK_SHARE
 
     def stats(self) -> dict:
         return {"subscriptions": self.entries, "topics": len(self.topics),
@@ -257,106 +278,134 @@ class SubscriptionGuard:
     def poll(self, max_messages: int = 5000) -> list[bytes]:
         """Handle up to ``max_messages`` pending (un)subscriptions (the caller polls
         again soon: a flood never holds the event loop)."""
-        out, self._backlog = self._backlog, []
+        lock = self.lock
+        with lock:
+            out, self._backlog = self._backlog, []
+            self._poll_monitor(out)
+            self._check_bytes()
         recv = self.sock.recv
+        clock = time.monotonic
+        for i in range(max_messages):
+            if i % 100 == 99:
+                with lock:
+                    self._check_bytes()
+            t = clock()
+            try:
+                # not under the lock: libzmq's own work (trie walks) happens in this call
+                msg = recv(NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            finally:
+                took = clock() - t
+                if took > self.STALL_SECONDS:
+                    with lock:
+                        self._charge(took)
+            with lock:
+                self._take(msg, out)
+        else:
+            with lock:
+                self.busy = True          # more may be pending: poll again soon
+                self._poll_monitor(out)
+            return out
+        with lock:
+            self.busy = False
+            self._poll_monitor(out)
+            if self._freed >= self.TRIM_AFTER and _trim is not None:
+                # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise)
+                _trim(0)
+                self.trims += 1
+                self._freed = 0
+        return out
+
+    def _take(self, msg: zmq.Frame, out: list[bytes]) -> None:
+        """One (un)subscription libzmq handed over (the caller holds the lock)."""
         setsockopt = self.sock.setsockopt
         by_fd = self._by_fd
         topics = self.topics
         cut = self._cut
-        self._poll_monitor(out)
-        self._check_bytes()
-        for i in range(max_messages):
-            if i % 100 == 99:
-                self._check_bytes()
-            try:
-                msg = recv(NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            m = msg.bytes
-            if not m or m[0] > 1:
-                continue
-            topic = m[1:]
-            try:
-                fd = msg.get(zmq.SRCFD)
-            except zmq.ZMQError:
-                fd = -1
-            if fd < 0:
-                # libzmq's unsubscription for a subscription of a connection that ended:
-                # it dropped the entry.  The monitor's DISCONNECTED (emitted before libzmq
-                # ends the pipe) moved that connection's pairs to _ending; look at it now
-                # if this one came first
-                if m[0] == 0:
-                    if not self._ending:
-                        self._poll_monitor(out)
-                    if self._ending:
-                        self._ending -= 1
-                    elif self.entries > 0:          # the event was lost
-                        self.entries -= 1
-                        self.held_bytes = max(0, self.held_bytes - len(topic))
-                    self._freed += 1
-                continue
-            if fd in self._dead:
-                # still queued from a connection that is gone: libzmq reports its
-                # unsubscription too; nothing to forward, nothing held for long
-                if m[0] == 1:
-                    self._ending += 1
-                continue
-            if fd in cut and m[0] == 1:
-                # a cut connection: libzmq drops its pairs once the I/O thread has seen the
-                # abort, which the monitor reports -- look (an inproc recv) before counting
-                self._poll_monitor(out)
-                if fd in self._dead:
-                    self._ending += 1
-                    continue
-            mine = by_fd.get(fd)
-            if m[0] == 1:
-                if mine is not None and topic in mine:
-                    if mine[topic]:
-                        setsockopt(zmq.SUBSCRIBE, topic)    # a repeat: nothing new held
-                        out.append(m)
-                    continue
-                if mine is None:
-                    mine = by_fd[fd] = {}
-                self.entries += 1
-                self.held_bytes += len(topic)
-                if self.entries > self.peak:
-                    self.peak = self.entries
-                if self.entries > self.max_subscriptions or fd in cut:
-                    mine[topic] = False                      # libzmq holds it till the cut
-                    self.refused += 1
-                    if fd not in cut and self._disconnect(fd):
-                        cut.add(fd)
-                    continue
-                mine[topic] = True
-                setsockopt(zmq.SUBSCRIBE, topic)
-                topics[topic] = topics.get(topic, 0) + 1
-                out.append(m)
-            elif mine is not None and topic in mine:
-                forwarded = mine.pop(topic)
-                self.entries -= 1
-                self.held_bytes = max(0, self.held_bytes - len(topic))
+        m = msg.bytes
+        if not m or m[0] > 1:
+            return
+        topic = m[1:]
+        try:
+            fd = msg.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            fd = -1
+        if fd < 0:
+            # libzmq's unsubscription for a subscription of a connection that ended:
+            # it dropped the entry.  The monitor's DISCONNECTED (emitted before libzmq
+            # ends the pipe) moved that connection's pairs to _ending; look at it now
+            # if this one came first
+            if m[0] == 0:
+                if not self._ending:
+                    self._poll_monitor(out)
+                if self._ending:
+                    self._ending -= 1
+                elif self.entries > 0:          # the event was lost
+                    self.entries -= 1
+                    self.held_bytes = max(0, self.held_bytes - len(topic))
                 self._freed += 1
-                if forwarded:
-                    setsockopt(zmq.UNSUBSCRIBE, topic)
-                    if self._release(topic):
-                        out.append(m)
-        else:
-            self.busy = True          # more may be pending: poll again soon
+            return
+        if fd in self._dead:
+            # still queued from a connection that is gone: libzmq reports its
+            # unsubscription too; nothing to forward, nothing held for long
+            if m[0] == 1:
+                self._ending += 1
+            return
+        if fd in cut and m[0] == 1:
+            # a cut connection: libzmq drops its pairs once the I/O thread has seen the
+            # abort, which the monitor reports -- look (an inproc recv) before counting
             self._poll_monitor(out)
-            return out
-        self.busy = False
-        self._poll_monitor(out)
-        if self._freed >= self.TRIM_AFTER and _trim is not None:
-            # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise)
-            _trim(0)
-            self.trims += 1
-            self._freed = 0
-        return out
+            if fd in self._dead:
+                self._ending += 1
+                return
+        mine = by_fd.get(fd)
+        if m[0] == 1:
+            if mine is not None and topic in mine:
+                if mine[topic]:
+                    setsockopt(zmq.SUBSCRIBE, topic)    # a repeat: nothing new held
+                    out.append(m)
+                return
+            if mine is None:
+                mine = by_fd[fd] = {}
+            self.entries += 1
+            self.held_bytes += len(topic)
+            if self.entries > self.peak:
+                self.peak = self.entries
+            if self.entries > self.max_subscriptions or fd in cut:
+                mine[topic] = False                      # libzmq holds it till the cut
+                self.refused += 1
+                if fd not in cut and self._disconnect(fd):
+                    cut.add(fd)
+                return
+            mine[topic] = True
+            setsockopt(zmq.SUBSCRIBE, topic)
+            topics[topic] = topics.get(topic, 0) + 1
+            out.append(m)
+        elif mine is not None and topic in mine:
+            forwarded = mine.pop(topic)
+            self.entries -= 1
+            self.held_bytes = max(0, self.held_bytes - len(topic))
+            self._freed += 1
+            if forwarded:
+                setsockopt(zmq.UNSUBSCRIBE, topic)
+                if self._release(topic):
+                    out.append(m)
 
     def refresh(self) -> None:
         """Take the monitor's events now (the peer count is then current); what they
-        release is returned by the next :meth:`poll`."""
-        self._poll_monitor(self._backlog)
+        release is returned by the next :meth:`poll`.  Any thread."""
+        with self.lock:
+            self._poll_monitor(self._backlog)
+
+    def watch(self) -> None:
+        """From any thread: take the monitor's events (new connections are admitted or
+        reset) and cut the connections over their byte budget -- what bounds a flood
+        while the socket's owner is inside libzmq, which takes subscriptions in as fast
+        as the connections deliver them."""
+        with self.lock:
+            self._poll_monitor(self._backlog)
+            self._check_bytes()
 
     def _release(self, topic: bytes) -> bool:
         n = self.topics.get(topic, 0) - 1

@@ -8,6 +8,8 @@ sends ``records[start:]`` (each a sequence of frames) in order and returns
 ``(index, errno)`` of the first record whose first frame could not be sent (EAGAIN,
 EHOSTUNREACH...), or ``(len(records), 0)``.  Both at a fraction of pyzmq's per-frame
 cost.
+``pump(src, xpub, watch, timeout_ms, batch)`` is the loop of an XPUB's own thread
+(:mod:`logjam_relay.io.xpubthread`), without the GIL.
 ``ingest_pass(sock, pub, ...)`` is the relay's ingest hot path in one C loop (drain,
 stamp, publish, encode the spool records; see ``_zmqfast.c`` and ``relay/ingestpass.py``).
 ``AVAILABLE`` is False when the extension was not built, libzmq could not be found in
@@ -23,7 +25,10 @@ import zmq
 
 AVAILABLE = False
 WHY_NOT = ""
-drain = drain_bytes = publish = ingest_pass = None  # type: ignore[assignment]
+drain = drain_bytes = publish = ingest_pass = pump = None  # type: ignore[assignment]
+
+#: flags of ``pump``'s result (``_zmqfast.c``)
+PUMP_XPUB, PUMP_WATCH, PUMP_TIMEOUT, PUMP_STOP = 1, 2, 8, 16
 
 
 def _loaded_libzmq() -> str | None:
@@ -40,7 +45,7 @@ def _loaded_libzmq() -> str | None:
 
 
 def _setup() -> None:
-    global AVAILABLE, WHY_NOT, drain, drain_bytes, publish, ingest_pass
+    global AVAILABLE, WHY_NOT, drain, drain_bytes, publish, ingest_pass, pump
     from .. import _native
     if _native.PURE_PYTHON:
         WHY_NOT = "LOGJAM_RELAY_PURE_PYTHON is set"
@@ -96,7 +101,19 @@ def _setup() -> None:
         except Error as e:
             raise zmq.ZMQError(e.errno) from None
 
+    fast_pump = _zmqfast.pump
+
+    def pump_(src: zmq.Socket, xpub: zmq.Socket, watch, timeout_ms: int, batch: int):
+        if src.closed or xpub.closed or any(w.closed for w in watch):
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        try:
+            return fast_pump(src.underlying, xpub.underlying, [w.underlying for w in watch],
+                             timeout_ms, batch)
+        except Error as e:
+            raise zmq.ZMQError(e.errno) from None
+
     drain, drain_bytes, publish, ingest_pass = drain_, drain_bytes_, publish_, ingest_pass_
+    pump = pump_
     AVAILABLE = True
 
 

@@ -236,6 +236,11 @@ class PubSocket:
                 j += 1
             i = j
 
+    def publish_refused(self, frames) -> None:
+        """A record whose first frame the XPUB refused (EAGAIN, the ingest pass): sent
+        lossy, counted as a drop."""
+        self._send_lossy(frames)
+
     def _send_lossy(self, frames) -> None:
         self.drops += 1
         sock = self.sock

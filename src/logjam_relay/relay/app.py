@@ -12,8 +12,9 @@ import zmq
 
 from ..config import Settings
 from ..health.cmdp import LoopLag
-from ..io import zmq_fast, zmq_trio
+from ..io import xpubthread, zmq_fast, zmq_trio
 from ..io.peers import set_domain as set_zap_domain
+from ..io.xpubthread import ThreadedPub
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from . import ingestpass
@@ -23,12 +24,15 @@ from .groupcommit import GroupCommit, max_pending
 from .sequence import SequenceState, StateDirError
 from .spoolwrite import SpoolWrites
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
-from .ticker import Ticker, now_ms, poll_subscriptions
+from .ticker import Ticker, now_ms
 
 log = logging.getLogger("logjam_relay.relay")
 _SOCKET_NAMES = {"router_port": "router", "pull_port": "pull", "pub_port": "pub",
                  "stats_port": "stats"}
 rlog = RateLimitedLog(log)
+#: how long the shutdown waits for the XPUB threads (PUB, stats) together: one may be
+#: inside a libzmq trie walk of seconds under a subscription flood (io/xpubthread.py)
+XPUB_STOP_SECONDS = 3.0
 
 
 class Relay:
@@ -47,7 +51,8 @@ class Relay:
         state_path = s.resolved_state_dir() / f"sequence-device-{s.device_id}.json"
         self.sequence_state = SequenceState(state_path, s.device_id)
         self.pipeline: Pipeline | None = None
-        self.pub: zmq_trio.PubSocket | None = None
+        self.pub: ThreadedPub | None = None     # PUB: an XPUB on a thread of its own
+        self.stats_pub: ThreadedPub | None = None
         self.start_time = time.time()
         self.ready = trio.Event()
         self.stopped = trio.Event()
@@ -58,7 +63,6 @@ class Relay:
         self.lag = LoopLag()                    # the loop's lag (metrics, CMDP)
         self.ticker: Ticker | None = None       # heartbeats, stats tick (run())
         self.reply_drops = 0
-        self.stats_guard: zmq_trio.SubscriptionGuard | None = None
         self.batches = 0
         self.spool = None                       # set when a spool is configured
         self.commits: GroupCommit | None = None  # spool_fsync=batch: 202s after fdatasync
@@ -124,11 +128,13 @@ class Relay:
         except StateDirError as e:
             raise self.settings.startup_error("state_dir", e.cause) from None
         try:
-            # PUB and stats are XPUBs whose subscriptions are capped (SubscriptionGuard)
+            # PUB and stats are XPUBs whose subscriptions are capped (SubscriptionGuard),
+            # each owned by a thread (io/xpubthread.py): libzmq's trie walks at the end of
+            # a subscriber's connection run there, not on the loop
             pub_sock = self._bind(zmq.XPUB, "pub_port",
                                   {zmq.SNDHWM: s.snd_hwm, **zmq_trio.xpub_options()})
-            self.pub = zmq_trio.PubSocket(pub_sock, s.max_subscriptions)
-            self._sockets.append(self.pub.guard._monitor)
+            self._sockets.remove(pub_sock)          # the ThreadedPub closes it
+            self.pub = ThreadedPub(pub_sock, s.max_subscriptions, name="pub", hwm=s.snd_hwm)
             self.pipeline = Pipeline(s.device_id, first, self.pub.publish_batch,
                                      fqdn=self.fqdn.encode(), allow_invalid_meta=s.allow_invalid_meta,
                                      compress_method=self.compress_method)
@@ -139,8 +145,9 @@ class Relay:
                                     {zmq.SNDHWM: 1000, **zmq_trio.xpub_options()}) \
                 if s.stats_port else None
             if stats_sock is not None:
-                self.stats_guard = zmq_trio.SubscriptionGuard(stats_sock, s.max_subscriptions)
-                self._sockets.append(self.stats_guard._monitor)
+                self._sockets.remove(stats_sock)
+                self.stats_pub = ThreadedPub(stats_sock, s.max_subscriptions, name="stats",
+                                             hwm=1000)
             # Replies can never outnumber the requests the ROUTER may queue (rcv_hwm), so
             # the reply queue gets the same bound; ROUTER_MANDATORY makes a reply that
             # still cannot be queued (peer gone, queue full) an error we count.
@@ -160,6 +167,9 @@ class Relay:
                 if sock is not None:
                     self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
                     self._watch_peers(name, sock)
+            for tp in (self.pub, self.stats_pub):
+                if tp is not None:
+                    tp.start()                      # the loop does not touch its XPUB again
 
             async with trio.open_nursery() as nursery:
                 ingest = trio.CancelScope()
@@ -187,10 +197,8 @@ class Relay:
                             max_bytes=s.ingest_max_bytes,
                             on_error=self.spool_writes.failed)
                         nursery.start_soon(self.commits.run)
-                self.ticker = self._make_ticker(stats_sock)
+                self.ticker = self._make_ticker()
                 nursery.start_soon(self.ticker.run)
-                nursery.start_soon(poll_subscriptions,
-                                   [g for g in (self.pub.guard, self.stats_guard) if g])
                 nursery.start_soon(self.lag.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
@@ -329,17 +337,23 @@ class Relay:
         self.sequence_state.release()
         if self.peer_limit is not None:
             self.peer_limit.close()  # the monitors it opened
-        for guard in (self.pub.guard if self.pub is not None else None, self.stats_guard):
-            if guard is not None:
-                guard.close()        # its monitor and its dups of the subscribers' fds
         linger = int(self.settings.shutdown_timeout * 1000)
-        pub = self.pub.sock if self.pub is not None else None
+        threaded = [(tp, ms) for tp, ms in ((self.pub, linger), (self.stats_pub, 0))
+                    if tp is not None]
+        for tp, _ in threaded:
+            tp.request_stop()
+        deadline = time.monotonic() + XPUB_STOP_SECONDS
+        stuck = False
+        for tp, ms in threaded:
+            # its thread forwards what was published, then the guard (monitor, dups of
+            # the subscribers' fds) and the sockets are closed
+            stuck |= not tp.close(linger=ms, timeout=max(0.0, deadline - time.monotonic()))
         for sock in self._sockets:
             try:
-                sock.close(linger=linger if sock is pub else 0)
+                sock.close(linger=0)
             except zmq.ZMQError:
                 pass
-        if self._own_ctx:
+        if self._own_ctx and not (stuck or xpubthread.abandoned()):
             self.ctx.term()
         log.info("relay stopped at sequence %d", p.seq if p else 0)
 
@@ -535,7 +549,7 @@ class Relay:
                     batch = None
 
     # --------------------------------------------------------------- ticker
-    def _make_ticker(self, stats_sock: zmq.Socket | None) -> Ticker:
+    def _make_ticker(self) -> Ticker:
         s = self.settings
         pub_port = s.pub_port
         if pub_port == 0 and "pub" in self.endpoints:
@@ -552,10 +566,12 @@ class Relay:
         return Ticker(pipeline=self.pipeline, publish=self.pub.publish, fqdn=self.fqdn,
                       device_id=s.device_id, pub_port=pub_port,
                       heartbeat_interval=s.heartbeat_interval,
-                      stats_interval=s.stats_interval, stats_sock=stats_sock,
+                      stats_interval=s.stats_interval,
+                      publish_stats=self.stats_pub.publish if self.stats_pub else None,
                       sequence_state=self.sequence_state, spool_frames=spool_frames)
 
     heartbeats = property(lambda self: self.ticker.heartbeats if self.ticker else 0)
+    stats_guard = property(lambda self: self.stats_pub.guard if self.stats_pub else None)
     loop_lag = property(lambda self: self.lag.last)
     loop_lag_max = property(lambda self: self.lag.max_ever)
 

@@ -12,7 +12,9 @@ batch is in the spool.  What the loop does not take comes back here:
   returned as ``leftover`` for :meth:`Relay._process` -- the sequence numbers stay in
   socket order;
 * a record the XPUB refused (a subscriber at its HWM): sent lossy and counted by
-  :meth:`PubSocket._send_lossy`, as :meth:`PubSocket.publish_batch` does.
+  :meth:`PubSocket.publish_refused`, as :meth:`PubSocket.publish_batch` does (the
+  relay's PUB hand-over refuses only when its thread is behind: the record is dropped,
+  counted).
 
 Sequence numbers, counters, published frames, replies and spool bytes are those of
 ``drain_bytes`` + :meth:`Pipeline.stamp_pull` / :meth:`Pipeline.prepare_router` +
@@ -47,7 +49,8 @@ def available() -> bool:
 def run(sock, pub, pipeline, limit: int, max_bytes: int, max_event: int, now_ms: int,
         spool_seq: int = -1, router: bool = False) -> PassResult:
     """One batch of at most ``limit`` messages / about ``max_bytes`` bytes from ``sock``
-    (PULL, or ROUTER with ``router``) onto ``pub`` (a :class:`PubSocket`); ``spool_seq``
+    (PULL, or ROUTER with ``router``) onto ``pub`` (a :class:`PubSocket`, or the hand-over
+    of an XPUB's thread, :class:`~logjam_relay.io.xpubthread.ThreadedPub`); ``spool_seq``
     >= 0 encodes the spool records numbered from it.  ``pipeline.seq`` and its counters
     are up to date when this returns (the records are published)."""
     p = pipeline
@@ -84,7 +87,7 @@ def run(sock, pub, pipeline, limit: int, max_bytes: int, max_event: int, now_ms:
         pub.published += nfast - (stop == 2)
         more = taken < limit and not (max_bytes > 0 and total >= max_bytes)
         if stop == 2:
-            pub._send_lossy(extra)          # counts the drop and the publish
+            pub.publish_refused(extra)      # PUB: sent lossy; a hand-over: dropped
             if more:
                 continue
         elif stop == 1:

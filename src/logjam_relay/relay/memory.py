@@ -176,8 +176,10 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int | None = None
         # and records until ingest_max_bytes (+ the batch that crossed it)
         from .groupcommit import REPLY_BYTES, max_pending
         batches += max_pending(s.batch_size) * REPLY_BYTES + 2 * (s.ingest_max_bytes + message)
-    # what PUB holds for the slowest subscriber (libzmq shares a message among subscribers)
-    pub = s.snd_hwm * (s.max_event_bytes + ENVELOPE_BYTES)
+    # what PUB holds for the slowest subscriber (libzmq shares a message among
+    # subscribers), and as much again in the hand-over to the XPUB's thread
+    # (io/xpubthread.py: its queue holds snd_hwm messages)
+    pub = 2 * s.snd_hwm * (s.max_event_bytes + ENVELOPE_BYTES)
     outputs = output_window_bytes(s) if output_bytes is None else output_bytes
     # per socket: what the guard lets all its connections together send before the one
     # that sent most is cut (the cap's worth of the longest topics), plus what arrives

@@ -1,8 +1,8 @@
 """The relay's timed work, apart from the ingest: heartbeats, the stats tick and the
-sequence reservation (:class:`Ticker`), and the subscription cap's poll
-(:func:`poll_subscriptions`).
+sequence reservation (:class:`Ticker`).  (The subscription caps of PUB and stats are
+applied by their XPUBs' own threads: io/xpubthread.py.)
 
-Each owns its own state; the relay starts them in its nursery once its sockets are bound.
+It owns its own state; the relay starts it in its nursery once its sockets are bound.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import time
 from collections.abc import Callable
 
 import trio
-import zmq
 
-from ..io import zmq_trio
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from .sequence import SequenceState
@@ -36,7 +34,7 @@ class Ticker:
 
     def __init__(self, *, pipeline: Pipeline, publish: Callable[[list], None], fqdn: str,
                  device_id: int, pub_port: int, heartbeat_interval: float,
-                 stats_interval: float, stats_sock: zmq.Socket | None,
+                 stats_interval: float, publish_stats: Callable[[list], None] | None,
                  sequence_state: SequenceState, spool_frames: Callable[[list], None] | None):
         self.pipeline = pipeline
         self.publish = publish
@@ -45,7 +43,7 @@ class Ticker:
         self.pub_port = pub_port
         self.heartbeat_interval = heartbeat_interval
         self.stats_interval = stats_interval
-        self.stats_sock = stats_sock
+        self.publish_stats = publish_stats
         self.sequence_state = sequence_state
         #: hands a heartbeat to the spool (the group commit or the spool's append), or None
         self.spool_frames = spool_frames
@@ -68,12 +66,8 @@ class Ticker:
         # logjam-device's timer: msgs_received_max_bytes is the largest body of the tick
         # that ends (stats_interval, 1 s by default: 0 when idle)
         p.counters.roll_max()
-        if self.stats_sock is not None:
-            try:
-                zmq_trio.send_multipart_nowait(self.stats_sock,
-                                               L.stats_frames(self.device_id, p.seq))
-            except zmq.ZMQError:
-                pass
+        if self.publish_stats is not None:
+            self.publish_stats(L.stats_frames(self.device_id, p.seq))
 
     async def run(self) -> None:
         p = self.pipeline
@@ -105,20 +99,3 @@ class Ticker:
                     # ahead of the ingest, off the loop (the ingest's own reserve() on the
                     # loop is the fallback when it reaches the bound first)
                     await self.sequence_state.reserve_async(p.seq, rate)
-
-
-async def poll_subscriptions(guards: list[zmq_trio.SubscriptionGuard]) -> None:
-    """Apply the subscription cap on PUB and stats often enough that a flood is cut
-    within a poll (nobody waits on their FDs, so any task may publish)."""
-    while True:
-        busy = False
-        for g in guards:
-            refused, cut = g.refused, g.disconnected
-            g.poll(500)           # small rounds: a flood never holds the event loop
-            busy = busy or g.busy
-            if g.disconnected > cut:
-                rlog.warning("subscriptions", "subscriptions over max_subscriptions=%d "
-                             "on %s: %d refused, peer disconnected", g.max_subscriptions,
-                             g.sock.getsockopt_string(zmq.LAST_ENDPOINT),
-                             g.refused - refused)
-        await trio.sleep(0 if busy else 0.05)

@@ -1,0 +1,222 @@
+"""An XPUB on a thread of its own (io/xpubthread.py): what the loop hands over reaches the
+subscribers whole and in order, with logjam-device's PUB semantics and counted drops; the
+guard's cap works from that thread and its watch; close() forwards what was published
+first; a thread stuck inside libzmq is left behind, not closed under.  The C pump and its
+pyzmq twin must behave the same (real sockets)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from conftest import require_native
+from logjam_relay.io import xpubthread, zmq_fast, zmq_trio
+from logjam_relay.io.xpubthread import ThreadedPub
+
+
+@pytest.fixture(params=["c", "python"])
+def impl(request, monkeypatch):
+    """Run a test against the C pump and against its pyzmq twin."""
+    if request.param == "c":
+        require_native(zmq_fast.pump, f"logjam_relay.io._zmqfast ({zmq_fast.WHY_NOT})")
+    else:
+        monkeypatch.setattr(zmq_fast, "pump", None)
+        monkeypatch.setattr(zmq_fast, "publish", None)
+    return request.param
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def xpub(ctx, sndhwm: int = 1000) -> zmq.Socket:
+    s = ctx.socket(zmq.XPUB)
+    for opt, v in zmq_trio.xpub_options().items():
+        s.setsockopt(opt, v)
+    s.setsockopt(zmq.SNDHWM, sndhwm)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind("tcp://127.0.0.1:*")
+    return s
+
+
+def sub(ctx, endpoint: str, prefix: bytes = b"", rcvhwm: int = 0) -> zmq.Socket:
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, rcvhwm)
+    s.setsockopt(zmq.SUBSCRIBE, prefix)
+    s.connect(endpoint)
+    return s
+
+
+def until(cond, timeout: float = 10.0, what: str = "") -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not reached: {what}")
+        time.sleep(0.01)
+
+
+def subscribed(tp: ThreadedPub, n: int = 1) -> None:
+    until(lambda: len(tp.subscriptions) >= n, what=f"{n} topics: {tp.subscriptions}")
+
+
+def recv(s: zmq.Socket) -> list[bytes]:
+    assert s.poll(10_000), "nothing arrived"
+    return s.recv_multipart()
+
+
+def test_records_reach_the_subscriber_whole_and_in_order(ctx, impl):
+    tp = ThreadedPub(xpub(ctx, sndhwm=100_000), 100, name="t", hwm=100_000)
+    tp.start()
+    s = sub(ctx, tp.endpoint, b"app")
+    subscribed(tp)
+    recs = [[b"app-%d" % (i % 3), b"logs", b"%d" % i, b"m" * (i % 50)] for i in range(5000)]
+    tp.publish_batch(recs[:2500])
+    for r in recs[2500:]:
+        tp.publish(r)
+    got = [recv(s) for _ in range(5000)]
+    assert got == recs
+    # the thread's counters are taken when its pump returns (at the latest after IDLE_MS)
+    until(lambda: tp.forwarded == 5000, what=f"forwarded {tp.forwarded}")
+    assert tp.published == 5000 and tp.drops == 0
+    assert tp.close(linger=0)
+
+
+def test_close_forwards_what_was_published_first(ctx, impl):
+    """The stop sentinel goes behind the records: none is lost at shutdown."""
+    tp = ThreadedPub(xpub(ctx, sndhwm=100_000), 100, name="t", hwm=100_000)
+    tp.start()
+    s = sub(ctx, tp.endpoint)
+    subscribed(tp)
+    tp.publish_batch([[b"a", b"%d" % i] for i in range(20_000)])
+    assert tp.close(linger=5000)
+    got = 0
+    while s.poll(1000):
+        s.recv_multipart()
+        got += 1
+    assert got == 20_000 and tp.forwarded == 20_000
+
+
+def test_a_slow_subscriber_misses_records_counted_the_others_get_all(ctx, impl):
+    """PUB semantics: a record that meets a subscriber at its HWM is sent lossy (only
+    that subscriber misses it) and counted in forward_drops."""
+    tp = ThreadedPub(xpub(ctx, sndhwm=4), 100, name="t", hwm=100_000)
+    tp.start()
+    slow = ctx.socket(zmq.SUB)
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 4096)
+    slow.setsockopt(zmq.SUBSCRIBE, b"")
+    slow.connect(tp.endpoint)
+    fast = sub(ctx, tp.endpoint, b"")
+    until(lambda: tp.guard.entries == 2, what="two subscribers")
+    n = 1000
+    payload = b"x" * 8192
+    for i in range(n):
+        tp.publish([b"a", b"%d" % i, payload])
+        assert recv(fast)[1] == b"%d" % i          # the fast one gets each, in turn
+    until(lambda: tp.forwarded == n, what=f"forwarded {tp.forwarded}")
+    assert tp.forward_drops > 0 and tp.handoff_drops == 0
+    assert tp.close()
+
+
+def test_a_full_hand_over_drops_counted_and_never_waits(ctx, impl):
+    """While the thread does not take records (here: not started), the loop's hand-over
+    takes ``hwm`` of them and counts the rest as dropped, at once."""
+    tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=10)
+    t0 = time.monotonic()
+    tp.publish_batch([[b"a", b"%d" % i] for i in range(100)])
+    for i in range(100):
+        tp.publish([b"a", b"x%d" % i])
+    assert time.monotonic() - t0 < 5
+    assert 10 <= tp.published <= 12 and tp.handoff_drops == 200 - tp.published
+    assert tp.drops == tp.handoff_drops
+    queued = tp.published
+    tp.start()
+    s = sub(ctx, tp.endpoint)
+    subscribed(tp)
+    until(lambda: tp.forwarded == queued, what="the queued records forwarded")
+    tp.publish([b"a", b"after"])
+    assert recv(s) == [b"a", b"after"]
+    assert tp.close()
+
+
+def test_notifications_reach_the_loop(ctx, impl):
+    tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100, notify=True)
+    tp.start()
+    s = sub(ctx, tp.endpoint, b"STAT?")
+    got: list[bytes] = []
+    until(lambda: got.extend(tp.poll_subscriptions()) or got, what="a notification")
+    assert got == [b"\x01STAT?"]
+    s.setsockopt(zmq.UNSUBSCRIBE, b"STAT?")
+    until(lambda: got.extend(tp.poll_subscriptions()) or len(got) == 2, what="the end")
+    assert got[1] == b"\x00STAT?"
+    assert tp.close()
+
+
+def test_the_cap_holds_and_the_flooder_is_cut_from_the_thread(ctx, impl):
+    tp = ThreadedPub(xpub(ctx), 500, name="t", hwm=100)
+    tp.start()
+    good = sub(ctx, tp.endpoint, b"app-")
+    subscribed(tp)
+    flood = ctx.socket(zmq.SUB)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.setsockopt(zmq.SNDHWM, 0)
+    flood.setsockopt(zmq.RECONNECT_IVL, 60_000)      # stays away once cut
+    flood.connect(tp.endpoint)
+    for i in range(3000):
+        flood.setsockopt(zmq.SUBSCRIBE, b"%08d" % i + os.urandom(8))
+    g = tp.guard
+    until(lambda: g.disconnected == 1 and g.entries == 1, what=str(g.stats()))
+    assert g.peak <= 500 + 1000 and dict(tp.subscriptions) == {b"app-": 1}
+    tp.publish([b"app-x", b"logs"])
+    assert recv(good) == [b"app-x", b"logs"]
+    assert tp.close()
+
+
+def test_watch_runs_while_the_owner_is_inside_libzmq(ctx, monkeypatch):
+    """The guard's watch (monitor, byte budgets) does not wait for the socket's owner:
+    with the owner held inside a long call, a new connection is still seen (and counted)
+    by the watch thread."""
+    release = threading.Event()
+
+    def stuck_pump(src, x, watch, timeout_ms, batch):
+        release.wait(10)
+        return 0, 0, xpubthread.PUMP_TIMEOUT
+    monkeypatch.setattr(zmq_fast, "pump", stuck_pump)
+    tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100)
+    tp.start()
+    s = sub(ctx, tp.endpoint, b"x")
+    try:
+        until(lambda: tp.guard.peers == 1, what="the watch took the ACCEPTED event")
+    finally:
+        release.set()
+    s.close()
+    assert tp.close()
+
+
+def test_a_thread_stuck_in_libzmq_is_left_behind_not_closed_under(ctx, monkeypatch):
+    release = threading.Event()
+
+    def stuck_pump(src, x, watch, timeout_ms, batch):
+        release.wait(10)
+        return 0, 0, xpubthread.PUMP_TIMEOUT
+    monkeypatch.setattr(zmq_fast, "pump", stuck_pump)
+    tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100)
+    tp.start()
+    try:
+        assert tp.close(timeout=0.2) is False
+        assert xpubthread.abandoned() and not tp.xpub.closed
+    finally:
+        release.set()
+        tp._thread.join(5)
+        monkeypatch.setattr(xpubthread, "_ABANDONED", [])
+    assert tp.close()                 # once it is out, it closes
+    assert tp.xpub.closed
