@@ -3,14 +3,15 @@
 libzmq accepts every TCP connection; memory and CPU then grow with the number of peers:
 each ROUTER/PULL/samwise peer has its own ``rcv_hwm`` queue, and on an XPUB (PUB, stats,
 CMDP) the end of *any* connection makes libzmq walk the whole subscription trie on the
-thread that next uses the socket -- the relay's event loop (``SubscriptionGuard``).
+thread that next uses the socket -- the XPUB's own thread (io/xpubthread.py,
+``SubscriptionGuard``).
 
 * :class:`PeerLimit` watches each socket's connections through a socket monitor (ACCEPTED
   and DISCONNECTED with the connection's fd, on a queue that never drops; an XPUB's monitor
   is its ``SubscriptionGuard``'s, which asks :meth:`PeerLimit.keep` through its
   ``accept_hook``).  A connection accepted while the socket already keeps
   ``zmq_max_peers`` -- or, on an XPUB, while the ends of earlier connections have used up
-  their share of the loop (``SubscriptionGuard.admit``) -- is aborted at once (a TCP reset,
+  their share of the socket's thread (``SubscriptionGuard.admit``) -- is aborted at once (a TCP reset,
   as the guard cuts a flooder), counted by socket and reason, logged rate-limited.  A
   libzmq client then reconnects after its ``reconnect_ivl`` and keeps what it queued: a
   ZAP refusal would instead make it give that connection up for good.
@@ -194,8 +195,8 @@ class PeerLimit:
                                name, fd, entry.peers, self.max_peers)
         else:
             self._rlog.warning(f"{name}:{why}", "zmq: reset a new connection of %s (fd %d): "
-                               "connections that ended lately cost the event loop its "
-                               "share (libzmq walks the subscription trie); the peer "
+                               "connections that ended lately cost the socket's thread "
+                               "its share (libzmq walks the subscription trie); the peer "
                                "reconnects later", name, fd)
         return False
 
@@ -218,7 +219,7 @@ class PeerLimit:
         cap.add_metric([device], self.max_peers)
         ref = CounterMetricFamily("logjam_relay_zmq_peers_refused", "new ZeroMQ connections "
                                   "reset at once: over zmq_max_peers, or busy (an XPUB whose "
-                                  "connection ends used up their share of the loop)",
+                                  "connection ends used up their share of its thread)",
                                   labels=["device", "socket", "reason"])
         for name in self.sockets:
             for reason in ("max_peers", "busy"):

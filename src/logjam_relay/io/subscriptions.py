@@ -127,6 +127,8 @@ class SubscriptionGuard:
     #: a call to recv that took longer was libzmq's work (walks, a flood's commands):
     #: measured, it is charged as such
     STALL_SECONDS = 0.005
+    #: the longest the admission stays closed after the last charge (s)
+    MAX_ADMIT_WAIT = 2.0
 
     def __init__(self, sock: zmq.Socket, max_subscriptions: int = 10_000):
         if sock.type != zmq.XPUB:
@@ -266,7 +268,10 @@ class SubscriptionGuard:
         connection is admitted for ``seconds / WALK_SHARE``."""
         self.walk_seconds += seconds
         now = time.monotonic()
-        self._admit_after = max(self._admit_after, now) + seconds / self.WALK_SHARE
+        # at most MAX_ADMIT_WAIT ahead: once a flood is over, a subscriber gets back in
+        # within that (its reconnects are reset meanwhile)
+        self._admit_after = min(max(self._admit_after, now) + seconds / self.WALK_SHARE,
+                                now + self.MAX_ADMIT_WAIT)
 
     def stats(self) -> dict:
         return {"subscriptions": self.entries, "topics": len(self.topics),

@@ -255,7 +255,8 @@ class ThreadedPub:
         must end without terminating the context (cli.py)."""
         deadline = time.monotonic() + timeout
         self.request_stop()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._watcher is not None and self._watcher.is_alive():
             self._watcher.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive() or (self._watcher is not None and
