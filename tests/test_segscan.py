@@ -87,3 +87,97 @@ def test_damaged_copies_match(segment, tmp_path):
         table, st = both(str(copy), segno)
         reasons |= {e for e in table.column("error").to_pylist() if e and e.startswith("corrupt")}
     assert {"corrupt:torn", "corrupt:crc", "corrupt:bad_length"} <= reasons, reasons
+
+
+# ------------------------------------------------------------ the loss table's meta walk
+
+def meta_both(path):
+    """decode.meta_arrays (the C scan_meta) and its reference from decode_segment_py:
+    the same arrays and counters."""
+    np = pytest.importorskip("numpy")
+    if not ds.META_WALK_IN_C:
+        require_native(None, "logjam_relay.spool._segscan (scan_meta)")
+    out = []
+    for fn in (ds.meta_arrays,
+               lambda p, st: ds.meta_arrays_py(p, st, decode=ds.decode_segment_py)):
+        st = ds.DecodeStats()
+        try:
+            arrays = fn(path, st)
+        except OSError as e:
+            arrays = type(e)
+        out.append((arrays, st))
+    (ac, sc), (ap, sp_) = out
+    if ac is FileNotFoundError or ap is FileNotFoundError:
+        assert ac is ap
+        return None, sc
+    for c, p in zip(ac, ap, strict=True):
+        assert c.dtype == np.int64 and p.dtype == np.int64
+        assert np.array_equal(c, p)
+    assert sc == sp_
+    return ac, sc
+
+
+def test_meta_walk_matches_decode(segment):
+    segno, path = segment
+    (dev, seq, created), st = meta_both(path)
+    table, _ = both(path, segno)
+    good = [r for r in table.to_pylist() if r["device"] is not None]
+    assert len(dev) == len(good) > 2000 and st.bad_records > 0
+    assert dev.tolist() == [r["device"] for r in good]
+    assert seq.tolist() == [r["sequence"] for r in good]
+    assert created.tolist() == [r["created_ms"] for r in good]
+
+
+def test_meta_walk_damaged_copies_match(segment, tmp_path):
+    """Torn, truncated, flipped-bit copies: the C meta walk stops and skips exactly where
+    the Python walk does (same arrays, same counters)."""
+    segno, path = segment
+    data = open(path, "rb").read()
+    offsets = [off for off, *_ in fmt.iter_records(path)]
+    rng = random.Random(11)
+    copy = tmp_path / os.path.basename(path)
+    cases = [b"", data[:fmt.HEADER_LEN - 1], data[:fmt.HEADER_LEN], data[:-1], data[:-30]]
+    for off in rng.sample(offsets, 6):
+        cases += [data[:off + k] for k in (0, 1, 7, 8, 19, 20, 21, 40)]
+    for _ in range(40):                                      # flipped bytes anywhere
+        b = bytearray(data)
+        b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        cases.append(bytes(b))
+    for k in range(3):                        # a damaged meta frame (the last), CRC fixed
+        b = bytearray(data)
+        off = offsets[50 + k]
+        body_len = int.from_bytes(b[off:off + 4], "little")
+        b[off + 8 + body_len - 24 + (0, 3, 5)[k]] ^= 0xFF    # tag, version, device
+        b[off + 4:off + 8] = fmt.crc32(bytes(b[off + 8:off + 8 + body_len])).to_bytes(
+            4, "little")
+        cases.append(bytes(b))
+    b = bytearray(data)                                      # a huge body length
+    b[offsets[3]:offsets[3] + 4] = (2 ** 31).to_bytes(4, "little")
+    cases.append(bytes(b))
+    full, _ = meta_both(path)
+    corrupt = shorter = 0
+    for case in cases:
+        copy.write_bytes(case)
+        arrays, st = meta_both(str(copy))
+        corrupt += st.corrupt
+        shorter += len(arrays[0]) < len(full[0])
+    assert corrupt > 20 and shorter > 20
+
+
+def test_meta_walk_unreadable(tmp_path):
+    with pytest.raises(OSError):
+        ds.meta_arrays(str(tmp_path / "missing.seg"))
+    with pytest.raises(OSError):
+        ds.meta_arrays_py(str(tmp_path / "missing.seg"))
+
+
+def test_read_buffer_reads_whole_files(tmp_path):
+    rb = ds.ReadBuffer()
+    for size in (0, 5, 3 << 20, 100, (3 << 20) + 12345, 0):
+        p = tmp_path / f"f{size}"
+        data = random.Random(size).randbytes(size)
+        p.write_bytes(data)
+        with open(p, "rb", buffering=0) as f:
+            mv = rb.read(f)
+        assert bytes(mv) == data
+        mv.release()

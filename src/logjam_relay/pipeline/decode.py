@@ -369,6 +369,99 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
         yield _error_batch(segno, idx, f"corrupt:{reason}", info, st, columns)
 
 
+# ============================================================================ meta walk
+
+#: the loss table's walk (:func:`meta_arrays`) is ``_segscan.scan_meta`` (C)
+META_WALK_IN_C = _segscan is not None and hasattr(_segscan, "scan_meta")
+_META_ONLY = ("device", "sequence", "created_ms")
+_E64 = np.empty(0, dtype=np.int64)
+
+
+class ReadBuffer:
+    """One reusable buffer for reading whole segment files (a walk over many segments
+    reads each into the same memory: no fresh 64 MiB allocation and its page faults per
+    file).  Not thread-safe: one per walk."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self):
+        self.buf = bytearray(0)
+
+    def read(self, f) -> memoryview:
+        """The whole rest of the open (unbuffered) file ``f``, as ``f.read()`` would
+        give it; valid until the next call."""
+        import os
+        size = os.fstat(f.fileno()).st_size - f.tell()
+        n = 0
+        while True:
+            if len(self.buf) - n < 4096 or len(self.buf) < size + 1:
+                grown = bytearray(max(size + 1, n + 4096) + (size >> 3) + (1 << 20))
+                grown[:n] = self.buf[:n]
+                self.buf = grown
+            with memoryview(self.buf) as mv:
+                k = f.readinto(mv[n:])
+            if not k:
+                return memoryview(self.buf)[:n]
+            n += k
+            size = max(size, n)
+
+
+def meta_arrays(path: str, stats: DecodeStats | None = None,
+                reader: ReadBuffer | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(device, sequence, created_ms)``, int64 arrays of the records of segment file
+    ``path`` that have a valid meta frame, in record order: exactly the rows of
+    :func:`decode_segment` (columns ``device, sequence, created_ms``) whose device and
+    created_ms are not null, with the same counters added to ``stats``.  Bodies are not
+    looked at; no Python object per record.  ``OSError`` for an unreadable file propagates.
+    The C walk (``_segscan.scan_meta``) when it is built, else :func:`meta_arrays_py`."""
+    if not META_WALK_IN_C:
+        return meta_arrays_py(path, stats)
+    st = stats if stats is not None else DecodeStats()
+    reader = reader if reader is not None else ReadBuffer()
+    with open(path, "rb", buffering=0) as f:
+        buf = reader.read(f)
+    try:
+        try:
+            fmt.decode_header(bytes(buf[:fmt.HEADER_LEN]))
+        except fmt.SegmentError:
+            st.records += 1             # decode_segment's one error row for the file
+            st.bad_records += 1
+            return _E64, _E64, _E64
+        dev, seq, created, bad, _pos, idx, status, skipped = _segscan.scan_meta(
+            buf, fmt.HEADER_LEN)
+    finally:
+        buf.release()
+    st.skipped_kinds += skipped
+    st.records += idx
+    st.bad_records += bad
+    if status != "seal":                # a corrupt reason: decode_segment's error row
+        st.corrupt += 1
+        st.records += 1
+        st.bad_records += 1
+    return (np.frombuffer(dev, dtype=np.int64), np.frombuffer(seq, dtype=np.int64),
+            np.frombuffer(created, dtype=np.int64))
+
+
+def meta_arrays_py(path: str, stats: DecodeStats | None = None,
+                   decode=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`meta_arrays` from the decoded batches of ``decode`` (default
+    :func:`decode_segment`; the tests use :func:`decode_segment_py`, the reference)."""
+    decode = decode_segment if decode is None else decode
+    parts: list[tuple[np.ndarray, ...]] = []
+    for b in decode(path, 0, batch_rows=1 << 20, stats=stats, columns=_META_ONLY):
+        dev, seq, created = (b.column(i) for i in range(3))
+        ok = np.asarray(dev.is_valid()) & np.asarray(created.is_valid())
+        if not ok.all():
+            dev, seq, created = (c.filter(ok) for c in (dev, seq, created))
+        parts.append(tuple(np.asarray(c.to_numpy(), dtype=np.int64)
+                           for c in (dev, seq, created)))
+    if not parts:
+        return _E64, _E64, _E64
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate(cols) for cols in zip(*parts, strict=True))
+
+
 def _intern_pair(pair_index: dict, pairs: list, pair_la: list, key: bytes, la: int) -> int:
     """Index of (key[:la], key[la:]); the combined key is ambiguous only in theory
     (same concatenation, different split): such a pair is stored under a tuple key."""

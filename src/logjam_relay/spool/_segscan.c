@@ -13,6 +13,16 @@
  *   pos    where the walk stopped; idx = index of the record there
  *   status "stop" (idx reached stop), "seal", or a corrupt reason:
  *          "torn", "no_seal", "bad_length", "crc", "frame_lengths"
+ *
+ * scan_meta(buf, pos) -> (device, sequence, created_ms, bad, pos, idx, status, skipped_kinds)
+ *   the same walk over the whole segment (start 0, no stop) for the loss table
+ *   (pipeline/loss.py): only the meta frames are read, nothing is interned or copied
+ *   per record.  device, sequence, created_ms: bytes, int64[n] each (native order), of
+ *   the logjam records with a valid meta frame (code >= 0 above), in record order, the
+ *   meta's big-endian fields as pipeline/decode.py reads them (unsigned, cast to int64);
+ *   bad = logjam records without a valid meta frame (codes -1 and -2: idx = n + bad);
+ *   pos, idx, status, skipped_kinds as for scan (status never "stop").
+ *   The reference is pipeline/decode.py's meta_arrays_py (tests/test_segscan.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -166,6 +176,88 @@ out:
     return result;
 }
 
+static inline uint64_t rdbe64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+static PyObject *scan_meta(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "y*n", &view, &pos)) return NULL;
+    const unsigned char *buf = view.buf;
+    const Py_ssize_t size = view.len;
+    int64_t *dev = NULL, *seq = NULL, *cre = NULL;
+    Py_ssize_t n = 0, cap = 0, idx = 0, bad = 0, skipped = 0;
+    const char *status = "seal";
+    PyObject *result = NULL;
+
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        if (size - pos < HEADER_MIN) { status = pos != size ? "torn" : "no_seal"; break; }
+        uint32_t body_len = rd32(buf + pos), crc = rd32(buf + pos + 4);
+        unsigned kind = buf[pos + 8];
+        uint32_t nf = rd16(buf + pos + 10);
+        Py_ssize_t rend = pos + 8 + (Py_ssize_t)body_len;
+        if (body_len < 12 + 4 * nf || body_len > MAX_BODY) { status = "bad_length"; break; }
+        if (rend > size) { status = "torn"; break; }
+        if (lj_crc32(buf + pos + 8, body_len) != crc) { status = "crc"; break; }
+        if (kind) {
+            if (kind == KIND_SEAL) { status = "seal"; break; }
+            skipped++;
+            pos = rend;
+            continue;
+        }
+        const unsigned char *lens = buf + pos + 20;
+        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)nf, total = 0;
+        for (uint32_t i = 0; i < nf; i++) total += rd32(lens + 4 * i);
+        if (p + total != rend) { status = "frame_lengths"; break; }
+        idx++;
+        pos = rend;
+        const unsigned char *s = NULL;
+        if (nf == 4 && rd32(lens + 12) == 24) {
+            s = buf + p + rd32(lens) + rd32(lens + 4) + rd32(lens + 8);
+            if (!(s[3] == 1 && ((s[0] == 0xCA && s[1] == 0xBD) || (s[0] == 0xBD && s[1] == 0xCA))))
+                s = NULL;
+        }
+        if (!s) { bad++; continue; }
+        if (n == cap) {
+            Py_ssize_t nc = cap ? cap * 2 : 16384;
+            int64_t *a = PyMem_RawRealloc(dev, (size_t)nc * sizeof(int64_t));
+            if (a) dev = a;
+            int64_t *b = a ? PyMem_RawRealloc(seq, (size_t)nc * sizeof(int64_t)) : NULL;
+            if (b) seq = b;
+            int64_t *c = b ? PyMem_RawRealloc(cre, (size_t)nc * sizeof(int64_t)) : NULL;
+            if (!c) { status = NULL; break; }
+            cre = c;
+            cap = nc;
+        }
+        dev[n] = (int64_t)(((uint32_t)s[4] << 24) | ((uint32_t)s[5] << 16) | ((uint32_t)s[6] << 8) | s[7]);
+        cre[n] = (int64_t)rdbe64(s + 8);
+        seq[n] = (int64_t)rdbe64(s + 16);
+        n++;
+    }
+    Py_END_ALLOW_THREADS
+
+    if (status == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    const Py_ssize_t nb = n * (Py_ssize_t)sizeof(int64_t);
+    PyObject *d = PyBytes_FromStringAndSize((const char *)dev, nb);
+    PyObject *q = d ? PyBytes_FromStringAndSize((const char *)seq, nb) : NULL;
+    PyObject *c = q ? PyBytes_FromStringAndSize((const char *)cre, nb) : NULL;
+    if (!c) { Py_XDECREF(d); Py_XDECREF(q); goto out; }
+    result = Py_BuildValue("(NNNnnnsn)", d, q, c, bad, pos, idx, status, skipped);
+out:
+    PyMem_RawFree(dev);
+    PyMem_RawFree(seq);
+    PyMem_RawFree(cre);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 /* parse_records(buf, pos, end, max_records, base) -> (records, pos, status): exactly
  * segment.parse_records_py: records are (file_offset, kind, seq, [frames], record_end)
  * with verified CRCs; status None, "partial", "seal" or (reason, message, file_offset)
@@ -216,6 +308,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "scan(buf, pos, start, stop) -> (rows, pairs, pos, idx, status, skipped_kinds)"},
+    {"scan_meta", scan_meta, METH_VARARGS,
+     "scan_meta(buf, pos) -> (device, sequence, created_ms, bad, pos, idx, status, skipped_kinds)"},
     {"parse_records", parse_records, METH_VARARGS,
      "parse_records(buf, pos, end, max_records, base) -> (records, pos, status)"},
     {NULL, NULL, 0, NULL},
