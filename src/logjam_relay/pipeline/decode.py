@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -377,60 +378,29 @@ _META_ONLY = ("device", "sequence", "created_ms")
 _E64 = np.empty(0, dtype=np.int64)
 
 
-class ReadBuffer:
-    """One reusable buffer for reading whole segment files (a walk over many segments
-    reads each into the same memory: no fresh 64 MiB allocation and its page faults per
-    file).  Not thread-safe: one per walk."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self):
-        self.buf = bytearray(0)
-
-    def read(self, f) -> memoryview:
-        """The whole rest of the open (unbuffered) file ``f``, as ``f.read()`` would
-        give it; valid until the next call."""
-        import os
-        size = os.fstat(f.fileno()).st_size - f.tell()
-        n = 0
-        while True:
-            if len(self.buf) - n < 4096 or len(self.buf) < size + 1:
-                grown = bytearray(max(size + 1, n + 4096) + (size >> 3) + (1 << 20))
-                grown[:n] = self.buf[:n]
-                self.buf = grown
-            with memoryview(self.buf) as mv:
-                k = f.readinto(mv[n:])
-            if not k:
-                return memoryview(self.buf)[:n]
-            n += k
-            size = max(size, n)
-
-
 def meta_arrays(path: str, stats: DecodeStats | None = None,
-                reader: ReadBuffer | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(device, sequence, created_ms)``, int64 arrays of the records of segment file
     ``path`` that have a valid meta frame, in record order: exactly the rows of
     :func:`decode_segment` (columns ``device, sequence, created_ms``) whose device and
-    created_ms are not null, with the same counters added to ``stats``.  Bodies are not
-    looked at; no Python object per record.  ``OSError`` for an unreadable file propagates.
-    The C walk (``_segscan.scan_meta``) when it is built, else :func:`meta_arrays_py`."""
+    created_ms are not null, with the same counters added to ``stats``.  ``OSError`` for
+    an unreadable file propagates.  The C walk (``_segscan.scan_meta``: it reads the file
+    ``chunk`` bytes at a time into one small buffer, no copy of the whole file and no
+    Python object per record) when it is built, else :func:`meta_arrays_py`."""
     if not META_WALK_IN_C:
         return meta_arrays_py(path, stats)
     st = stats if stats is not None else DecodeStats()
-    reader = reader if reader is not None else ReadBuffer()
     with open(path, "rb", buffering=0) as f:
-        buf = reader.read(f)
-    try:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
         try:
-            fmt.decode_header(bytes(buf[:fmt.HEADER_LEN]))
+            fmt.decode_header(os.pread(fd, fmt.HEADER_LEN, 0))
         except fmt.SegmentError:
             st.records += 1             # decode_segment's one error row for the file
             st.bad_records += 1
             return _E64, _E64, _E64
         dev, seq, created, bad, _pos, idx, status, skipped = _segscan.scan_meta(
-            buf, fmt.HEADER_LEN)
-    finally:
-        buf.release()
+            fd, fmt.HEADER_LEN, size, chunk)
     st.skipped_kinds += skipped
     st.records += idx
     st.bad_records += bad

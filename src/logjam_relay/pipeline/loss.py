@@ -177,12 +177,11 @@ class LossState:
         of the records in arrival order, exactly the rows :func:`.decode.decode_segment`
         gives with a device and a created_ms (damaged records and the rest of a damaged
         segment are skipped as there)."""
-        from .decode import DecodeStats, ReadBuffer, list_segments, meta_arrays
+        from .decode import DecodeStats, list_segments, meta_arrays
         st = DecodeStats()
-        reader = ReadBuffer()
         for _segno, path in list_segments(input_dir):
             try:
-                dev, seq, created = meta_arrays(path, st, reader)
+                dev, seq, created = meta_arrays(path, st)
             except OSError:
                 continue      # vanished/unreadable: the scan reports it as a row
             self.add_ordered(dev, seq, created - created % 60000)
