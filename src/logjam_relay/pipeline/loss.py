@@ -30,7 +30,6 @@ OUT_SCHEMA = pa.schema([
 ])
 OUT_DDL = ("device long, minute_ms long, received long, missing long, duplicates long, "
            "out_of_order long, first_sequence long, last_sequence long")
-_COLS = ("device", "sequence", "created_ms", "record")
 _E = np.empty(0, dtype=np.int64)
 
 
