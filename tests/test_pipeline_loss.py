@@ -152,3 +152,23 @@ def test_archive_walk_equals_reference_with_damage(tmp_path, monkeypatch):
         for col in ("received", "missing", "duplicates", "out_of_order", "first_sequence",
                     "last_sequence"):
             assert got[k][col] == w[col], (k, col, got[k][col], w[col])
+
+
+@pytest.mark.parametrize("devices", [1, 2, 9])
+def test_add_ordered_equals_update(devices):
+    """add_ordered (the archive walk's: records already in arrival order, split by device
+    with a stable sort) gives the state update gives (which sorts by arrival first)."""
+    rng = np.random.default_rng(devices)
+    a, b = LossState(), LossState()
+    seqs = {}
+    for part in range(5):
+        n = int(rng.integers(0, 400))
+        dev = rng.integers(1, devices + 1, n)
+        seq = np.empty(n, dtype=np.int64)
+        for i, d in enumerate(dev.tolist()):          # mostly rising, some gaps and repeats
+            seqs[d] = seqs.get(d, 0) + int(rng.choice([1, 1, 1, 2, 5, 0, -3]))
+            seq[i] = seqs[d]
+        minute = (np.arange(n) // 50 + part * 10) * 60000
+        a.add_ordered(dev, seq, minute)
+        b.update(dev, seq, np.full(n, part), np.arange(n), minute, track=False)
+    assert state_rows(a) == state_rows(b) and state_rows(a)
