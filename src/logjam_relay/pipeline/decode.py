@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -367,6 +368,68 @@ def decode_segment_py(path: str, segno: int, start: int = 0, stop: int | None = 
             info["message"] = "segment has no valid seal record (incomplete copy?)"
         st.corrupt += 1
         yield _error_batch(segno, idx, f"corrupt:{reason}", info, st, columns)
+
+
+# ============================================================================ meta walk
+
+#: the loss table's walk (:func:`meta_arrays`) is ``_segscan.scan_meta`` (C)
+META_WALK_IN_C = _segscan is not None and hasattr(_segscan, "scan_meta")
+_META_ONLY = ("device", "sequence", "created_ms")
+_E64 = np.empty(0, dtype=np.int64)
+
+
+def meta_arrays(path: str, stats: DecodeStats | None = None,
+                chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(device, sequence, created_ms)``, int64 arrays of the records of segment file
+    ``path`` that have a valid meta frame, in record order: exactly the rows of
+    :func:`decode_segment` (columns ``device, sequence, created_ms``) whose device and
+    created_ms are not null, with the same counters added to ``stats``.  ``OSError`` for
+    an unreadable file propagates.  The C walk (``_segscan.scan_meta``: it reads the file
+    ``chunk`` bytes at a time into one small buffer, no copy of the whole file and no
+    Python object per record) when it is built, else :func:`meta_arrays_py`."""
+    if not META_WALK_IN_C:
+        return meta_arrays_py(path, stats)
+    st = stats if stats is not None else DecodeStats()
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            fmt.decode_header(os.pread(fd, fmt.HEADER_LEN, 0))
+        except fmt.SegmentError:
+            st.records += 1             # decode_segment's one error row for the file
+            st.bad_records += 1
+            return _E64, _E64, _E64
+        dev, seq, created, bad, _pos, idx, status, skipped = _segscan.scan_meta(
+            fd, fmt.HEADER_LEN, size, chunk)
+    st.skipped_kinds += skipped
+    st.records += idx
+    st.bad_records += bad
+    if status != "seal":                # a corrupt reason: decode_segment's error row
+        st.corrupt += 1
+        st.records += 1
+        st.bad_records += 1
+    return (np.frombuffer(dev, dtype=np.int64), np.frombuffer(seq, dtype=np.int64),
+            np.frombuffer(created, dtype=np.int64))
+
+
+def meta_arrays_py(path: str, stats: DecodeStats | None = None,
+                   decode=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`meta_arrays` from the decoded batches of ``decode`` (default
+    :func:`decode_segment`; the tests use :func:`decode_segment_py`, the reference)."""
+    decode = decode_segment if decode is None else decode
+    parts: list[tuple[np.ndarray, ...]] = []
+    for b in decode(path, 0, batch_rows=1 << 20, stats=stats, columns=_META_ONLY):
+        dev, seq, created = (b.column(i) for i in range(3))
+        ok = np.asarray(dev.is_valid()) & np.asarray(created.is_valid())
+        if not ok.all():
+            dev, seq, created = (c.filter(ok) for c in (dev, seq, created))
+        parts.append(tuple(np.asarray(c.to_numpy(), dtype=np.int64)
+                           for c in (dev, seq, created)))
+    if not parts:
+        return _E64, _E64, _E64
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate(cols) for cols in zip(*parts, strict=True))
 
 
 def _intern_pair(pair_index: dict, pairs: list, pair_la: list, key: bytes, la: int) -> int:

@@ -13,11 +13,27 @@
  *   pos    where the walk stopped; idx = index of the record there
  *   status "stop" (idx reached stop), "seal", or a corrupt reason:
  *          "torn", "no_seal", "bad_length", "crc", "frame_lengths"
+ *
+ * scan_meta(fd, pos, size[, chunk]) -> (device, sequence, created_ms, bad, pos, idx, status,
+ *                                      skipped_kinds)
+ *   the same walk over a whole segment file (start 0, no stop) for the loss table
+ *   (pipeline/loss.py), reading the open file ``fd`` itself from offset ``pos`` (the
+ *   first record) to ``size`` (its length) with pread, ``chunk`` bytes at a time (default
+ *   1 MiB) into one small buffer that stays in cache (no copy of the whole file, no
+ *   Python object per record); only the meta frames are decoded.  device, sequence,
+ *   created_ms: bytes, int64[n] each (native order), of the logjam records with a valid
+ *   meta frame (code >= 0 above), in record order, the meta's big-endian fields as
+ *   pipeline/decode.py reads them (unsigned, cast to int64); bad = logjam records without
+ *   a valid meta frame (codes -1 and -2: idx = n + bad); pos, idx, status, skipped_kinds
+ *   as for scan (status never "stop").  A read error raises OSError.
+ *   The reference is pipeline/decode.py's meta_arrays_py (tests/test_segscan.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "_record.h"            /* record framing check, lj_crc32, rd32/rd16 */
@@ -166,6 +182,137 @@ out:
     return result;
 }
 
+static inline uint64_t rdbe64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* scan_meta's window on the file: bytes [base, base + have) of it in buf */
+typedef struct {
+    int fd;
+    unsigned char *buf;
+    Py_ssize_t cap, have, chunk;
+    int64_t base, size;         /* size: where the walk ends (the file's, as read) */
+    int err;                    /* errno of a failed read, or -1: out of memory */
+} window_t;
+
+/* Make the window hold [off, off + need) (off + need <= size), reading at least a chunk
+ * from off: 0, or -1 (w->err).  A file that ends early (truncated meanwhile) lowers
+ * w->size to its end: the caller checks again. */
+static int window_fill(window_t *w, int64_t off, Py_ssize_t need) {
+    if (off >= w->base && off + need <= w->base + w->have) return 0;
+    Py_ssize_t keep = 0;
+    if (off >= w->base && off < w->base + w->have) {
+        keep = (Py_ssize_t)(w->base + w->have - off);
+        memmove(w->buf, w->buf + (off - w->base), (size_t)keep);
+    }
+    w->base = off;
+    w->have = keep;
+    Py_ssize_t want = need > w->chunk ? need : w->chunk;
+    if (want > w->size - off) want = (Py_ssize_t)(w->size - off);
+    if (want > w->cap) {
+        unsigned char *nb = PyMem_RawRealloc(w->buf, (size_t)want);
+        if (!nb) { w->err = -1; return -1; }
+        w->buf = nb;
+        w->cap = want;
+    }
+    while (w->have < want) {
+        ssize_t r = pread(w->fd, w->buf + w->have, (size_t)(want - w->have), (off_t)(off + w->have));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            w->err = errno;
+            return -1;
+        }
+        if (r == 0) { w->size = off + w->have; break; }
+        w->have += r;
+    }
+    return 0;
+}
+
+static PyObject *scan_meta(PyObject *self, PyObject *args) {
+    int fd;
+    Py_ssize_t pos, size, chunk = 1 << 20;
+    if (!PyArg_ParseTuple(args, "inn|n", &fd, &pos, &size, &chunk)) return NULL;
+    if (chunk < HEADER_MIN) chunk = HEADER_MIN;
+    window_t w = {fd, NULL, 0, 0, chunk, pos, size, 0};
+    int64_t *dev = NULL, *seq = NULL, *cre = NULL;
+    Py_ssize_t n = 0, cap = 0, idx = 0, bad = 0, skipped = 0;
+    const char *status = "seal";
+    PyObject *result = NULL;
+
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        if (w.size - pos < HEADER_MIN) { status = pos != w.size ? "torn" : "no_seal"; break; }
+        if (window_fill(&w, pos, HEADER_MIN) < 0) { status = NULL; break; }
+        if (w.size - pos < HEADER_MIN) continue;                /* ended early */
+        const unsigned char *h = w.buf + (pos - w.base);
+        uint32_t body_len = rd32(h), crc = rd32(h + 4);
+        unsigned kind = h[8];
+        uint32_t nf = rd16(h + 10);
+        int64_t rend = pos + 8 + (int64_t)body_len;
+        if (body_len < 12 + 4 * nf || body_len > MAX_BODY) { status = "bad_length"; break; }
+        if (rend > w.size) { status = "torn"; break; }
+        if (window_fill(&w, pos, (Py_ssize_t)(rend - pos)) < 0) { status = NULL; break; }
+        if (rend > w.size) continue;                            /* ended early */
+        h = w.buf + (pos - w.base);
+        if (lj_crc32(h + 8, body_len) != crc) { status = "crc"; break; }
+        if (kind) {
+            if (kind == KIND_SEAL) { status = "seal"; break; }
+            skipped++;
+            pos = rend;
+            continue;
+        }
+        const unsigned char *lens = h + 20;
+        int64_t total = 0;
+        for (uint32_t i = 0; i < nf; i++) total += rd32(lens + 4 * i);
+        if (20 + 4 * (int64_t)nf + total != 8 + (int64_t)body_len) { status = "frame_lengths"; break; }
+        idx++;
+        pos = rend;
+        const unsigned char *s = NULL;
+        if (nf == 4 && rd32(lens + 12) == 24) {
+            s = h + 36 + rd32(lens) + rd32(lens + 4) + rd32(lens + 8);
+            if (!(s[3] == 1 && ((s[0] == 0xCA && s[1] == 0xBD) || (s[0] == 0xBD && s[1] == 0xCA))))
+                s = NULL;
+        }
+        if (!s) { bad++; continue; }
+        if (n == cap) {
+            Py_ssize_t nc = cap ? cap * 2 : 16384;
+            int64_t *a = PyMem_RawRealloc(dev, (size_t)nc * sizeof(int64_t));
+            if (a) dev = a;
+            int64_t *b = a ? PyMem_RawRealloc(seq, (size_t)nc * sizeof(int64_t)) : NULL;
+            if (b) seq = b;
+            int64_t *c = b ? PyMem_RawRealloc(cre, (size_t)nc * sizeof(int64_t)) : NULL;
+            if (!c) { w.err = -1; status = NULL; break; }
+            cre = c;
+            cap = nc;
+        }
+        dev[n] = (int64_t)(((uint32_t)s[4] << 24) | ((uint32_t)s[5] << 16) | ((uint32_t)s[6] << 8) | s[7]);
+        cre[n] = (int64_t)rdbe64(s + 8);
+        seq[n] = (int64_t)rdbe64(s + 16);
+        n++;
+    }
+    Py_END_ALLOW_THREADS
+
+    if (status == NULL) {
+        if (w.err == -1) PyErr_NoMemory();
+        else { errno = w.err; PyErr_SetFromErrno(PyExc_OSError); }
+        goto out;
+    }
+    const Py_ssize_t nb = n * (Py_ssize_t)sizeof(int64_t);
+    PyObject *d = PyBytes_FromStringAndSize((const char *)dev, nb);
+    PyObject *q = d ? PyBytes_FromStringAndSize((const char *)seq, nb) : NULL;
+    PyObject *c = q ? PyBytes_FromStringAndSize((const char *)cre, nb) : NULL;
+    if (!c) { Py_XDECREF(d); Py_XDECREF(q); goto out; }
+    result = Py_BuildValue("(NNNnLnsn)", d, q, c, bad, (long long)pos, idx, status, skipped);
+out:
+    PyMem_RawFree(w.buf);
+    PyMem_RawFree(dev);
+    PyMem_RawFree(seq);
+    PyMem_RawFree(cre);
+    return result;
+}
+
 /* parse_records(buf, pos, end, max_records, base) -> (records, pos, status): exactly
  * segment.parse_records_py: records are (file_offset, kind, seq, [frames], record_end)
  * with verified CRCs; status None, "partial", "seal" or (reason, message, file_offset)
@@ -216,6 +363,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "scan(buf, pos, start, stop) -> (rows, pairs, pos, idx, status, skipped_kinds)"},
+    {"scan_meta", scan_meta, METH_VARARGS,
+     "scan_meta(fd, pos, size[, chunk]) -> (device, sequence, created_ms, bad, pos, idx, status, skipped_kinds)"},
     {"parse_records", parse_records, METH_VARARGS,
      "parse_records(buf, pos, end, max_records, base) -> (records, pos, status)"},
     {NULL, NULL, 0, NULL},
