@@ -36,8 +36,10 @@ def ctx():
     c.destroy(linger=0)
 
 
-def xpub(ctx, sndhwm: int = 1000) -> zmq.Socket:
+def xpub(ctx, sndhwm: int = 1000, sndbuf: int = 0) -> zmq.Socket:
     s = ctx.socket(zmq.XPUB)
+    if sndbuf:
+        s.setsockopt(zmq.SNDBUF, sndbuf)
     for opt, v in zmq_trio.xpub_options().items():
         s.setsockopt(opt, v)
     s.setsockopt(zmq.SNDHWM, sndhwm)
@@ -107,7 +109,7 @@ def test_close_forwards_what_was_published_first(ctx, impl):
 def test_a_slow_subscriber_misses_records_counted_the_others_get_all(ctx, impl):
     """PUB semantics: a record that meets a subscriber at its HWM is sent lossy (only
     that subscriber misses it) and counted in forward_drops."""
-    tp = ThreadedPub(xpub(ctx, sndhwm=4), 100, name="t", hwm=100_000)
+    tp = ThreadedPub(xpub(ctx, sndhwm=4, sndbuf=16384), 100, name="t", hwm=100_000)
     tp.start()
     slow = ctx.socket(zmq.SUB)
     slow.setsockopt(zmq.LINGER, 0)
@@ -187,9 +189,11 @@ def test_watch_runs_while_the_owner_is_inside_libzmq(ctx, monkeypatch):
     by the watch thread."""
     release = threading.Event()
 
+    real = zmq_fast.pump or xpubthread.pump_py
+
     def stuck_pump(src, x, watch, timeout_ms, batch):
-        release.wait(10)
-        return 0, 0, xpubthread.PUMP_TIMEOUT
+        release.wait(10)                 # as inside a long libzmq call, then as usual
+        return real(src, x, watch, timeout_ms, batch)
     monkeypatch.setattr(zmq_fast, "pump", stuck_pump)
     tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100)
     tp.start()
@@ -205,10 +209,13 @@ def test_watch_runs_while_the_owner_is_inside_libzmq(ctx, monkeypatch):
 def test_a_thread_stuck_in_libzmq_is_left_behind_not_closed_under(ctx, monkeypatch):
     release = threading.Event()
 
+    real = zmq_fast.pump or xpubthread.pump_py
+
     def stuck_pump(src, x, watch, timeout_ms, batch):
-        release.wait(10)
-        return 0, 0, xpubthread.PUMP_TIMEOUT
+        release.wait(10)                 # as inside a long libzmq call, then as usual
+        return real(src, x, watch, timeout_ms, batch)
     monkeypatch.setattr(zmq_fast, "pump", stuck_pump)
+    monkeypatch.setattr(xpubthread, "_ABANDONED", [])    # this test's own list
     tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100)
     tp.start()
     try:
@@ -217,6 +224,36 @@ def test_a_thread_stuck_in_libzmq_is_left_behind_not_closed_under(ctx, monkeypat
     finally:
         release.set()
         tp._thread.join(5)
-        monkeypatch.setattr(xpubthread, "_ABANDONED", [])
     assert tp.close()                 # once it is out, it closes
     assert tp.xpub.closed
+
+
+def test_close_before_start_closes_everything(ctx):
+    tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100, notify=True)
+    assert tp.close() and tp.xpub.closed and tp.sock.closed and tp.notes.closed
+
+
+def test_hwm_0_is_an_unbounded_hand_over(ctx, impl):
+    """snd_hwm = 0 means no bound on PUB; the hand-over follows it (nothing dropped
+    while the thread is not taking records)."""
+    tp = ThreadedPub(xpub(ctx, sndhwm=0), 100, name="t", hwm=0)
+    tp.publish_batch([[b"a", b"%d" % i] for i in range(20_000)])
+    assert tp.published == 20_000 and tp.handoff_drops == 0
+    tp.start()
+    until(lambda: tp.forwarded == 20_000, what=f"forwarded {tp.forwarded}")
+    assert tp.close()
+
+
+def test_the_pump_returns_on_time_while_kept_busy(ctx, impl):
+    """Under steady publishing the pump still returns at its timeout (the counters and
+    the guard's round are due)."""
+    tp = ThreadedPub(xpub(ctx, sndhwm=0), 100, name="t", hwm=0)
+    tp.start()
+    t0 = time.monotonic()
+    seen = []
+    while time.monotonic() - t0 < 3 and not seen:
+        tp.publish_batch([[b"a", b"x"]] * 2000)
+        if tp.forwarded:
+            seen.append(tp.forwarded)
+    assert seen, "the thread's counters never moved while records kept coming"
+    assert tp.close()

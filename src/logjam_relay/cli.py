@@ -228,16 +228,21 @@ def cmd_run(argv: list[str]) -> int:
     finally:
         if not buffer.live:
             buffer.go_live()
+    return 0
+
+
+def _exit_if_abandoned(rc: int) -> int:
+    """An XPUB's thread still inside libzmq at the end (logged: io/xpubthread.py): its
+    sockets can neither be closed nor its context terminated, not even by the
+    interpreter's teardown, so the process ends here with ``rc``, after a flush."""
     from .io import xpubthread
     if xpubthread.abandoned():
-        # an XPUB's thread is still inside libzmq (logged): its sockets can neither be
-        # closed nor its context terminated, so end here, with what was flushed
         for h in logging.getLogger().handlers:
             h.flush()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(rc)
+    return rc
 
 
 #: the exit status when stdout's reader went away (`... | head`): a command killed by
@@ -279,7 +284,7 @@ def _dispatch(argv: list[str] | None) -> int:
     if argv and argv[0] == sub:
         argv = argv[1:]
     if sub == "run":
-        return cmd_run(argv)
+        return _exit_if_abandoned(cmd_run(argv))
     if sub == "tail":
         from .tools.tail import main as tail_main
         return tail_main(argv)

@@ -607,6 +607,8 @@ static int pump_one(void *src, void *xpub, zmq_msg_t *msg, int *dropped, int *er
         }
         if (rc < 0) {
             *err = p_errno();
+            /* the rest of this record stays out of the next one: drop it from src */
+            while (more && p_msg_recv(msg, src, 0) >= 0) more = p_msg_more(msg);
             break;
         }
         first = 0;
@@ -623,7 +625,7 @@ static int pump_one(void *src, void *xpub, zmq_msg_t *msg, int *dropped, int *er
         int on = 1;
         p_setsockopt(xpub, ZMQ_XPUB_NODROP, &on, sizeof on);
     }
-    return -1;
+    return -1;   /* a send failed (the XPUB closed or the context ended): the caller stops */
 }
 
 static long elapsed_ms(const struct timespec *t0) {
@@ -707,7 +709,9 @@ static PyObject *fast_pump(PyObject *self, PyObject *args) {
                 }
             }
             if (flags) break;
-            if (rc == 0) {
+            if (rc == 0 || (timeout >= 0 && elapsed_ms(&t0) >= timeout)) {
+                /* timed out, or kept busy forwarding past the timeout: the caller's
+                 * counters and the guard's round are due */
                 flags |= PUMP_TIMEOUT;
                 break;
             }

@@ -126,7 +126,8 @@ class _Guarded:
         return self.guard.admit()
 
     def close(self) -> None:
-        self.guard.accept_hook = None
+        with self.guard.lock:            # the XPUB's threads may be admitting
+            self.guard.accept_hook = None
 
 
 class PeerLimit:

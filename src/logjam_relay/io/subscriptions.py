@@ -289,7 +289,8 @@ class SubscriptionGuard:
             self._poll_monitor(out)
             self._check_bytes()
         recv = self.sock.recv
-        clock = time.monotonic
+        # this thread's CPU time: libzmq's work in the call, not a wait for the GIL after it
+        clock = time.thread_time
         for i in range(max_messages):
             if i % 100 == 99:
                 with lock:
@@ -315,11 +316,14 @@ class SubscriptionGuard:
         with lock:
             self.busy = False
             self._poll_monitor(out)
-            if self._freed >= self.TRIM_AFTER and _trim is not None:
-                # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise)
-                _trim(0)
+            trim = self._freed >= self.TRIM_AFTER and _trim is not None
+            if trim:
                 self.trims += 1
                 self._freed = 0
+        if trim:
+            # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise);
+            # outside the lock: it can take long on a big heap
+            _trim(0)
         return out
 
     def _take(self, msg: zmq.Frame, out: list[bytes]) -> None:
@@ -433,7 +437,8 @@ class SubscriptionGuard:
             fd = int.from_bytes(frames[0][2:6], "little", signed=True)
             if event == zmq.EVENT_ACCEPTED:
                 self._dead.discard(fd)
-                if self.accept_hook is not None and not self.accept_hook(fd):
+                hook = self.accept_hook
+                if hook is not None and not hook(fd):
                     abort_connection(fd, self._ports)
                     continue
                 self._live.add(fd)

@@ -93,7 +93,7 @@ def pump_py(src: zmq.Socket, xpub: zmq.Socket, watch, timeout_ms: int,
                 forwarded += 1
         if flags:
             return forwarded, dropped, flags
-        if not ready:
+        if not ready or (deadline is not None and time.monotonic() >= deadline):
             return forwarded, dropped, PUMP_TIMEOUT
         if deadline is not None:
             wait = max(0, int((deadline - time.monotonic()) * 1000))
@@ -140,25 +140,34 @@ class ThreadedPub:
             self.guard.topics if self.guard is not None else set()
         ctx = xpub.context
         addr = f"inproc://logjam-relay.xpub.{name}.{id(self):x}.{time.monotonic_ns():x}"
-        self._pull = ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.RCVHWM, 1)     # the queue's bound is the PUSH's
-        self._pull.bind(addr)
-        self.sock = ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, max(1, hwm))
-        self.sock.connect(addr)
         self.notes: zmq.Socket | None = None
         self._notes_out: zmq.Socket | None = None
-        if notify:
-            self.notes = ctx.socket(zmq.PAIR)
-            self.notes.setsockopt(zmq.LINGER, 0)
-            self.notes.setsockopt(zmq.RCVHWM, NOTES_HWM)
-            self.notes.bind(addr + ".notes")
-            self._notes_out = ctx.socket(zmq.PAIR)
-            self._notes_out.setsockopt(zmq.LINGER, 0)
-            self._notes_out.setsockopt(zmq.SNDHWM, NOTES_HWM)
-            self._notes_out.connect(addr + ".notes")
+        self._pull = self.sock = None
+        try:
+            self._pull = ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.setsockopt(zmq.RCVHWM, 1)     # the queue's bound is the PUSH's
+            self._pull.bind(addr)
+            self.sock = ctx.socket(zmq.PUSH)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, hwm)   # 0: no bound, as snd_hwm = 0 on PUB
+            self.sock.connect(addr)
+            if notify:
+                self.notes = ctx.socket(zmq.PAIR)
+                self.notes.setsockopt(zmq.LINGER, 0)
+                self.notes.setsockopt(zmq.RCVHWM, NOTES_HWM)
+                self.notes.bind(addr + ".notes")
+                self._notes_out = ctx.socket(zmq.PAIR)
+                self._notes_out.setsockopt(zmq.LINGER, 0)
+                self._notes_out.setsockopt(zmq.SNDHWM, NOTES_HWM)
+                self._notes_out.connect(addr + ".notes")
+        except BaseException:
+            for sk in (self._pull, self.sock, self.notes, self._notes_out):
+                if sk is not None:
+                    sk.close(linger=0)
+            if self.guard is not None:
+                self.guard.close()
+            raise
         self.published = 0           # records handed over (the loop's count)
         self.handoff_drops = 0       # records the hand-over queue could not take
         self.forward_drops = 0       # records a subscriber at its HWM missed (thread)
@@ -166,6 +175,7 @@ class ThreadedPub:
         self.notes_dropped = 0       # notifications the loop's PAIR could not take
         self.thread_errors = 0
         self._stopping = False
+        self._sentinel_queued = False
         self._rlog = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._run, name=f"xpub-{name}", daemon=True)
         self._done = threading.Event()
@@ -243,6 +253,7 @@ class ThreadedPub:
             self._stopping = True
             try:
                 self.sock.send(b"", NOBLOCK)
+                self._sentinel_queued = True
             except zmq.ZMQError:
                 pass                 # queue full: the thread sees _stopping within IDLE_MS
         self._done.set()
@@ -312,7 +323,11 @@ class ThreadedPub:
                     return
                 self.thread_errors += 1
                 self._rlog.error("subscriptions", "xpub %s: %s", self.name, e)
-            if self._stopping and not fwd:
+            except Exception as e:            # the thread must outlive any bug in a hook
+                self.thread_errors += 1
+                self._rlog.error("subscriptions", "xpub %s: %r", self.name, e)
+                time.sleep(0.01)
+            if self._stopping and not self._sentinel_queued and not fwd:
                 return               # the sentinel could not be queued: nothing is left
             timeout = 0 if busy else IDLE_MS
 

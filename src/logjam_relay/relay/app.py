@@ -133,8 +133,8 @@ class Relay:
             # a subscriber's connection run there, not on the loop
             pub_sock = self._bind(zmq.XPUB, "pub_port",
                                   {zmq.SNDHWM: s.snd_hwm, **zmq_trio.xpub_options()})
-            self._sockets.remove(pub_sock)          # the ThreadedPub closes it
             self.pub = ThreadedPub(pub_sock, s.max_subscriptions, name="pub", hwm=s.snd_hwm)
+            self._sockets.remove(pub_sock)          # the ThreadedPub closes it
             self.pipeline = Pipeline(s.device_id, first, self.pub.publish_batch,
                                      fqdn=self.fqdn.encode(), allow_invalid_meta=s.allow_invalid_meta,
                                      compress_method=self.compress_method)
@@ -145,9 +145,9 @@ class Relay:
                                     {zmq.SNDHWM: 1000, **zmq_trio.xpub_options()}) \
                 if s.stats_port else None
             if stats_sock is not None:
-                self._sockets.remove(stats_sock)
                 self.stats_pub = ThreadedPub(stats_sock, s.max_subscriptions, name="stats",
                                              hwm=1000)
+                self._sockets.remove(stats_sock)
             # Replies can never outnumber the requests the ROUTER may queue (rcv_hwm), so
             # the reply queue gets the same bound; ROUTER_MANDATORY makes a reply that
             # still cannot be queued (peer gone, queue full) an error we count.
@@ -335,8 +335,6 @@ class Relay:
         if p is not None:
             self.sequence_state.save_clean(p.seq)
         self.sequence_state.release()
-        if self.peer_limit is not None:
-            self.peer_limit.close()  # the monitors it opened
         linger = int(self.settings.shutdown_timeout * 1000)
         threaded = [(tp, ms) for tp, ms in ((self.pub, linger), (self.stats_pub, 0))
                     if tp is not None]
@@ -348,6 +346,8 @@ class Relay:
             # its thread forwards what was published, then the guard (monitor, dups of
             # the subscribers' fds) and the sockets are closed
             stuck |= not tp.close(linger=ms, timeout=max(0.0, deadline - time.monotonic()))
+        if self.peer_limit is not None:
+            self.peer_limit.close()  # the monitors it opened (after the XPUBs' threads)
         for sock in self._sockets:
             try:
                 sock.close(linger=0)
@@ -587,6 +587,10 @@ class Relay:
             why = out.readiness_problem() if hasattr(out, "readiness_problem") else None
             if why:
                 problems.append(why)
+        for tp in (self.pub, self.stats_pub):
+            if tp is not None and self.ready.is_set() and not self.stopping and \
+                    not tp.running:
+                problems.append(f"the thread of {tp.name} is not running")
         paused = self.spool.paused_reason() if self.spool is not None else None
         if paused:
             problems.append(paused)             # ingress paused: spool or disk full
