@@ -5,6 +5,7 @@ import signal
 import time
 import urllib.request
 
+import pytest
 import trio
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -100,9 +101,11 @@ async def test_every_malformed_kind_is_counted_by_reason(tmp_path):
         assert 'logjam:device:msgs_invalid_total{device="0"} 6.0' in body
 
 
-def test_sigterm_flushes_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("pub_thread", ["true", "false"])
+def test_sigterm_flushes_and_exits_zero(tmp_path, pub_thread):
+    """PUB on its own thread (the default) or on the event loop (pub_thread = false)."""
     s = relay_settings(tmp_path, heartbeat_interval=0.2)
-    proc = start_process(s, log_path=tmp_path / "relay.log")
+    proc = start_process(s, ["--pub-thread", pub_thread], log_path=tmp_path / "relay.log")
     ctx = zmq.Context()
     try:
         sub = ctx.socket(zmq.SUB)

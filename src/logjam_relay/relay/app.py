@@ -24,7 +24,7 @@ from .groupcommit import GroupCommit, max_pending
 from .sequence import SequenceState, StateDirError
 from .spoolwrite import SpoolWrites
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
-from .ticker import Ticker, now_ms
+from .ticker import Ticker, now_ms, poll_subscriptions
 
 log = logging.getLogger("logjam_relay.relay")
 _SOCKET_NAMES = {"router_port": "router", "pull_port": "pull", "pub_port": "pub",
@@ -51,7 +51,8 @@ class Relay:
         state_path = s.resolved_state_dir() / f"sequence-device-{s.device_id}.json"
         self.sequence_state = SequenceState(state_path, s.device_id)
         self.pipeline: Pipeline | None = None
-        self.pub: ThreadedPub | None = None     # PUB: an XPUB on a thread of its own
+        # PUB: an XPUB on a thread of its own (pub_thread = false: on the loop)
+        self.pub: ThreadedPub | zmq_trio.PubSocket | None = None
         self.stats_pub: ThreadedPub | None = None
         self.start_time = time.time()
         self.ready = trio.Event()
@@ -133,8 +134,12 @@ class Relay:
             # a subscriber's connection run there, not on the loop
             pub_sock = self._bind(zmq.XPUB, "pub_port",
                                   {zmq.SNDHWM: s.snd_hwm, **zmq_trio.xpub_options()})
-            self.pub = ThreadedPub(pub_sock, s.max_subscriptions, name="pub", hwm=s.snd_hwm)
-            self._sockets.remove(pub_sock)          # the ThreadedPub closes it
+            if s.pub_thread:
+                self.pub = ThreadedPub(pub_sock, s.max_subscriptions, name="pub",
+                                       hwm=s.snd_hwm)
+            else:
+                self.pub = zmq_trio.PubSocket(pub_sock, s.max_subscriptions)
+            self._sockets.remove(pub_sock)          # closed with self.pub
             self.pipeline = Pipeline(s.device_id, first, self.pub.publish_batch,
                                      fqdn=self.fqdn.encode(), allow_invalid_meta=s.allow_invalid_meta,
                                      compress_method=self.compress_method)
@@ -168,7 +173,7 @@ class Relay:
                     self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
                     self._watch_peers(name, sock)
             for tp in (self.pub, self.stats_pub):
-                if tp is not None:
+                if isinstance(tp, ThreadedPub):
                     tp.start()                      # the loop does not touch its XPUB again
 
             async with trio.open_nursery() as nursery:
@@ -199,6 +204,8 @@ class Relay:
                         nursery.start_soon(self.commits.run)
                 self.ticker = self._make_ticker()
                 nursery.start_soon(self.ticker.run)
+                if isinstance(self.pub, zmq_trio.PubSocket):
+                    nursery.start_soon(poll_subscriptions, self.pub.guard)
                 nursery.start_soon(self.lag.run)
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
@@ -337,7 +344,7 @@ class Relay:
         self.sequence_state.release()
         linger = int(self.settings.shutdown_timeout * 1000)
         threaded = [(tp, ms) for tp, ms in ((self.pub, linger), (self.stats_pub, 0))
-                    if tp is not None]
+                    if isinstance(tp, ThreadedPub)]
         for tp, _ in threaded:
             tp.request_stop()
         deadline = time.monotonic() + XPUB_STOP_SECONDS
@@ -346,6 +353,8 @@ class Relay:
             # its thread forwards what was published, then the guard (monitor, dups of
             # the subscribers' fds) and the sockets are closed
             stuck |= not tp.close(linger=ms, timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(self.pub, zmq_trio.PubSocket):
+            self.pub.close(linger=linger)
         if self.peer_limit is not None:
             self.peer_limit.close()  # the monitors it opened (after the XPUBs' threads)
         for sock in self._sockets:
@@ -588,8 +597,8 @@ class Relay:
             if why:
                 problems.append(why)
         for tp in (self.pub, self.stats_pub):
-            if tp is not None and self.ready.is_set() and not self.stopping and \
-                    not tp.running:
+            if isinstance(tp, ThreadedPub) and self.ready.is_set() and not self.stopping \
+                    and not tp.running:
                 problems.append(f"the thread of {tp.name} is not running")
         paused = self.spool.paused_reason() if self.spool is not None else None
         if paused:

@@ -1,8 +1,9 @@
 """The relay's timed work, apart from the ingest: heartbeats, the stats tick and the
-sequence reservation (:class:`Ticker`).  (The subscription caps of PUB and stats are
-applied by their XPUBs' own threads: io/xpubthread.py.)
+sequence reservation (:class:`Ticker`), and, with ``pub_thread = false``, PUB's
+subscription cap (:func:`poll_subscriptions`; otherwise PUB's own thread applies it,
+io/xpubthread.py).
 
-It owns its own state; the relay starts it in its nursery once its sockets are bound.
+Each owns its own state; the relay starts them in its nursery once its sockets are bound.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import time
 from collections.abc import Callable
 
 import trio
+import zmq
 
+from ..io.subscriptions import SubscriptionGuard
 from ..protocols import logjam as L
 from ..ratelimit import RateLimitedLog
 from .sequence import SequenceState
@@ -99,3 +102,18 @@ class Ticker:
                     # ahead of the ingest, off the loop (the ingest's own reserve() on the
                     # loop is the fallback when it reaches the bound first)
                     await self.sequence_state.reserve_async(p.seq, rate)
+
+
+async def poll_subscriptions(guard: SubscriptionGuard) -> None:
+    """Apply PUB's subscription cap on the event loop (``pub_thread = false``) often
+    enough that a flood is cut within a poll (nobody waits on the FD, so any task may
+    publish)."""
+    while True:
+        refused, cut = guard.refused, guard.disconnected
+        guard.poll(500)           # small rounds: a flood never holds the event loop
+        if guard.disconnected > cut:
+            rlog.warning("subscriptions", "subscriptions over max_subscriptions=%d on %s: "
+                         "%d refused, peer disconnected", guard.max_subscriptions,
+                         guard.sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                         guard.refused - refused)
+        await trio.sleep(0 if guard.busy else 0.05)
