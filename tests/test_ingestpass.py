@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import random
 import struct
+import time
 
 import pytest
 import zmq
@@ -22,6 +23,7 @@ import zmq
 from conftest import require_native
 from logjam_relay.io import zmq_fast, zmq_trio
 from logjam_relay.relay import ingestpass
+from logjam_relay.io.xpubthread import ThreadedPub
 from logjam_relay.relay.stamping import Pipeline
 from logjam_relay.spool import segment as fmt
 from test_stamp import random_batch
@@ -40,7 +42,7 @@ def ctx():
 class Side:
     """PUSH -> PULL (or DEALER -> ROUTER) in, XPUB (PubSocket) -> SUB out, a Pipeline."""
 
-    def __init__(self, ctx, name: str, hwm: int = 0, router: bool = False):
+    def __init__(self, ctx, name: str, hwm: int = 0, router: bool = False, ring=False):
         self.router = router
         self.replies: list[list[bytes]] = []
         self.pull = ctx.socket(zmq.ROUTER if router else zmq.PULL)
@@ -59,9 +61,17 @@ class Side:
         xpub.bind(f"inproc://out-{name}")
         self.sub.connect(f"inproc://out-{name}")
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.pub = zmq_trio.PubSocket(xpub)
-        assert xpub.poll(2000)
-        self.pub.poll_subscriptions()
+        if ring:       # the relay's default: the XPUB on its own thread, fed by a ring
+            self.pub = ThreadedPub(xpub, None, name=name, hwm=hwm, ring=True)
+            self.pub.start()
+            t0 = time.monotonic()
+            while not self.pub.subscriptions:
+                assert time.monotonic() - t0 < 10, "no subscription"
+                time.sleep(0.01)
+        else:
+            self.pub = zmq_trio.PubSocket(xpub)
+            assert xpub.poll(2000)
+            self.pub.poll_subscriptions()
         self.p = Pipeline(7, 1000, self.pub.publish_batch, fqdn=b"vm")
         self.spool = b""
         self.spool_seq = 50
@@ -153,13 +163,16 @@ def as_router(rnd: random.Random, msgs):
     return [[b"", *m] if rnd.random() < 0.5 else m for m in msgs]
 
 
-def compare(ctx, msgs, limit, max_bytes, hwm=0, spool=True, router=False):
+def compare(ctx, msgs, limit, max_bytes, hwm=0, spool=True, router=False, ring=False):
     require_native(zmq_fast.ingest_pass, f"logjam_relay.io._zmqfast ({zmq_fast.WHY_NOT})")
     now = 1_750_000_000_000
     tag = next(_names)
-    ref, got = Side(ctx, f"ref{tag}", hwm, router), Side(ctx, f"got{tag}", hwm, router)
+    ref = Side(ctx, f"ref{tag}", hwm, router)
+    got = Side(ctx, f"got{tag}", hwm, router, ring=ring)
     drive(reference_round, ref, msgs, limit, max_bytes, now)
     drive(fused_round, got, msgs, limit, max_bytes, now, spool=spool)
+    if ring:
+        assert got.pub.close(), "the XPUB thread did not stop"   # forwards all first
     assert got.received() == ref.received()
     want = ref.state()
     if not spool:
@@ -187,6 +200,18 @@ def test_router_same_as_prepare_commit_with_replies(ctx, seed):
     assert c.received > 300 and c.invalid > 0 and c.replies_202 > 100
     assert c.replies_400 > 0 and len(ref.replies) == c.replies_202 + c.replies_400 + \
         sum(1 for r in ref.replies if r[-1] == b"200 OK")
+
+
+@pytest.mark.parametrize("router", [False, True])
+def test_through_the_hand_over_ring_same_as_on_the_pub(ctx, router):
+    """The relay's default: the ingest pass moves the frames into the XPUB thread's ring
+    (and the ordinary path copies records in); the subscriber gets the same."""
+    rnd = random.Random(300 + router)
+    msgs = fuzz_batch(rnd, 2000)
+    if router:
+        msgs = as_router(rnd, msgs)
+    ref = compare(ctx, msgs, rnd.choice((7, 100, 1024)), 1 << 20, router=router, ring=True)
+    assert ref.p.counters.received > 1000 and ref.p.counters.invalid > 0
 
 
 def test_all_fast_without_spool(ctx):

@@ -18,15 +18,34 @@ from logjam_relay.io import xpubthread, zmq_fast, zmq_trio
 from logjam_relay.io.xpubthread import ThreadedPub
 
 
-@pytest.fixture(params=["c", "python"])
+@pytest.fixture(params=["ring", "c", "python"])
 def impl(request, monkeypatch):
-    """Run a test against the C pump and against its pyzmq twin."""
-    if request.param == "c":
+    """Run a test against the C hand-over ring (the relay's default), the C pump over an
+    inproc pair, and its pyzmq twin."""
+    if request.param != "python":
         require_native(zmq_fast.pump, f"logjam_relay.io._zmqfast ({zmq_fast.WHY_NOT})")
-    else:
+    if request.param != "ring":
+        monkeypatch.setattr(zmq_fast, "Ring", None)
+    if request.param == "python":
         monkeypatch.setattr(zmq_fast, "pump", None)
         monkeypatch.setattr(zmq_fast, "publish", None)
     return request.param
+
+
+def hold_the_pump(monkeypatch) -> threading.Event:
+    """Hold the XPUB thread's pump (either kind) as if inside a long libzmq call, until
+    the returned event is set (at most 10 s); then it runs as usual."""
+    release = threading.Event()
+    for name in ("pump", "ring_pump"):
+        real = getattr(zmq_fast, name) or (xpubthread.pump_py if name == "pump" else None)
+        if real is None:
+            continue
+
+        def stuck(src, x, watch, timeout_ms, batch, real=real):
+            release.wait(10)
+            return real(src, x, watch, timeout_ms, batch)
+        monkeypatch.setattr(zmq_fast, name, stuck)
+    return release
 
 
 @pytest.fixture
@@ -89,6 +108,42 @@ def test_records_reach_the_subscriber_whole_and_in_order(ctx, impl):
     until(lambda: tp.forwarded == 5000, what=f"forwarded {tp.forwarded}")
     assert tp.published == 5000 and tp.drops == 0
     assert tp.close(linger=0)
+
+
+def test_records_of_any_shape_cross_the_hand_over_whole(ctx, impl):
+    """1 to 9 frames of 0 B to 70 kB (small and shared zmq messages), many more frames
+    than one chunk of the ring holds, published while the thread forwards: each arrives
+    whole, in order, byte for byte."""
+    import random
+    rnd = random.Random(5)
+    tp = ThreadedPub(xpub(ctx, sndhwm=0), 100, name="t", hwm=0)
+    tp.start()
+    s = sub(ctx, tp.endpoint, b"r")
+    subscribed(tp)
+    recs = []
+    for i in range(6000):
+        n = rnd.randint(1, 9)
+        rec = [b"r%d" % i] + [rnd.randbytes(rnd.choice((0, 1, 29, 33, 300, 70_000)))
+                              for _ in range(n - 1)]
+        recs.append(rec)
+    for k in range(0, 6000, 500):
+        tp.publish_batch(recs[k:k + 250])
+        for r in recs[k + 250:k + 500]:
+            tp.publish(r)
+    got = [recv(s) for _ in range(6000)]
+    assert got == recs
+    until(lambda: tp.forwarded == 6000, what=f"forwarded {tp.forwarded}")
+    assert tp.drops == 0 and tp.close()
+
+
+def test_records_left_in_the_hand_over_are_freed_at_close(ctx, impl):
+    """A hand-over closed with records in it (the thread never started) frees them."""
+    tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=0)
+    tp.publish_batch([[b"a", b"x" * 1000, b"%d" % i] for i in range(3000)])
+    assert tp.published == 3000
+    assert tp.close() and tp.sock.closed
+    with pytest.raises(zmq.ZMQError):
+        tp.publish_batch([[b"a", b"late"]])
 
 
 def test_close_forwards_what_was_published_first(ctx, impl):
@@ -192,14 +247,7 @@ def test_watch_runs_while_the_owner_is_inside_libzmq(ctx, monkeypatch):
     """The guard's watch (monitor, byte budgets) does not wait for the socket's owner:
     with the owner held inside a long call, a new connection is still seen (and counted)
     by the watch thread."""
-    release = threading.Event()
-
-    real = zmq_fast.pump or xpubthread.pump_py
-
-    def stuck_pump(src, x, watch, timeout_ms, batch):
-        release.wait(10)                 # as inside a long libzmq call, then as usual
-        return real(src, x, watch, timeout_ms, batch)
-    monkeypatch.setattr(zmq_fast, "pump", stuck_pump)
+    release = hold_the_pump(monkeypatch)
     tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100)
     tp.start()
     s = sub(ctx, tp.endpoint, b"x")
@@ -212,14 +260,7 @@ def test_watch_runs_while_the_owner_is_inside_libzmq(ctx, monkeypatch):
 
 
 def test_a_thread_stuck_in_libzmq_is_left_behind_not_closed_under(ctx, monkeypatch):
-    release = threading.Event()
-
-    real = zmq_fast.pump or xpubthread.pump_py
-
-    def stuck_pump(src, x, watch, timeout_ms, batch):
-        release.wait(10)                 # as inside a long libzmq call, then as usual
-        return real(src, x, watch, timeout_ms, batch)
-    monkeypatch.setattr(zmq_fast, "pump", stuck_pump)
+    release = hold_the_pump(monkeypatch)
     monkeypatch.setattr(xpubthread, "_ABANDONED", [])    # this test's own list
     tp = ThreadedPub(xpub(ctx), 100, name="t", hwm=100)
     tp.start()

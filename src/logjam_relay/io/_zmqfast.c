@@ -14,9 +14,13 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "../spool/_crc32.h"
@@ -25,6 +29,8 @@ typedef struct { _Alignas(8) unsigned char _[64]; } zmq_msg_t;
 typedef struct { void *socket; int fd; short events; short revents; } zmq_pollitem_t;
 
 static int (*p_msg_init)(zmq_msg_t *);
+static int (*p_msg_init_size)(zmq_msg_t *, size_t);
+static int (*p_msg_move)(zmq_msg_t *, zmq_msg_t *);
 static int (*p_msg_recv)(zmq_msg_t *, void *, int);
 static int (*p_msg_close)(zmq_msg_t *);
 static void *(*p_msg_data)(zmq_msg_t *);
@@ -38,6 +44,9 @@ static int (*p_setsockopt)(void *, int, const void *, size_t);
 static const char *(*p_strerror)(int);
 
 enum { ZMQ_DONTWAIT = 1, ZMQ_SNDMORE = 2, ZMQ_POLLIN = 1, ZMQ_XPUB_NODROP = 69 };
+#ifndef ENOTSOCK
+#define ENOTSOCK 88
+#endif
 
 static PyObject *ZMQFastError;   /* raised with (errno, message) */
 
@@ -65,6 +74,8 @@ static PyObject *fast_init(PyObject *self, PyObject *args) {
         return NULL;                                                                \
     }
     SYM(p_msg_init, "zmq_msg_init");
+    SYM(p_msg_init_size, "zmq_msg_init_size");
+    SYM(p_msg_move, "zmq_msg_move");
     SYM(p_msg_recv, "zmq_msg_recv");
     SYM(p_msg_close, "zmq_msg_close");
     SYM(p_msg_data, "zmq_msg_data");
@@ -179,6 +190,257 @@ static PyObject *fast_drain_bytes(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Nnn)", out, (Py_ssize_t)total, (Py_ssize_t)biggest);
 }
 
+/* ------------------------------------------------------------------ the hand-over ring
+ *
+ * ring(max_records) -> capsule: the queue between the event loop (the one producer:
+ * publish, ingest_pass) and an XPUB's thread (the one consumer: pump_ring), in place of
+ * an inproc PUSH/PULL pair (io/xpubthread.py).  Frames are zmq_msg_t moved in (the frames
+ * the ingest pass received, zero-copy) or copied in (publish's Python bytes), in chunks
+ * of RING_CHUNK slots allocated as the queue grows (one spare chunk is kept); a record's
+ * frames become visible together (`head`, release/acquire).  At most max_records records
+ * are queued (0: no bound); a record over it is refused with EAGAIN, as a full PUSH.
+ * The consumer sleeps in zmq_poll on an eventfd beside the XPUB; the producer writes the
+ * eventfd only when the consumer said it sleeps (`sleeping`, a Dekker pair of seq_cst
+ * accesses), so a busy stream costs no system call per record.  ring_stop: the consumer
+ * forwards what is queued, then returns PUMP_STOP.  ring_close frees what is left (only
+ * once the consumer is gone).
+ */
+#define RING_CHUNK 252
+#define RING_WAKE_EVERY 64
+
+typedef struct rchunk {
+    zmq_msg_t m[RING_CHUNK];
+    unsigned char more[RING_CHUNK];
+    _Atomic(struct rchunk *) next;
+} rchunk;
+
+typedef struct {
+    /* the producer's (the loop's) */
+    rchunk *wc;
+    int wpos;
+    uint64_t written, rec_in, unsignalled;
+    /* the consumer's (the XPUB thread's) */
+    _Alignas(64) rchunk *rc;
+    int rpos;
+    uint64_t consumed;
+    /* shared */
+    _Alignas(64) _Atomic uint64_t head;     /* frames of whole records, committed */
+    _Alignas(64) _Atomic uint64_t rec_out;  /* records the consumer took */
+    _Alignas(64) _Atomic int sleeping;
+    _Atomic int stop;
+    _Atomic(rchunk *) spare;
+    uint64_t max_records;
+    int efd, closed;
+} ring_t;
+
+#define RING_CAPSULE "logjam_relay.io._zmqfast.ring"
+
+static rchunk *rchunk_new(void) {
+    rchunk *c = malloc(sizeof *c);
+    if (c) atomic_init(&c->next, NULL);
+    return c;
+}
+
+static void ring_free_contents(ring_t *r) {
+    /* every slot from the consumer's position to the producer's holds a message */
+    rchunk *c = r->rc;
+    int pos = r->rpos;
+    for (uint64_t i = r->consumed; i < r->written && c; i++) {
+        if (pos == RING_CHUNK) {
+            c = atomic_load_explicit(&c->next, memory_order_acquire);
+            pos = 0;
+            if (!c) break;
+        }
+        p_msg_close(&c->m[pos++]);
+    }
+    c = r->rc;
+    while (c) {
+        rchunk *n = atomic_load_explicit(&c->next, memory_order_relaxed);
+        free(c);
+        c = n;
+    }
+    free(atomic_exchange(&r->spare, NULL));
+    r->rc = r->wc = NULL;
+    if (r->efd >= 0) close(r->efd);
+    r->efd = -1;
+    r->closed = 1;
+}
+
+static void ring_capsule_free(PyObject *cap) {
+    ring_t *r = PyCapsule_GetPointer(cap, RING_CAPSULE);
+    if (!r) return;
+    if (!r->closed) ring_free_contents(r);
+    free(r);
+}
+
+static PyObject *fast_ring(PyObject *self, PyObject *args) {
+    unsigned long long max_records;
+    if (!p_msg_init_size) {
+        PyErr_SetString(PyExc_RuntimeError, "_zmqfast.init() was not called");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "K", &max_records)) return NULL;
+    ring_t *r = calloc(1, sizeof *r);
+    if (!r) return PyErr_NoMemory();
+    r->max_records = max_records;
+    r->rc = r->wc = rchunk_new();
+    r->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (!r->wc || r->efd < 0) {
+        int e = errno;
+        free(r->wc);
+        if (r->efd >= 0) close(r->efd);
+        free(r);
+        if (e == 0 || e == ENOMEM) return PyErr_NoMemory();
+        errno = e;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    atomic_init(&r->head, 0);
+    atomic_init(&r->rec_out, 0);
+    atomic_init(&r->sleeping, 0);
+    atomic_init(&r->stop, 0);
+    atomic_init(&r->spare, NULL);
+    PyObject *cap = PyCapsule_New(r, RING_CAPSULE, ring_capsule_free);
+    if (!cap) {
+        ring_free_contents(r);
+        free(r);
+    }
+    return cap;
+}
+
+static ring_t *ring_of(PyObject *obj) {
+    ring_t *r = PyCapsule_GetPointer(obj, RING_CAPSULE);
+    if (r && r->closed) {
+        zmq_error(ENOTSOCK);
+        return NULL;
+    }
+    return r;
+}
+
+/* the producer's side: ring_room, then ring_slot per frame, then ring_commit (or
+ * ring_rollback); nothing is visible to the consumer before ring_commit */
+typedef struct { rchunk *wc; int wpos; uint64_t written; } ring_mark;
+
+static int ring_room(ring_t *r) {
+    return !r->max_records ||
+        r->rec_in - atomic_load_explicit(&r->rec_out, memory_order_acquire) < r->max_records;
+}
+
+static zmq_msg_t *ring_slot(ring_t *r, int more) {
+    if (r->wpos == RING_CHUNK) {
+        rchunk *c = atomic_load_explicit(&r->wc->next, memory_order_relaxed);
+        if (!c) {
+            c = atomic_exchange(&r->spare, NULL);
+            if (c) atomic_store_explicit(&c->next, NULL, memory_order_relaxed);
+            else if (!(c = rchunk_new())) return NULL;
+            atomic_store_explicit(&r->wc->next, c, memory_order_release);
+        }
+        r->wc = c;
+        r->wpos = 0;
+    }
+    r->wc->more[r->wpos] = (unsigned char)more;
+    r->written++;
+    return &r->wc->m[r->wpos++];
+}
+
+static void ring_wake(ring_t *r) {
+    r->unsignalled = 0;
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&r->sleeping, memory_order_relaxed) &&
+            atomic_exchange(&r->sleeping, 0)) {
+        uint64_t one = 1;
+        ssize_t rc = write(r->efd, &one, sizeof one);
+        (void)rc;    /* EAGAIN: the counter is full, so the consumer is woken anyway */
+    }
+}
+
+static void ring_commit(ring_t *r) {
+    atomic_store_explicit(&r->head, r->written, memory_order_release);
+    r->rec_in++;
+    if (++r->unsignalled >= RING_WAKE_EVERY) ring_wake(r);
+}
+
+static void ring_rollback(ring_t *r, const ring_mark *m) {
+    /* close what this record put in (the slots after the mark), forget them */
+    rchunk *c = m->wc;
+    int pos = m->wpos;
+    for (uint64_t i = m->written; i < r->written; i++) {
+        if (pos == RING_CHUNK) {
+            c = atomic_load_explicit(&c->next, memory_order_relaxed);
+            pos = 0;
+        }
+        p_msg_close(&c->m[pos++]);
+    }
+    r->wc = m->wc;
+    r->wpos = m->wpos;
+    r->written = m->written;
+}
+
+/* one Python record into the ring (copies): 0, EAGAIN (full: nothing queued), or -1 with
+ * a Python error set */
+static int ring_put_record(ring_t *r, PyObject *rec) {
+    if (!ring_room(r)) return EAGAIN;
+    PyObject *seq = PySequence_Fast(rec, "a record must be a sequence of frames");
+    if (!seq) return -1;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    if (k == 0) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "empty record");
+        return -1;
+    }
+    ring_mark mk = {r->wc, r->wpos, r->written};
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(items[j], &view, PyBUF_SIMPLE) < 0) goto fail;
+        zmq_msg_t *m = ring_slot(r, j < k - 1);
+        if (!m || p_msg_init_size(m, (size_t)view.len) < 0) {
+            if (m) {   /* the slot was taken: give it an empty message to close */
+                p_msg_init(m);
+            }
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            goto fail;
+        }
+        memcpy(p_msg_data(m), view.buf, (size_t)view.len);
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(seq);
+    ring_commit(r);
+    return 0;
+fail:
+    ring_rollback(r, &mk);
+    Py_DECREF(seq);
+    return -1;
+}
+
+static PyObject *fast_ring_stop(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    ring_t *r = ring_of(cap);
+    if (!r) return NULL;
+    atomic_store(&r->stop, 1);
+    ring_wake(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_ring_close(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    ring_t *r = PyCapsule_GetPointer(cap, RING_CAPSULE);
+    if (!r) return NULL;
+    if (!r->closed) ring_free_contents(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_ring_info(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    ring_t *r = ring_of(cap);
+    if (!r) return NULL;
+    /* records queued, as the producer (the caller) sees them */
+    return PyLong_FromUnsignedLongLong(r->rec_in - atomic_load(&r->rec_out));
+}
+
 static int send_frame(void *sock, PyObject *f, int flags) {
     if (PyBytes_CheckExact(f))
         return p_send(sock, PyBytes_AS_STRING(f), (size_t)PyBytes_GET_SIZE(f), flags);
@@ -195,6 +457,27 @@ static int send_frame(void *sock, PyObject *f, int flags) {
  * (len(records), 0).  An error after a record's first frame raises (ZeroMQ sends a
  * multipart message atomically, so it does not happen short of a closed socket).
  * Each record is a sequence of frames (bytes or buffer objects). */
+/* publish onto a ring: the same contract (EAGAIN: the ring holds max_records) */
+static PyObject *ring_publish(PyObject *cap, PyObject *records, Py_ssize_t start) {
+    ring_t *r = ring_of(cap);
+    if (!r) return NULL;
+    PyObject *seq = PySequence_Fast(records, "records must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t i = start < 0 ? 0 : start;
+    PyObject *res = NULL;
+    for (; i < n; i++) {
+        int rc = ring_put_record(r, PySequence_Fast_GET_ITEM(seq, i));
+        if (rc < 0) goto out;
+        if (rc == EAGAIN) break;
+    }
+    res = Py_BuildValue("(ni)", i, i < n ? EAGAIN : 0);
+out:
+    ring_wake(r);
+    Py_DECREF(seq);
+    return res;
+}
+
 static PyObject *fast_publish(PyObject *self, PyObject *args) {
     PyObject *hobj, *records;
     Py_ssize_t start;
@@ -203,6 +486,7 @@ static PyObject *fast_publish(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!PyArg_ParseTuple(args, "OOn", &hobj, &records, &start)) return NULL;
+    if (PyCapsule_CheckExact(hobj)) return ring_publish(hobj, records, start);
     void *sock = handle_of(hobj);
     if (!sock) return NULL;
     PyObject *seq = PySequence_Fast(records, "records must be a sequence");
@@ -351,8 +635,13 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
     }
     void *sin = handle_of(hin);
     if (!sin) return NULL;
-    void *pub = handle_of(hpub);
-    if (!pub) return NULL;
+    void *pub = NULL;
+    ring_t *ring = NULL;
+    if (PyCapsule_CheckExact(hpub)) {
+        if (!(ring = ring_of(hpub))) return NULL;
+    } else if (!(pub = handle_of(hpub))) {
+        return NULL;
+    }
     const unsigned char *now = (const unsigned char *)PyBytes_AS_STRING(now8);
     PyObject *cache_a[PP_CACHE], *cache_t[PP_CACHE];
     int nca = 0, nct = 0;
@@ -495,6 +784,37 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
             }
             Py_DECREF(rep);
         }
+        if (ring) {
+            /* hand over to the XPUB's thread: the frames move, the meta is copied */
+            if (!ring_room(ring)) {
+                extra = Py_BuildValue("(NNNy#)", pp_bytes(&f[0]), pp_bytes(&f[1]),
+                                      pp_bytes(&f[2]), (const char *)meta, (Py_ssize_t)24);
+                if (!extra) goto fail;
+                stop = 2;
+                goto done;
+            }
+            ring_mark mk = {ring->wc, ring->wpos, ring->written};
+            zmq_msg_t *s = NULL;
+            for (int k = 0; k < 4; k++) {
+                if (!(s = ring_slot(ring, k < 3))) break;
+                if (k < 3) {
+                    p_msg_init(s);
+                    p_msg_move(s, &f[k]);
+                } else if (p_msg_init_size(s, 24) < 0) {
+                    p_msg_init(s);
+                    s = NULL;
+                } else {
+                    memcpy(p_msg_data(s), meta, 24);
+                }
+            }
+            if (!s) {
+                ring_rollback(ring, &mk);
+                PyErr_NoMemory();
+                goto fail;
+            }
+            ring_commit(ring);
+            continue;
+        }
         /* publish: the first frame may meet a subscriber at its HWM (EAGAIN) */
         int rc;
         while ((rc = p_msg_send(&f[0], pub, ZMQ_SNDMORE | ZMQ_DONTWAIT)) < 0 &&
@@ -545,6 +865,7 @@ done:
         extra = NULL;
     }
 fail:
+    if (ring) ring_wake(ring);
     for (int k = 0; k < 6; k++) p_msg_close(&fr[k]);
     for (int k = 0; k < nca; k++) Py_DECREF(cache_a[k]);
     for (int k = 0; k < nct; k++) Py_DECREF(cache_t[k]);
@@ -728,6 +1049,161 @@ out:
     return Py_BuildValue("(lli)", forwarded, dropped, flags);
 }
 
+/* ring_pump(ring, xpub, watch, timeout_ms, batch) -> (forwarded, dropped, flags): pump's
+ * loop (above) with the ring as its source: same flags and semantics; PUMP_STOP once
+ * ring_stop was called and everything queued before it is forwarded. */
+
+static inline uint64_t ring_avail(ring_t *r) {
+    return atomic_load_explicit(&r->head, memory_order_acquire) - r->consumed;
+}
+
+static zmq_msg_t *ring_next(ring_t *r, int *more) {
+    if (r->rpos == RING_CHUNK) {
+        rchunk *n = atomic_load_explicit(&r->rc->next, memory_order_acquire);
+        rchunk *old = atomic_exchange(&r->spare, r->rc);
+        free(old);
+        r->rc = n;
+        r->rpos = 0;
+    }
+    *more = r->rc->more[r->rpos];
+    r->consumed++;
+    return &r->rc->m[r->rpos++];
+}
+
+/* one whole record (the caller saw one available) onto xpub: 1 (*dropped set when sent
+ * lossy) or -1 (*err; the rest of the record is closed) */
+static int ring_forward(ring_t *r, void *xpub, int *dropped, int *err) {
+    int first = 1, lossy = 0, more, rc;
+    for (;;) {
+        zmq_msg_t *m = ring_next(r, &more);
+        int flags = more ? ZMQ_SNDMORE : 0;
+        rc = pump_send(m, xpub, flags);
+        if (rc < 0 && first && p_errno() == EAGAIN) {
+            int off = 0;
+            lossy = 1;
+            p_setsockopt(xpub, ZMQ_XPUB_NODROP, &off, sizeof off);
+            rc = pump_send(m, xpub, flags);
+        }
+        if (rc < 0) {
+            *err = p_errno();
+            p_msg_close(m);
+            while (more) p_msg_close(ring_next(r, &more));
+            break;
+        }
+        first = 0;
+        if (!more) break;
+    }
+    if (lossy) {
+        int on = 1;
+        p_setsockopt(xpub, ZMQ_XPUB_NODROP, &on, sizeof on);
+    }
+    atomic_store_explicit(&r->rec_out, atomic_load_explicit(&r->rec_out, memory_order_relaxed) + 1,
+                          memory_order_release);
+    if (rc < 0) return -1;
+    *dropped = lossy;
+    return 1;
+}
+
+static PyObject *fast_ring_pump(PyObject *self, PyObject *args) {
+    PyObject *cap, *xobj, *watch;
+    long timeout;
+    Py_ssize_t batch;
+    if (!p_poll) {
+        PyErr_SetString(PyExc_RuntimeError, "_zmqfast.init() was not called");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOOln", &cap, &xobj, &watch, &timeout, &batch)) return NULL;
+    ring_t *r = ring_of(cap);
+    if (!r) return NULL;
+    void *xpub = handle_of(xobj);
+    if (!xpub) return NULL;
+    zmq_pollitem_t items[2 + PUMP_MAX_WATCH];
+    memset(items, 0, sizeof items);
+    items[0].socket = NULL;
+    items[0].fd = r->efd;
+    items[1].socket = xpub;
+    int n = 2;
+    PyObject *seq = PySequence_Fast(watch, "watch must be a sequence of handles");
+    if (!seq) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) > PUMP_MAX_WATCH) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many sockets to watch");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        void *h = handle_of(PySequence_Fast_GET_ITEM(seq, i));
+        if (!h) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        items[n++].socket = h;
+    }
+    Py_DECREF(seq);
+    long forwarded = 0, dropped = 0;
+    int flags = 0, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    long wait = timeout;
+    for (;;) {
+        long w = wait;
+        if (ring_avail(r)) {
+            w = 0;
+        } else {
+            atomic_store(&r->sleeping, 1);             /* seq_cst: see ring_wake */
+            if (atomic_load(&r->head) != r->consumed || atomic_load(&r->stop)) {
+                atomic_store_explicit(&r->sleeping, 0, memory_order_relaxed);
+                w = 0;
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            items[i].events = ZMQ_POLLIN;
+            items[i].revents = 0;
+        }
+        int rc = p_poll(items, n, w);
+        atomic_store_explicit(&r->sleeping, 0, memory_order_relaxed);
+        if (rc < 0) {
+            if (p_errno() != EINTR) {
+                err = p_errno();
+                break;
+            }
+            continue;
+        }
+        if (items[0].revents & ZMQ_POLLIN) {
+            uint64_t v;
+            ssize_t got = read(r->efd, &v, sizeof v);
+            (void)got;
+        }
+        if (items[1].revents & ZMQ_POLLIN) flags |= PUMP_XPUB;
+        for (int i = 2; i < n; i++)
+            if (items[i].revents & ZMQ_POLLIN) flags |= PUMP_WATCH;
+        for (Py_ssize_t k = 0; k < batch && ring_avail(r); k++) {
+            int d = 0;
+            if (ring_forward(r, xpub, &d, &err) < 0) goto out;
+            forwarded++;
+            dropped += d;
+        }
+        if (atomic_load(&r->stop) && !ring_avail(r)) {   /* stop first: see ring_stop */
+            flags |= PUMP_STOP;
+            break;
+        }
+        if (flags) break;
+        if ((rc == 0 && w == wait && wait >= 0) ||
+                (timeout >= 0 && elapsed_ms(&t0) >= timeout)) {
+            flags |= PUMP_TIMEOUT;
+            break;
+        }
+        if (timeout >= 0) {
+            wait = timeout - elapsed_ms(&t0);
+            if (wait < 0) wait = 0;
+        }
+    }
+out:
+    Py_END_ALLOW_THREADS
+    if (err) return zmq_error(err);
+    return Py_BuildValue("(lli)", forwarded, dropped, flags);
+}
+
 #define INGEST_PASS_DOC \
     "ingest_pass(in, pub, limit, max_bytes, max_event, good_streams, good_topics, device, " \
     "seq, now8, spool_seq, router, replies, accepted) -> (consumed, total, seq, nfast, " \
@@ -742,6 +1218,17 @@ static PyMethodDef methods[] = {
     {"publish", fast_publish, METH_VARARGS,
      "publish(handle, records, start) -> (index, errno) of the first record not sent"},
     {"ingest_pass", ingest_pass, METH_VARARGS, INGEST_PASS_DOC},
+    {"ring", fast_ring, METH_VARARGS,
+     "ring(max_records) -> the hand-over queue of an XPUB's thread (0: no bound); publish "
+     "and ingest_pass take it in place of a socket handle"},
+    {"ring_pump", fast_ring_pump, METH_VARARGS,
+     "ring_pump(ring, xpub, watch, timeout_ms, batch) -> (forwarded, dropped, flags): pump "
+     "with the ring as its source"},
+    {"ring_stop", fast_ring_stop, METH_VARARGS,
+     "ring_stop(ring): ring_pump returns PUMP_STOP once what is queued is forwarded"},
+    {"ring_close", fast_ring_close, METH_VARARGS,
+     "ring_close(ring): free what is queued (only once no thread pumps it)"},
+    {"ring_queued", fast_ring_info, METH_VARARGS, "ring_queued(ring) -> records queued"},
     {"pump", fast_pump, METH_VARARGS,
      "pump(src, xpub, watch, timeout_ms, batch) -> (forwarded, dropped, flags): the XPUB "
      "thread's forwarding loop, without the GIL"},

@@ -6,12 +6,16 @@ inside whichever call next uses the socket.  On the event loop, a flood of conne
 that come and go made those walks most of the loop's time and held good ROUTER requests
 for seconds (issue 21; docs/operations.md, "Memory").  So each XPUB is owned by a thread:
 
-* the event loop publishes to an inproc PUSH (:attr:`ThreadedPub.sock`, the same calls as
-  to the XPUB itself: ``zmq_fast.publish`` and the ingest pass), whose queue holds
-  ``hwm`` messages; the thread moves them to the XPUB whole and zero-copy, without the
-  GIL (``zmq_fast.pump``; :func:`pump_py` is the pyzmq twin), with logjam-device's PUB
-  semantics: ``XPUB_NODROP``, and a message that meets a subscriber at its HWM is sent
-  again lossy (only the slow subscriber misses it) and counted (``forward_drops``);
+* the event loop hands records over on :attr:`ThreadedPub.sock`, which takes the same
+  calls as the XPUB itself (``zmq_fast.publish`` and the ingest pass) and holds ``hwm``
+  records (0: no bound): with the C extension a :class:`zmq_fast.Ring` (a
+  single-producer single-consumer queue of ``zmq_msg_t``: the ingest pass moves the
+  frames it received in, the thread sleeps on an eventfd that is written only when it
+  sleeps), else an inproc PUSH/PULL pair.  The thread moves the records to the XPUB
+  whole and zero-copy, without the GIL (``zmq_fast.ring_pump`` / ``zmq_fast.pump``;
+  :func:`pump_py` is the pyzmq twin), with logjam-device's PUB semantics:
+  ``XPUB_NODROP``, and a message that meets a subscriber at its HWM is sent again lossy
+  (only the slow subscriber misses it) and counted (``forward_drops``);
 * the thread runs the :class:`SubscriptionGuard` (cap, cuts, the socket monitor and so the
   peer count, whose admission hook it calls) and, with ``notify``, hands the subscription
   notifications to the loop on an inproc PAIR (:attr:`ThreadedPub.notes`: CMDP answers
@@ -21,9 +25,10 @@ for seconds (issue 21; docs/operations.md, "Memory").  So each XPUB is owned by 
   dropped for every subscriber and counted (``handoff_drops``): the loop never waits
   for the thread.  ``drops`` is both.
 
-Messages are whole records (two or more frames, or one non-empty frame); a message of
-one empty frame is the stop sentinel (:meth:`ThreadedPub.close`): everything published
-before it reaches the XPUB before the thread ends.
+Messages are whole records (two or more frames, or one non-empty frame).  The stop
+(:meth:`ThreadedPub.close`) goes behind the last record -- ``Ring.stop``, or on the
+inproc pair a message of one empty frame -- so everything published before it reaches
+the XPUB before the thread ends.
 """
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ class ThreadedPub:
     socket's set-up (peer limit watching), :meth:`close` at the end."""
 
     def __init__(self, xpub: zmq.Socket, max_subscriptions: int | None, *, name: str,
-                 hwm: int, notify: bool = False):
+                 hwm: int, notify: bool = False, ring: bool | None = None):
         if xpub.type != zmq.XPUB:
             raise ValueError("ThreadedPub needs an XPUB socket")
         xpub.setsockopt(zmq.XPUB_NODROP, 1)
@@ -142,16 +147,23 @@ class ThreadedPub:
         addr = f"inproc://logjam-relay.xpub.{name}.{id(self):x}.{time.monotonic_ns():x}"
         self.notes: zmq.Socket | None = None
         self._notes_out: zmq.Socket | None = None
-        self._pull = self.sock = None
+        self._pull = self.sock = self._ring = None
+        if ring is None:
+            ring = zmq_fast.Ring is not None
+        elif ring and zmq_fast.Ring is None:
+            raise RuntimeError(f"no hand-over ring: {zmq_fast.WHY_NOT}")
         try:
-            self._pull = ctx.socket(zmq.PULL)
-            self._pull.setsockopt(zmq.LINGER, 0)
-            self._pull.setsockopt(zmq.RCVHWM, 1)     # the queue's bound is the PUSH's
-            self._pull.bind(addr)
-            self.sock = ctx.socket(zmq.PUSH)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.setsockopt(zmq.SNDHWM, hwm)   # 0: no bound, as snd_hwm = 0 on PUB
-            self.sock.connect(addr)
+            if ring:
+                self.sock = self._ring = zmq_fast.Ring(hwm)   # 0: no bound, as on PUB
+            else:
+                self._pull = ctx.socket(zmq.PULL)
+                self._pull.setsockopt(zmq.LINGER, 0)
+                self._pull.setsockopt(zmq.RCVHWM, 1)     # the queue's bound is the PUSH's
+                self._pull.bind(addr)
+                self.sock = ctx.socket(zmq.PUSH)
+                self.sock.setsockopt(zmq.LINGER, 0)
+                self.sock.setsockopt(zmq.SNDHWM, hwm)   # 0: no bound, as snd_hwm 0 on PUB
+                self.sock.connect(addr)
             if notify:
                 self.notes = ctx.socket(zmq.PAIR)
                 self.notes.setsockopt(zmq.LINGER, 0)
@@ -197,6 +209,9 @@ class ThreadedPub:
 
     # -- the loop's side
     def publish(self, frames) -> None:
+        if self._ring is not None:
+            self.publish_batch((frames,))
+            return
         send = self.sock.send
         try:
             send(frames[0], NOBLOCK | SNDMORE if len(frames) > 1 else NOBLOCK)
@@ -251,6 +266,11 @@ class ThreadedPub:
         sentinel goes behind it); :meth:`close` waits for it."""
         if self._thread.is_alive() and not self._stopping:
             self._stopping = True
+            if self._ring is not None:
+                self._ring.stop()
+                self._sentinel_queued = True
+                self._done.set()
+                return
             try:
                 self.sock.send(b"", NOBLOCK)
                 self._sentinel_queued = True
@@ -299,11 +319,14 @@ class ThreadedPub:
                 self._rlog.error("watch", "xpub %s: %s", self.name, e)
 
     def _run(self) -> None:
-        pump = zmq_fast.pump or pump_py
+        if self._ring is not None:
+            pump, src = zmq_fast.ring_pump, self._ring
+        else:
+            pump, src = zmq_fast.pump or pump_py, self._pull
         timeout = IDLE_MS
         while True:
             try:
-                fwd, dropped, flags = pump(self._pull, self.xpub, (), timeout, PUMP_BATCH)
+                fwd, dropped, flags = pump(src, self.xpub, (), timeout, PUMP_BATCH)
             except zmq.ZMQError as e:
                 if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     return

@@ -9,7 +9,9 @@ sends ``records[start:]`` (each a sequence of frames) in order and returns
 EHOSTUNREACH...), or ``(len(records), 0)``.  Both at a fraction of pyzmq's per-frame
 cost.
 ``pump(src, xpub, watch, timeout_ms, batch)`` is the loop of an XPUB's own thread
-(:mod:`logjam_relay.io.xpubthread`), without the GIL.
+(:mod:`logjam_relay.io.xpubthread`), without the GIL; :class:`Ring` is that thread's
+hand-over queue (``publish`` and ``ingest_pass`` take it in place of a socket) and
+``ring_pump(ring, xpub, ...)`` the same loop with it as the source.
 ``ingest_pass(sock, pub, ...)`` is the relay's ingest hot path in one C loop (drain,
 stamp, publish, encode the spool records; see ``_zmqfast.c`` and ``relay/ingestpass.py``).
 ``AVAILABLE`` is False when the extension was not built, libzmq could not be found in
@@ -25,7 +27,8 @@ import zmq
 
 AVAILABLE = False
 WHY_NOT = ""
-drain = drain_bytes = publish = ingest_pass = pump = None  # type: ignore[assignment]
+drain = drain_bytes = publish = ingest_pass = pump = ring_pump = None  # type: ignore[assignment]
+Ring = None  # type: ignore[assignment,misc]
 
 #: flags of ``pump``'s result (``_zmqfast.c``)
 PUMP_XPUB, PUMP_WATCH, PUMP_TIMEOUT, PUMP_STOP = 1, 2, 8, 16
@@ -45,7 +48,7 @@ def _loaded_libzmq() -> str | None:
 
 
 def _setup() -> None:
-    global AVAILABLE, WHY_NOT, drain, drain_bytes, publish, ingest_pass, pump
+    global AVAILABLE, WHY_NOT, drain, drain_bytes, publish, ingest_pass, pump, ring_pump, Ring
     from .. import _native
     if _native.PURE_PYTHON:
         WHY_NOT = "LOGJAM_RELAY_PURE_PYTHON is set"
@@ -112,8 +115,44 @@ def _setup() -> None:
         except Error as e:
             raise zmq.ZMQError(e.errno) from None
 
+    fast_ring_pump = _zmqfast.ring_pump
+
+    def ring_pump_(ring: _Ring, xpub: zmq.Socket, watch, timeout_ms: int, batch: int):
+        if ring.closed or xpub.closed or any(w.closed for w in watch):
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        try:
+            return fast_ring_pump(ring.underlying, xpub.underlying,
+                                  [w.underlying for w in watch], timeout_ms, batch)
+        except Error as e:
+            raise zmq.ZMQError(e.errno) from None
+
+    class _Ring:
+        """The hand-over queue of an XPUB's thread (``_zmqfast.c``, "the hand-over
+        ring"): one producer (``publish``, ``ingest_pass``: pass the ring where they take
+        a socket), one consumer (``ring_pump``).  ``max_records`` 0: no bound."""
+
+        __slots__ = ("underlying", "closed")
+
+        def __init__(self, max_records: int):
+            self.underlying = _zmqfast.ring(max_records)
+            self.closed = False
+
+        def stop(self) -> None:
+            """``ring_pump`` returns ``PUMP_STOP`` once what is queued is forwarded."""
+            if not self.closed:
+                _zmqfast.ring_stop(self.underlying)
+
+        @property
+        def queued(self) -> int:
+            return 0 if self.closed else _zmqfast.ring_queued(self.underlying)
+
+        def close(self, linger: int = 0) -> None:
+            """Free what is queued: only once no thread pumps the ring."""
+            self.closed = True
+            _zmqfast.ring_close(self.underlying)
+
     drain, drain_bytes, publish, ingest_pass = drain_, drain_bytes_, publish_, ingest_pass_
-    pump = pump_
+    pump, ring_pump, Ring = pump_, ring_pump_, _Ring
     AVAILABLE = True
 
 
