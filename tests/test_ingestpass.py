@@ -22,8 +22,8 @@ import zmq
 
 from conftest import require_native
 from logjam_relay.io import zmq_fast, zmq_trio
-from logjam_relay.relay import ingestpass
 from logjam_relay.io.xpubthread import ThreadedPub
+from logjam_relay.relay import ingestpass
 from logjam_relay.relay.stamping import Pipeline
 from logjam_relay.spool import segment as fmt
 from test_stamp import random_batch
