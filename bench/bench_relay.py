@@ -206,8 +206,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / tck
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` (name: the main thread is "main", libzmq's
+    are ZMQbg/..., the relay's Python threads "python" with their thread id)."""
+    out = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                head, rest = fh.read().rsplit(")", 1)
+        except OSError:
+            continue
+        name = "main" if tid == str(pid) else head.split("(", 1)[1] + f"#{tid}"
+        f = rest.split()
+        out[name] = (int(f[11]) + int(f[12])) / tck
+    return out
+
+
 def run_path(target: str, kind: str, n: int, extra: list[str], tool: str | None,
-             env: dict | None = None) -> dict:
+             env: dict | None = None, threads: bool = False) -> dict:
     in_port, out_port = free_port(), free_port()
     mctx = mp.get_context("fork")
     ready, go, done = mctx.Event(), mctx.Event(), mctx.Queue()
@@ -227,6 +248,7 @@ def run_path(target: str, kind: str, n: int, extra: list[str], tool: str | None,
         pid = proc.pid
         time.sleep(1.0)
     in_ep, out_ep = f"tcp://127.0.0.1:{in_port}", f"tcp://127.0.0.1:{out_port}"
+    t0 = thread_cpu(pid) if threads else {}
     if tool:
         results, cpu0, cpu1 = run_c_load(tool, in_ep, out_ep, kind, n, pid)
     else:
@@ -243,6 +265,11 @@ def run_path(target: str, kind: str, n: int, extra: list[str], tool: str | None,
         cpu1 = cpu_seconds(pid)
         gen.join(10)
         cnt.join(10)
+    if threads:
+        t1 = thread_cpu(pid)
+        per = {k: (v - t0.get(k, 0.0)) / n * 1e6 for k, v in t1.items()}
+        print(f"  {target} CPU s per million by thread: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > 0))
     if target == "proxy":
         proc.kill()
         proc.join()
@@ -268,6 +295,8 @@ def main() -> int:
                     help="also run the relay with LOGJAM_RELAY_PURE_PYTHON=1 (no C loops)")
     ap.add_argument("--python-load", action="store_true",
                     help="use the Python generator and counter instead of zmq_load.c")
+    ap.add_argument("--threads", action="store_true",
+                    help="also print the relay's CPU per million messages by thread")
     args = ap.parse_args()
     n = args.messages
     tool = None if args.python_load else build_c_load()
@@ -281,7 +310,7 @@ def main() -> int:
         ratios = []
         for _ in range(args.repeat):
             base = run_path("proxy", kind, n, [], tool)
-            relay = run_path("relay", kind, n, extra, tool)
+            relay = run_path("relay", kind, n, extra, tool, threads=args.threads)
             ratios.append(relay["rate"] / base["rate"])
             print(f"{label:32s} zmq.proxy {base['rate']:>9,.0f} msg/s (generator alone "
                   f"{base['gen_rate']:>9,.0f}/s) | relay {relay['rate']:>9,.0f} msg/s | "

@@ -206,7 +206,7 @@ static PyObject *fast_drain_bytes(PyObject *self, PyObject *args) {
  * once the consumer is gone).
  */
 #define RING_CHUNK 252
-#define RING_WAKE_EVERY 64
+#define RING_WAKE_EVERY 256
 
 typedef struct rchunk {
     zmq_msg_t m[RING_CHUNK];
@@ -218,11 +218,11 @@ typedef struct {
     /* the producer's (the loop's) */
     rchunk *wc;
     int wpos;
-    uint64_t written, rec_in, unsignalled;
+    uint64_t written, rec_in, unsignalled, rec_out_seen;
     /* the consumer's (the XPUB thread's) */
     _Alignas(64) rchunk *rc;
     int rpos;
-    uint64_t consumed;
+    uint64_t consumed, taken;
     /* shared */
     _Alignas(64) _Atomic uint64_t head;     /* frames of whole records, committed */
     _Alignas(64) _Atomic uint64_t rec_out;  /* records the consumer took */
@@ -321,8 +321,11 @@ static ring_t *ring_of(PyObject *obj) {
 typedef struct { rchunk *wc; int wpos; uint64_t written; } ring_mark;
 
 static int ring_room(ring_t *r) {
-    return !r->max_records ||
-        r->rec_in - atomic_load_explicit(&r->rec_out, memory_order_acquire) < r->max_records;
+    /* the consumer's count is read only when the last one read says full: the line it
+     * lives on is not pulled across cores for every record */
+    if (!r->max_records || r->rec_in - r->rec_out_seen < r->max_records) return 1;
+    r->rec_out_seen = atomic_load_explicit(&r->rec_out, memory_order_acquire);
+    return r->rec_in - r->rec_out_seen < r->max_records;
 }
 
 static zmq_msg_t *ring_slot(ring_t *r, int more) {
@@ -1053,6 +1056,11 @@ out:
  * loop (above) with the ring as its source: same flags and semantics; PUMP_STOP once
  * ring_stop was called and everything queued before it is forwarded. */
 
+/* the records taken so far become room for the producer */
+static inline void ring_release(ring_t *r) {
+    atomic_store_explicit(&r->rec_out, r->taken, memory_order_release);
+}
+
 static inline uint64_t ring_avail(ring_t *r) {
     return atomic_load_explicit(&r->head, memory_order_acquire) - r->consumed;
 }
@@ -1097,8 +1105,7 @@ static int ring_forward(ring_t *r, void *xpub, int *dropped, int *err) {
         int on = 1;
         p_setsockopt(xpub, ZMQ_XPUB_NODROP, &on, sizeof on);
     }
-    atomic_store_explicit(&r->rec_out, atomic_load_explicit(&r->rec_out, memory_order_relaxed) + 1,
-                          memory_order_release);
+    r->taken++;        /* published to the producer by ring_release */
     if (rc < 0) return -1;
     *dropped = lossy;
     return 1;
@@ -1177,12 +1184,20 @@ static PyObject *fast_ring_pump(PyObject *self, PyObject *args) {
         if (items[1].revents & ZMQ_POLLIN) flags |= PUMP_XPUB;
         for (int i = 2; i < n; i++)
             if (items[i].revents & ZMQ_POLLIN) flags |= PUMP_WATCH;
-        for (Py_ssize_t k = 0; k < batch && ring_avail(r); k++) {
+        /* the producer's position is read once per round, the room given back every
+         * 64 records: neither line crosses cores per record */
+        uint64_t end = atomic_load_explicit(&r->head, memory_order_acquire);
+        for (Py_ssize_t k = 0; k < batch && r->consumed < end; k++) {
             int d = 0;
-            if (ring_forward(r, xpub, &d, &err) < 0) goto out;
+            int fr = ring_forward(r, xpub, &d, &err);
+            if ((k & 63) == 63 || fr < 0) ring_release(r);
+            if (fr < 0) goto out;
             forwarded++;
             dropped += d;
+            if (r->consumed == end && k + 1 < batch)
+                end = atomic_load_explicit(&r->head, memory_order_acquire);
         }
+        ring_release(r);
         if (atomic_load(&r->stop) && !ring_avail(r)) {   /* stop first: see ring_stop */
             flags |= PUMP_STOP;
             break;
