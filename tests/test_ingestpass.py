@@ -23,6 +23,7 @@ import zmq
 from conftest import require_native
 from logjam_relay.io import zmq_fast, zmq_trio
 from logjam_relay.io.xpubthread import ThreadedPub
+from logjam_relay.protocols import logjam as L
 from logjam_relay.relay import ingestpass
 from logjam_relay.relay.stamping import Pipeline
 from logjam_relay.spool import segment as fmt
@@ -42,7 +43,8 @@ def ctx():
 class Side:
     """PUSH -> PULL (or DEALER -> ROUTER) in, XPUB (PubSocket) -> SUB out, a Pipeline."""
 
-    def __init__(self, ctx, name: str, hwm: int = 0, router: bool = False, ring=False):
+    def __init__(self, ctx, name: str, hwm: int = 0, router: bool = False, ring=False,
+                 compress: int = 0):
         self.router = router
         self.replies: list[list[bytes]] = []
         self.pull = ctx.socket(zmq.ROUTER if router else zmq.PULL)
@@ -72,7 +74,7 @@ class Side:
             self.pub = zmq_trio.PubSocket(xpub)
             assert xpub.poll(2000)
             self.pub.poll_subscriptions()
-        self.p = Pipeline(7, 1000, self.pub.publish_batch, fqdn=b"vm")
+        self.p = Pipeline(7, 1000, self.pub.publish_batch, fqdn=b"vm", compress_method=compress)
         self.spool = b""
         self.spool_seq = 50
 
@@ -99,10 +101,18 @@ class Side:
                 self.replies)
 
     def stamp(self, batch, now):
-        if not self.router:
-            return self.p.stamp_pull(batch, now)
-        acc = self.p.prepare_router(batch, self.replies)
-        return self.p.commit(acc, now) if acc else []
+        p = self.p
+        if not self.router and not p.compress_method:
+            return p.stamp_pull(batch, now)
+        # the relay's ordinary path (app.py _process): prepare, -x compress, commit
+        acc = p.prepare_router(batch, self.replies) if self.router else p.prepare_pull(batch)
+        if not acc:
+            return []
+        idx = p.needs_compression(acc)
+        if idx:
+            p.compress_in_place(acc, idx)
+            p.count_compressed(acc, idx)
+        return p.commit(acc, now)
 
 
 def reference_round(s: Side, limit: int, max_bytes: int, now: int) -> int:
@@ -114,7 +124,7 @@ def reference_round(s: Side, limit: int, max_bytes: int, now: int) -> int:
 
 def fused_round(s: Side, limit: int, max_bytes: int, now: int, spool: bool = True) -> int:
     r = ingestpass.run(s.pull, s.pub, s.p, limit, max_bytes, MAX_EVENT, now,
-                       s.spool_seq if spool else -1, s.router)
+                       s.spool_seq if spool else -1, s.router, s.p.compress_method)
     s.replies += r.replies
     if r.stamped and spool:
         assert r.spool_seq == s.spool_seq
@@ -163,12 +173,13 @@ def as_router(rnd: random.Random, msgs):
     return [[b"", *m] if rnd.random() < 0.5 else m for m in msgs]
 
 
-def compare(ctx, msgs, limit, max_bytes, hwm=0, spool=True, router=False, ring=False):
+def compare(ctx, msgs, limit, max_bytes, hwm=0, spool=True, router=False, ring=False,
+            compress=0):
     require_native(zmq_fast.ingest_pass, f"logjam_relay.io._zmqfast ({zmq_fast.WHY_NOT})")
     now = 1_750_000_000_000
     tag = next(_names)
-    ref = Side(ctx, f"ref{tag}", hwm, router)
-    got = Side(ctx, f"got{tag}", hwm, router, ring=ring)
+    ref = Side(ctx, f"ref{tag}", hwm, router, compress=compress)
+    got = Side(ctx, f"got{tag}", hwm, router, ring=ring, compress=compress)
     drive(reference_round, ref, msgs, limit, max_bytes, now)
     drive(fused_round, got, msgs, limit, max_bytes, now, spool=spool)
     if ring:
@@ -212,6 +223,26 @@ def test_through_the_hand_over_ring_same_as_on_the_pub(ctx, router):
         msgs = as_router(rnd, msgs)
     ref = compare(ctx, msgs, rnd.choice((7, 100, 1024)), 1 << 20, router=router, ring=True)
     assert ref.p.counters.received > 1000 and ref.p.counters.invalid > 0
+
+
+@pytest.mark.parametrize("router", [False, True])
+def test_x_lz4_inside_the_loop_same_as_the_compressor_path(ctx, router):
+    """-x lz4: the loop compresses the uncompressed bodies itself; published frames, spool
+    bytes and counters are those of prepare + compress_in_place + commit."""
+    require_native(zmq_fast.LZ4 or None, "python-lz4's liblz4 for the ingest pass")
+    assert ingestpass.available(L.LZ4_COMPRESSION) and not ingestpass.available(
+        L.ZLIB_COMPRESSION)
+    rnd = random.Random(400 + router)
+    msgs = fuzz_batch(rnd, 1500)
+    for m in msgs[::7]:          # empty and large bodies too
+        if len(m) == 4:
+            m[2] = b"" if rnd.random() < 0.3 else rnd.randbytes(1500) * 1
+    if router:
+        msgs = as_router(rnd, msgs)
+    ref = compare(ctx, msgs, rnd.choice((7, 100, 1024)), 1 << 20, router=router,
+                  compress=L.LZ4_COMPRESSION)
+    c = ref.p.counters
+    assert c.compressed > 300 and c.received > 600 and c.invalid > 0
 
 
 def test_all_fast_without_spool(ctx):

@@ -42,6 +42,9 @@ static int (*p_errno)(void);
 static int (*p_poll)(zmq_pollitem_t *, int, long);
 static int (*p_setsockopt)(void *, int, const void *, size_t);
 static const char *(*p_strerror)(int);
+/* LZ4 (-x lz4 in the ingest pass): from the python-lz4 extension already loaded */
+static int (*p_lz4_compress)(const char *, char *, int, int);
+static int (*p_lz4_bound)(int);
 
 enum { ZMQ_DONTWAIT = 1, ZMQ_SNDMORE = 2, ZMQ_POLLIN = 1, ZMQ_XPUB_NODROP = 69 };
 #ifndef ENOTSOCK
@@ -89,6 +92,20 @@ static PyObject *fast_init(PyObject *self, PyObject *args) {
     SYM(p_setsockopt, "zmq_setsockopt");
 #undef SYM
     /* the library stays loaded as long as pyzmq is: keep our reference for good */
+    Py_RETURN_NONE;
+}
+
+static PyObject *fast_init_lz4(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!lib) return PyErr_Format(PyExc_OSError, "%s is not loaded: %s", path, dlerror());
+    *(void **)(&p_lz4_compress) = dlsym(lib, "LZ4_compress_default");
+    *(void **)(&p_lz4_bound) = dlsym(lib, "LZ4_compressBound");
+    if (!p_lz4_compress || !p_lz4_bound) {
+        p_lz4_compress = NULL;
+        return PyErr_Format(PyExc_OSError, "%s: no LZ4_compress_default", path);
+    }
     Py_RETURN_NONE;
 }
 
@@ -619,7 +636,7 @@ static PyObject *pp_bytes(zmq_msg_t *m) {
 
 static PyObject *ingest_pass(PyObject *self, PyObject *args) {
     PyObject *hin, *hpub, *gs, *gt, *now8, *replies, *accepted;
-    int router;
+    int router, compress = 0;
     Py_ssize_t limit, max_bytes, max_event;
     unsigned long device;
     unsigned long long seq;
@@ -628,10 +645,14 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "_zmqfast.init() was not called");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "OOnnnO!O!kKSLpO!S", &hin, &hpub, &limit, &max_bytes,
+    if (!PyArg_ParseTuple(args, "OOnnnO!O!kKSLpO!S|i", &hin, &hpub, &limit, &max_bytes,
                           &max_event, &PySet_Type, &gs, &PySet_Type, &gt, &device, &seq, &now8,
-                          &spool_seq, &router, &PyList_Type, &replies, &accepted))
+                          &spool_seq, &router, &PyList_Type, &replies, &accepted, &compress))
         return NULL;
+    if (compress != 0 && (compress != 3 || !p_lz4_compress)) {
+        PyErr_Format(PyExc_ValueError, "compress %d: only 3 (lz4, after init_lz4)", compress);
+        return NULL;
+    }
     if (PyBytes_GET_SIZE(now8) != 8) {
         PyErr_SetString(PyExc_ValueError, "now8 must be 8 bytes");
         return NULL;
@@ -653,9 +674,10 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
     for (int k = 0; k < 6; k++) p_msg_init(&fr[k]);
     ppbuf sp = {NULL, 0, 0};
     unsigned char meta[24], last_meta[24];
-    Py_ssize_t consumed = 0, nfast = 0, maxb = 0;
+    Py_ssize_t consumed = 0, nfast = 0, maxb = 0, ncomp = 0;
     size_t total = 0;
-    long long nbytes = 0;
+    long long nbytes = 0, cbytes = 0;
+    ppbuf zb = {NULL, 0, 0};     /* -x lz4: the compressed body before it becomes a frame */
     uint64_t sseq = spool_seq >= 0 ? (uint64_t)spool_seq : 0;
     int stop = 0, err = 0;
     PyObject *extra = NULL, *result = NULL;
@@ -741,18 +763,51 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
             stop = 1;
             goto done;
         }
+        /* -x lz4: an uncompressed body is compressed (protocols/logjam.py compress: a
+         * 4-byte big-endian length, then the LZ4 block); counted with its original size */
+        size_t lb = p_msg_size(&f[2]);
+        unsigned char method = mp[2];
+        if (compress && method == 0) {
+            if (lb > 0x7E000000) {
+                PyErr_SetString(PyExc_OverflowError, "body too large for lz4");
+                goto fail;
+            }
+            int cap = p_lz4_bound((int)lb);
+            zb.len = 0;
+            if (ppbuf_grow(&zb, 4 + (size_t)cap) < 0) goto fail;
+            /* an empty body too: python-lz4 gives the one-byte empty block */
+            int clen = p_lz4_compress((const char *)p_msg_data(&f[2]), (char *)zb.p + 4,
+                                      (int)lb, cap);
+            if (clen <= 0) {
+                PyErr_SetString(PyExc_RuntimeError, "LZ4_compress_default failed");
+                goto fail;
+            }
+            zb.p[0] = (unsigned char)(lb >> 24); zb.p[1] = (unsigned char)(lb >> 16);
+            zb.p[2] = (unsigned char)(lb >> 8); zb.p[3] = (unsigned char)lb;
+            zmq_msg_t cm;
+            if (p_msg_init_size(&cm, 4 + (size_t)clen) < 0) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            memcpy(p_msg_data(&cm), zb.p, 4 + (size_t)clen);
+            p_msg_move(&f[2], &cm);          /* the received body is released */
+            p_msg_close(&cm);
+            method = (unsigned char)compress;
+            ncomp++;
+            cbytes += 4 + clen;
+        }
         /* stamp */
         seq++;
-        meta[0] = 0xca; meta[1] = 0xbd; meta[2] = mp[2]; meta[3] = 1;
+        meta[0] = 0xca; meta[1] = 0xbd; meta[2] = method; meta[3] = 1;
         meta[4] = (unsigned char)(device >> 24); meta[5] = (unsigned char)(device >> 16);
         meta[6] = (unsigned char)(device >> 8); meta[7] = (unsigned char)device;
         static const unsigned char zero8[8] = {0};
         memcpy(meta + 8, memcmp(mp + 8, zero8, 8) == 0 ? now : mp + 8, 8);
         for (int k = 0; k < 8; k++) meta[16 + k] = (unsigned char)(seq >> (56 - 8 * k));
         nfast++;
-        size_t lb = p_msg_size(&f[2]);
         nbytes += (long long)lb;
         if ((Py_ssize_t)lb > maxb) maxb = (Py_ssize_t)lb;
+        lb = p_msg_size(&f[2]);          /* the body as spooled and published */
         /* spool record (before the frames are sent on) */
         if (spool_seq >= 0) {
             size_t la = p_msg_size(&f[0]), lt = p_msg_size(&f[1]);
@@ -863,8 +918,8 @@ done:
             extra = Py_None;
             Py_INCREF(extra);
         }
-        result = Py_BuildValue("(nnKnLnNNiN)", consumed, (Py_ssize_t)total, seq, nfast, nbytes,
-                               maxb, spool, lm, stop, extra);
+        result = Py_BuildValue("(nnKnLnNNiNnL)", consumed, (Py_ssize_t)total, seq, nfast,
+                               nbytes, maxb, spool, lm, stop, extra, ncomp, cbytes);
         extra = NULL;
     }
 fail:
@@ -873,6 +928,7 @@ fail:
     for (int k = 0; k < nca; k++) Py_DECREF(cache_a[k]);
     for (int k = 0; k < nct; k++) Py_DECREF(cache_t[k]);
     PyMem_Free(sp.p);
+    PyMem_Free(zb.p);
     Py_XDECREF(extra);
     if (!result && err) return zmq_error(err);
     return result;
@@ -1221,11 +1277,14 @@ out:
 
 #define INGEST_PASS_DOC \
     "ingest_pass(in, pub, limit, max_bytes, max_event, good_streams, good_topics, device, " \
-    "seq, now8, spool_seq, router, replies, accepted) -> (consumed, total, seq, nfast, " \
-    "nbytes, maxb, spool, last_meta, stop, extra)"
+    "seq, now8, spool_seq, router, replies, accepted[, compress]) -> (consumed, total, seq, " \
+    "nfast, nbytes, maxb, spool, last_meta, stop, extra, ncompressed, compressed_bytes)"
 
 static PyMethodDef methods[] = {
     {"init", fast_init, METH_VARARGS, "init(libzmq_path): bind to the loaded libzmq"},
+    {"init_lz4", fast_init_lz4, METH_VARARGS,
+     "init_lz4(path): bind to the liblz4 of the loaded python-lz4 extension (-x lz4 in "
+     "ingest_pass)"},
     {"drain", fast_drain, METH_VARARGS,
      "drain(handle, limit) -> list of whole messages (lists of bytes), without blocking"},
     {"drain_bytes", fast_drain_bytes, METH_VARARGS,

@@ -27,6 +27,8 @@ import zmq
 
 AVAILABLE = False
 WHY_NOT = ""
+#: ``ingest_pass`` can compress with LZ4 (``-x lz4``): python-lz4's liblz4 is bound
+LZ4 = False
 drain = drain_bytes = publish = ingest_pass = pump = ring_pump = None  # type: ignore[assignment]
 Ring = None  # type: ignore[assignment,misc]
 
@@ -49,6 +51,7 @@ def _loaded_libzmq() -> str | None:
 
 def _setup() -> None:
     global AVAILABLE, WHY_NOT, drain, drain_bytes, publish, ingest_pass, pump, ring_pump, Ring
+    global LZ4
     from .. import _native
     if _native.PURE_PYTHON:
         WHY_NOT = "LOGJAM_RELAY_PURE_PYTHON is set"
@@ -67,6 +70,12 @@ def _setup() -> None:
     except OSError as e:
         WHY_NOT = str(e)
         return
+    try:
+        import lz4.block._block as lz4_ext
+        _zmqfast.init_lz4(lz4_ext.__file__)
+        LZ4 = True
+    except (ImportError, OSError, AttributeError):
+        LZ4 = False
     fast_drain, fast_publish, Error = _zmqfast.drain, _zmqfast.publish, _zmqfast.ZMQFastError
     fast_drain_bytes = _zmqfast.drain_bytes
 

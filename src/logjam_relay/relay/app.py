@@ -373,8 +373,8 @@ class Relay:
         max_event = self.settings.max_event_bytes
         drain = zmq_trio.drain_bytes
         spool = self.spool
-        # without -x: drain + stamp + publish + spool records in one C loop
-        fused = not self.compress_method and ingestpass.available()
+        # drain + stamp (+ -x lz4) + publish + spool records in one C loop
+        fused = ingestpass.available(self.compress_method)
         while True:
             if spool is not None and spool.would_block():
                 # policy "block": stop reading; ZeroMQ's HWM pushes back to the clients
@@ -500,7 +500,7 @@ class Relay:
         next_seq = -1 if spool is None else \
             self.commits.next_seq if self.commits is not None else spool.next_seq
         r = ingestpass.run(sock, self.pub, p, limit, max_bytes, max_event, now_ms(),
-                           next_seq, is_router)
+                           next_seq, is_router, self.compress_method)
         if not r.stamped and not r.leftover:
             return None
         if r.stamped:

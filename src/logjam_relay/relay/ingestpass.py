@@ -20,7 +20,9 @@ Sequence numbers, counters, published frames, replies and spool bytes are those 
 ``drain_bytes`` + :meth:`Pipeline.stamp_pull` / :meth:`Pipeline.prepare_router` +
 :meth:`Pipeline.commit` + ``Spool.append_batch`` (tests/test_ingestpass.py runs both over
 the same traffic).  Without the C socket loops (``zmq_fast.ingest_pass`` is None) the
-relay uses those.  ``-x`` (recompression) always takes the ordinary path.
+relay uses those.  ``-x lz4`` compresses the uncompressed bodies inside the loop (the
+same bytes as :meth:`Pipeline.compress_in_place`, counted the same); ``-x zlib`` and ``-x
+snappy`` take the ordinary path and the compressor threads.
 """
 
 from __future__ import annotations
@@ -42,12 +44,16 @@ class PassResult:
     oversize: bool = False              # a frame of leftover is over max_event
 
 
-def available() -> bool:
-    return zmq_fast.ingest_pass is not None
+def available(compress: int = 0) -> bool:
+    """Whether the C loop runs here, for ``-x`` ``compress`` (0: none; only LZ4 is
+    compressed inside the loop -- zlib's cost per body belongs on the compressor threads)."""
+    if zmq_fast.ingest_pass is None:
+        return False
+    return compress == 0 or (compress == L.LZ4_COMPRESSION and zmq_fast.LZ4)
 
 
 def run(sock, pub, pipeline, limit: int, max_bytes: int, max_event: int, now_ms: int,
-        spool_seq: int = -1, router: bool = False) -> PassResult:
+        spool_seq: int = -1, router: bool = False, compress: int = 0) -> PassResult:
     """One batch of at most ``limit`` messages / about ``max_bytes`` bytes from ``sock``
     (PULL, or ROUTER with ``router``) onto ``pub`` (a :class:`PubSocket`, or the hand-over
     of an XPUB's thread, :class:`~logjam_relay.io.xpubthread.ThreadedPub`); ``spool_seq``
@@ -65,9 +71,13 @@ def run(sock, pub, pipeline, limit: int, max_bytes: int, max_event: int, now_ms:
     taken = total = 0
     while True:
         left = max_bytes - total if max_bytes > 0 else 0
-        consumed, nb, seq, nfast, nbytes, maxb, spool, last_meta, stop, extra = fast(
-            sock, pub.sock, limit - taken, left, max_event, gs, gt, p.device, p.seq, now8,
-            spool_seq + res.stamped if spool_seq >= 0 else -1, router, replies, L.ACCEPTED)
+        (consumed, nb, seq, nfast, nbytes, maxb, spool, last_meta, stop, extra, ncomp,
+         cbytes) = fast(sock, pub.sock, limit - taken, left, max_event, gs, gt, p.device, p.seq,
+                        now8, spool_seq + res.stamped if spool_seq >= 0 else -1, router,
+                        replies, L.ACCEPTED, compress)
+        if ncomp:
+            c.compressed += ncomp
+            c.compressed_bytes += cbytes
         taken += consumed
         total += nb
         p.seq = seq
