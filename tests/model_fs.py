@@ -157,6 +157,10 @@ class ModelFS(Filesystem):
     def fsize(self, fd: int) -> int:
         return len(self._h(fd).inode.data)
 
+    def start_writeback(self, fd: int, offset: int, size: int) -> None:
+        """The model has no page cache to write early: only fdatasync makes data
+        durable, as on the real one."""
+
     def fallocate(self, fd: int, offset: int, size: int) -> None:
         ino = self._h(fd).inode
         if offset + size > len(ino.data):

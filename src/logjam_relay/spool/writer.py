@@ -57,6 +57,10 @@ STATE_FILE = "spool.state"
 #: the next segment's file, created ahead by run_seals (in a worker thread) and renamed to
 #: its segment name when a roll needs it; the recovery deletes it (``*.tmp``)
 SPARE_FILE = "next-segment.tmp"
+#: fsync="interval": the appends are handed to the kernel's writeback every this many bytes
+#: (2026-11-26, 200k msg/s of 300 B: the interval fdatasync 4-31 ms -> 1-1.5 ms, the
+#: relay's one-way p99.9 7.1 -> 3.4-3.8 ms, bench_latency.py)
+WRITEBACK_BYTES = 1 << 20
 
 
 class Reserve(Protocol):
@@ -122,6 +126,7 @@ class SegmentWriter:
         # fsync="interval" with defer_interval_sync: neither appends nor tick() fsync; the
         # spool's run() does, every fsync_interval_s, in a worker thread.
         self.defer_interval_sync = False
+        self.writeback_from = 0            # the active segment's offset not yet handed over
         self.pending_seals: list[Seg] = []      # closed on a full disk, seal record owed
         # background seals (module text): on while run_seals() runs
         self.defer_seals = False
@@ -212,6 +217,11 @@ class SegmentWriter:
         led = self._ledger
         seg.data_end += len(data)
         seg.size = seg.data_end
+        if self.fsync == "interval" and seg.data_end - self.writeback_from >= WRITEBACK_BYTES:
+            # the interval's fdatasync would otherwise write a second of appends at once,
+            # and the appends meanwhile wait for it (ext4's journal), holding the loop
+            self._fs.start_writeback(fd, self.writeback_from, seg.data_end - self.writeback_from)
+            self.writeback_from = seg.data_end
         seg.count += n
         led.next_seq += n
         led.bytes += len(data)
@@ -265,6 +275,7 @@ class SegmentWriter:
                 unlink_quiet(path, fs)
                 raise
         seg = Seg(segno, path, now_ms, led.next_seq, 0, fmt.HEADER_LEN, fmt.HEADER_LEN, False)
+        self.writeback_from = 0
         led.add(seg)
         led.next_segno = segno + 1
         self.active, self.fd = seg, fd
