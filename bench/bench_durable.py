@@ -321,6 +321,7 @@ def main() -> int:
               f"end {r['samples'][-1][col + 1]:,.0f}) | sink CPU "
               f"{sink_cpu / max(n, 1) * 1e6:.2f} s/M events | resent {r['resent'][name]:,.0f}"
               f" | sink errors {r['sink_errors'][name]}")
+        print(f"  {name}: paced by {pace(r, name, n, sink_cpu, ok)}")
     drain = f"{r['drain_s']:.1f} s" if r["drain_s"] is not None else \
         f"not within {args.drain_limit:.0f} s"
     print(f"after the load: outputs drained in {drain}; ingested {r['ingested_total']:,.0f}, "
@@ -336,6 +337,22 @@ def main() -> int:
         print(f"  relay + workers: CPU {total / max(1, r['ingested']) * 1e6:.2f} s per million "
               f"messages")
     return 0
+
+
+def pace(r: dict, name: str, delivered: int, sink_cpu: float, bounded_: bool) -> str:
+    """Who set the output's pace: the relay's ingest (the output kept up), the receiver
+    (its process busy most of a core) or the relay's output (its worker busy, the receiver
+    not)."""
+    el = r["elapsed"]
+    sink_busy = sink_cpu / el
+    worker = next((cpu for k, cpu in r["kids_cpu"].items() if k.startswith(name)), None)
+    busy = f"receiver busy {sink_busy:.0%} of a core" + (
+        f", the relay's {name} worker {worker / el:.0%}" if worker is not None else "")
+    if bounded_ and delivered >= 0.98 * r["ingested"]:
+        return f"the relay's ingest: the output kept up ({busy})"
+    if sink_busy >= 0.9:
+        return f"the receiver ({busy})"
+    return f"the relay's output ({busy})"
 
 
 if __name__ == "__main__":
