@@ -224,6 +224,7 @@ static PyObject *fast_drain_bytes(PyObject *self, PyObject *args) {
  */
 #define RING_CHUNK 252
 #define RING_WAKE_EVERY 256
+#define RING_POLL_US 1000
 
 typedef struct rchunk {
     zmq_msg_t m[RING_CHUNK];
@@ -1205,13 +1206,21 @@ static PyObject *fast_ring_pump(PyObject *self, PyObject *args) {
     long forwarded = 0, dropped = 0;
     int flags = 0, err = 0;
     Py_BEGIN_ALLOW_THREADS
-    struct timespec t0;
+    struct timespec t0, last_poll = {0, 0};
     clock_gettime(CLOCK_MONOTONIC, &t0);
     long wait = timeout;
     for (;;) {
         long w = wait;
+        int rc = 0, polled = 1;
         if (ring_avail(r)) {
+            /* busy: the XPUB (a zmq_poll costs two system calls) is looked at every
+             * RING_POLL_US only, the records keep moving in between */
             w = 0;
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if ((now.tv_sec - last_poll.tv_sec) * 1000000L +
+                    (now.tv_nsec - last_poll.tv_nsec) / 1000 < RING_POLL_US)
+                polled = 0;
         } else {
             atomic_store(&r->sleeping, 1);             /* seq_cst: see ring_wake */
             if (atomic_load(&r->head) != r->consumed || atomic_load(&r->stop)) {
@@ -1219,27 +1228,30 @@ static PyObject *fast_ring_pump(PyObject *self, PyObject *args) {
                 w = 0;
             }
         }
-        for (int i = 0; i < n; i++) {
-            items[i].events = ZMQ_POLLIN;
-            items[i].revents = 0;
-        }
-        int rc = p_poll(items, n, w);
-        atomic_store_explicit(&r->sleeping, 0, memory_order_relaxed);
-        if (rc < 0) {
-            if (p_errno() != EINTR) {
-                err = p_errno();
-                break;
+        if (polled) {
+            for (int i = 0; i < n; i++) {
+                items[i].events = ZMQ_POLLIN;
+                items[i].revents = 0;
             }
-            continue;
+            rc = p_poll(items, n, w);
+            atomic_store_explicit(&r->sleeping, 0, memory_order_relaxed);
+            clock_gettime(CLOCK_MONOTONIC, &last_poll);
+            if (rc < 0) {
+                if (p_errno() != EINTR) {
+                    err = p_errno();
+                    break;
+                }
+                continue;
+            }
+            if (items[0].revents & ZMQ_POLLIN) {
+                uint64_t v;
+                ssize_t got = read(r->efd, &v, sizeof v);
+                (void)got;
+            }
+            if (items[1].revents & ZMQ_POLLIN) flags |= PUMP_XPUB;
+            for (int i = 2; i < n; i++)
+                if (items[i].revents & ZMQ_POLLIN) flags |= PUMP_WATCH;
         }
-        if (items[0].revents & ZMQ_POLLIN) {
-            uint64_t v;
-            ssize_t got = read(r->efd, &v, sizeof v);
-            (void)got;
-        }
-        if (items[1].revents & ZMQ_POLLIN) flags |= PUMP_XPUB;
-        for (int i = 2; i < n; i++)
-            if (items[i].revents & ZMQ_POLLIN) flags |= PUMP_WATCH;
         /* the producer's position is read once per round, the room given back every
          * 64 records: neither line crosses cores per record */
         uint64_t end = atomic_load_explicit(&r->head, memory_order_acquire);
@@ -1259,7 +1271,7 @@ static PyObject *fast_ring_pump(PyObject *self, PyObject *args) {
             break;
         }
         if (flags) break;
-        if ((rc == 0 && w == wait && wait >= 0) ||
+        if ((polled && rc == 0 && w == wait && wait >= 0) ||
                 (timeout >= 0 && elapsed_ms(&t0) >= timeout)) {
             flags |= PUMP_TIMEOUT;
             break;
