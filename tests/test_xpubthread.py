@@ -303,3 +303,36 @@ def test_the_pump_returns_on_time_while_kept_busy(ctx, impl):
             seen.append(tp.forwarded)
     assert seen, "the thread's counters never moved while records kept coming"
     assert tp.close()
+
+
+@pytest.mark.parametrize("cap", [1000, None])
+def test_dropped_notifications_are_resynchronised(ctx, monkeypatch, cap):
+    """A churn flood over NOTES_HWM drops notifications (counted); the loop's view is then
+    rebuilt from the topics held, so CMDP never keeps a stale one (with the guard and on
+    a plain XPUB)."""
+    monkeypatch.setattr(xpubthread, "NOTES_HWM", 4)
+    tp = ThreadedPub(xpub(ctx), cap, name="t", hwm=100, notify=True)
+    tp.start()
+    s = sub(ctx, tp.endpoint, b"keep")
+    for i in range(40):
+        s.setsockopt(zmq.SUBSCRIBE, b"t%02d" % i)
+    until(lambda: len(tp.subscriptions) == 41 and tp.notes_dropped > 0,
+          what=f"{len(tp.subscriptions)} topics, {tp.notes_dropped} dropped")
+    view: set[bytes] = set()
+
+    def drain():
+        for _ in range(30):
+            for m in tp.poll_subscriptions():
+                (view.add if m[0] == 1 else view.discard)(m[1:])
+            time.sleep(0.02)
+    drain()
+    assert view == set(tp.subscriptions) and tp.notes_resyncs >= 1
+    dropped = tp.notes_dropped
+    for i in range(30):
+        s.setsockopt(zmq.UNSUBSCRIBE, b"t%02d" % i)
+    until(lambda: len(tp.subscriptions) == 11, what=str(tp.subscriptions))
+    drain()
+    assert tp.notes_dropped > dropped
+    assert view == {b"keep"} | {b"t%02d" % i for i in range(30, 40)}
+    s.close()
+    assert tp.close()

@@ -185,6 +185,10 @@ class ThreadedPub:
         self.forward_drops = 0       # records a subscriber at its HWM missed (thread)
         self.forwarded = 0           # records the thread put on the XPUB
         self.notes_dropped = 0       # notifications the loop's PAIR could not take
+        self.notes_resyncs = 0       # times the loop's view was rebuilt after such drops
+        self._resync = False         # a notification was dropped: rebuild the loop's view
+        self._view: set[bytes] = set()   # topics as the loop's notifications say
+        self._plain_lock = threading.Lock()   # the plain XPUB's topic set (no guard)
         self.thread_errors = 0
         self._stopping = False
         self._sentinel_queued = False
@@ -249,17 +253,48 @@ class ThreadedPub:
 
     def poll_subscriptions(self, limit: int = 1000) -> list[bytes]:
         """The notifications the thread handed over (``b"\\x01" + topic`` for a new
-        subscription, ``b"\\x00" + topic`` when a topic's last subscriber left)."""
+        subscription, ``b"\\x00" + topic`` when a topic's last subscriber left).  When the
+        thread had to drop some (a churn flood over ``NOTES_HWM``), the loop's view is
+        rebuilt once the pipe is empty: the difference between the topics held now and
+        those the notifications said comes out as notifications too (counted in
+        ``notes_resyncs``), so the loop never keeps a stale view."""
         out: list[bytes] = []
         if self.notes is None:
             return out
         recv = self.notes.recv
+        view = self._view
         for _ in range(limit):
             try:
-                out.append(recv(NOBLOCK))
+                m = recv(NOBLOCK)
             except zmq.Again:
+                if self._resync:
+                    self._resync = False          # before the snapshot: a later drop sets it
+                    out += self._rebuild_view()
                 break
+            out.append(m)
+            if m[:1] == b"\x01":
+                view.add(m[1:])
+            elif m[:1] == b"\x00":
+                view.discard(m[1:])
         return out
+
+    def _rebuild_view(self) -> list[bytes]:
+        g = self.guard
+        if g is not None:
+            with g.lock:
+                now = set(g.topics)
+        else:
+            with self._plain_lock:
+                now = set(self.subscriptions)
+        view = self._view
+        notes = [b"\x01" + t for t in sorted(now - view)] + \
+            [b"\x00" + t for t in sorted(view - now)]
+        self._view = now
+        self.notes_resyncs += 1
+        self._rlog.warning("resync", "xpub %s: %d subscription notifications dropped so far "
+                           "(a churn flood over %d); the view was rebuilt from the %d topics "
+                           "held", self.name, self.notes_dropped, NOTES_HWM, len(now))
+        return notes
 
     def request_stop(self) -> None:
         """Ask the thread to stop once it has forwarded what was published (the
@@ -368,10 +403,12 @@ class ThreadedPub:
                 except zmq.Again:
                     break
                 if m and m[0] == 1:
-                    subs.add(m[1:])
+                    with self._plain_lock:
+                        subs.add(m[1:])
                     notes.append(m)
                 elif m and m[0] == 0:
-                    subs.discard(m[1:])
+                    with self._plain_lock:
+                        subs.discard(m[1:])
                     notes.append(m)
             busy = len(notes) == 500
         else:
@@ -389,4 +426,5 @@ class ThreadedPub:
                     out.send(m, NOBLOCK)
                 except zmq.Again:
                     self.notes_dropped += 1
+                    self._resync = True
         return busy
