@@ -47,7 +47,7 @@ def test_interval_hands_appends_to_writeback_in_contiguous_ranges(tmp_path, fsyn
             runs[-1].append((off, size))
         assert len(runs) >= 3                     # each new segment starts over at 0
         for ranges in runs:
-            for (o1, s1), (o2, _) in zip(ranges, ranges[1:]):
+            for (o1, s1), (o2, _) in zip(ranges, ranges[1:], strict=False):
                 assert o2 == o1 + s1               # contiguous, nothing skipped
             assert ranges[-1][0] + ranges[-1][1] <= 4 << 20
         rd = sp.reader("a")
