@@ -118,7 +118,9 @@ def main() -> int:
         top = sorted(seen.values(), key=lambda x: -x[2])[:15]
         print("  top threads: " + ", ".join(f"{c}={v:.1f}" for _p, c, v in top))
     stages: dict[int, dict] = {}
-    for f in glob.glob(os.path.join(ev, "*")):
+    for f in glob.glob(os.path.join(ev, "**", "*"), recursive=True):
+        if not os.path.isfile(f):
+            continue
         with open(f) as fh:
             for line in fh:
                 e = json.loads(line)
