@@ -83,6 +83,19 @@ TRICKY = [
     (b'{"code":123456789012345678901234567890}', False),
     (b'\xef\xbb\xbf{"action":"bom"}', False),
     (b'{"x":' + b'[' * 600 + b']' * 600 + b'}', False),         # very deep
+    # floats: Extract's fast path (<= 15 digits, power of ten <= 22) and beyond it
+    (b'{"total_time":0.1,"x":[1.5e22,1e23,1.0000000000000002,4.35]}', True),
+    (b'{"total_time":123456789012345.6}', True),                 # 16 digits: the parser
+    (b'{"total_time":999999999999999e22}', True),
+    (b'{"total_time":9007199254740993.0}', True),
+    (b'{"total_time":0.000000000000000000001}', True),           # 1e-21 in 22 digits
+    (b'{"total_time":5e-324}', True),
+    (b'{"total_time":-0.0e+00}', True),
+    (b'{"total_time":1.5E+3}', True),
+    (b'{"total_time":72.123e-1}', True),
+    (b'{"total_time":1e-22}', True),
+    (b'{"total_time":3.14159265358979}', True),
+    (b'{"total_time":1e0000000000000000000001}', True),
 ]
 
 
@@ -229,6 +242,82 @@ def test_jvm_and_sql_engines_equal_python_engine(spark, tmp_path):
         assert stats.summary_of_merged(merged, undecided=True) == {
             **{k: v for k, v in py_s.items() if k != "engine"}, "undecided": 0,
             "counts": {k: v for k, v in py_s["counts"].items() if k != "loss"}}
+    finally:
+        for a in aggs:
+            a.unpersist()
+
+
+#: UTF-8 in and around the JSON of logs bodies: Extract checks the strings' UTF-8 as it
+#: walks them and the jvm engine checks a body whole only when the walk refuses it
+UTF8_BODIES = [
+    '{"action":"Bestellung#\u00e4","exceptions":["Fehler::\u20ac","\U0001f600"],"\u00fc\U0010ffff":"\uffff"}'.encode(),
+    '{"action":"A#\u0800\ud7ff\ue000","x":{"\u07ff":["\U00010000"]},"total_time":3.5}'.encode(),
+    b'{"action":"A#\x80"}',
+] + [b'{"action":"A#b","total_time":1.25,"lines":[[1,"x%sy"]]}' % bad for bad in (
+    b"\x80", b"\xc0\x80", b"\xc1\xbf", b"\xe0\x80\x80", b"\xed\xa0\x80",
+    b"\xf0\x80\x80\x80", b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff",
+    b"\xe2\x82", b"\xf0\x9f\x98", b"\xc3")] + [
+    b'{"action":"A#\xe2\x82',                      # ends inside a sequence (and the JSON)
+    b'{"action":"A#b"}\xff',                        # after the object
+    b'\xff{"action":"A#b"}',
+    b'{"action":"A#b",\x80"code":200}',             # between members
+    b'{"action":"A#b","code":2\xc3\xa4}',           # valid UTF-8 in a number: bad_json
+    b'{"total_time":NaN,"x":"\xff"}',                # would be undecided: utf8 first
+    b'{"act\\u0069on":"\xc3\x28"}',
+    b'{"action":"\xff"',                            # bad UTF-8 and bad JSON
+    b'\xef\xbb\xbf{"action":"\xff"}',                # BOM, then bad UTF-8
+    b'[1,"\xe2\x82\xac"]',                         # valid, not an object: bad_json
+]
+
+
+def _mutated_utf8_bodies(n: int, seed: int = 5) -> list[bytes]:
+    """Logs bodies with bytes over 0x7F put in (valid sequences, stray and truncated
+    ones, overlongs, surrogates) anywhere but the first byte: no escapes and no started_at
+    (another ISO form would be undecided), so nothing becomes undecided."""
+    import random
+    rng = random.Random(seed)
+    base = [b'{"action":"Orders#show","started_ms":1700006270123,"total_time":12.5,'
+            b'"code":200,"severity":1,"request_info":{"url":"/o/1","headers":{"Accept":'
+            b'"text/html"}},"lines":[[1,1700000000000,"Started GET /o/1"]]}',
+            '{"action":"Käse#zeigen","total_time":0.75,"exceptions":["Fehler::Ä"],'
+            '"code":500}'.encode(),
+            b'{"action":"Api#ping","total_time":3,"exceptions":["Timeout::Error","E"]}']
+    pieces = [b"\xc3\xa4", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80", b"\xf4\x8f\xbf\xbf",
+              b"\xc3", b"\xe2\x82", b"\xf0\x9f\x98", b"\xed\xa0\x80", b"\xc0\xaf",
+              b"\xe0\x9f\xbf", b"\xf4\x90\x80\x80", b"\xbf", b"\x80\x80"]
+    out = []
+    for _ in range(n):
+        b = bytearray(rng.choice(base))
+        for _k in range(rng.randint(1, 3)):
+            i = rng.randrange(1, len(b))
+            piece = rng.choice(pieces) if rng.random() < 0.8 else bytes([rng.randrange(0x80, 0x100)])
+            if rng.random() < 0.5:
+                b[i:i] = piece
+            else:
+                b[i:i + len(piece)] = piece
+        out.append(bytes(b))
+    return out
+
+
+def test_jvm_engine_utf8_equals_python_engine(spark, tmp_path):
+    # a body that is not valid UTF-8 is a bad record (error utf8), one that is but is not
+    # valid JSON is bad_json, exactly as in the python engine (the reference), wherever
+    # the bytes are: in strings, keys, numbers, between members, after the object
+    extra = sample.make_messages(400, seed=12, malformed=True, gaps=True,
+                                 base_ms=CREATED - 3 * 60_000)
+    bodies = UTF8_BODIES + _mutated_utf8_bodies(1500)
+    archive = _archive(tmp_path, bodies, extra=extra, segment_bytes=128 << 10)
+    py_t, py_s, py_agg = stats.compute_tables(spark, archive, 300.0, "python")
+    aggs = [py_agg]
+    try:
+        assert py_s["engine"] == "python"
+        t, s, agg = stats.compute_tables(spark, archive, 300.0, "jvm")
+        aggs.append(agg)
+        assert s == {**py_s, "engine": "jvm"}
+        assert_same_tables(t, py_t)
+        # the bodies cover all three outcomes (bad UTF-8, bad JSON, good requests)
+        assert py_s["bad_records"] > 300 and py_s["bad_json"] > 50, py_s
+        assert py_s["counts"]["request_stats"] > 3
     finally:
         for a in aggs:
             a.unpersist()

@@ -39,7 +39,10 @@ final class Bodies {
         Inflater z = inflater;
         z.reset();
         z.setInput(buf, off, n);
-        long want = Math.min((long) n * 4 + 256, Constants.MAX_DECOMPRESSED);
+        // the whole buffer at once (at least 64 KiB, kept between bodies): one inflate call
+        // for nearly every body, where a window of 4n + 256 bytes needed a second call and
+        // a copy for bodies that compress better than 4:1
+        long want = Math.min(Math.max((long) n * 4 + 256, out.length), Constants.MAX_DECOMPRESSED);
         room((int) want);
         int have = 0;
         try {

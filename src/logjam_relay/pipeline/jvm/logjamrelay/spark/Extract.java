@@ -9,6 +9,12 @@ package logjamrelay.spark;
  * _extract.c: escapes in a key or in a string it returns, started_at in another ISO form,
  * integers beyond 64 bits, NaN/Infinity, very deep nesting, a BOM or NULs in the first
  * bytes): the caller hands such rows to the Python definitions.  One instance per reader.
+ *
+ * <p>The walk also checks the UTF-8 of every string (the only place where JSON allows bytes
+ * over 0x7F), with the rules of {@link Bodies#utf8}: a body {@link #run} accepts (flags
+ * without {@link #F_BAD} and {@link #F_UNDECIDED}) is valid UTF-8, so the caller need not
+ * check it first; only for a bad or undecided body must it check (an invalid one is a
+ * "utf8" error, not bad_json).
  */
 final class Extract {
     static final int F_STARTED = 1, F_TT = 2, F_CODE = 4, F_SEV = 8, F_ACTION = 16, F_EXC = 32,
@@ -74,7 +80,9 @@ final class Extract {
             while (q + 8 <= end) {
                 long x = w.getLong(q);
                 long t1 = x ^ QUOTES, t2 = x ^ BACKSLASHES;
-                long m = (((t1 - ONES) & ~t1) | ((t2 - ONES) & ~t2) | ((x - SPACES) & ~x)) & HIGH;
+                // (| x: bytes over 0x7F too, checked as UTF-8 below)
+                long m = (((t1 - ONES) & ~t1) | ((t2 - ONES) & ~t2) | ((x - SPACES) & ~x) | x)
+                    & HIGH;
                 if (m != 0) {
                     q += Long.numberOfTrailingZeros(m) >>> 3;
                     break;
@@ -90,6 +98,12 @@ final class Extract {
                 vEsc = esc;
                 p = q + 1;
                 return true;
+            }
+            if (c >= 0x80) {                     // a UTF-8 sequence (Bodies.utf8's rules)
+                int k = utf8At(q);
+                if (k == 0) return false;
+                q += k;
+                continue;
             }
             if (c < 0x20) return false;
             if (c == '\\') {
@@ -112,6 +126,34 @@ final class Extract {
             q++;
         }
         return false;
+    }
+
+    /** the length of the valid UTF-8 sequence at b[q] (a byte over 0x7F), 0 when invalid
+     *  (strict: as Bodies.utf8, Python's bytes.decode) */
+    private int utf8At(int q) {
+        int c = b[q] & 0xFF;
+        if (c >= 0xC2 && c <= 0xDF) {
+            if (q + 1 >= end || (b[q + 1] & 0xC0) != 0x80) return 0;
+            return 2;
+        }
+        if (c >= 0xE0 && c <= 0xEF) {
+            if (q + 2 >= end) return 0;
+            int c1 = b[q + 1] & 0xFF;
+            if ((c1 & 0xC0) != 0x80 || (b[q + 2] & 0xC0) != 0x80) return 0;
+            if (c == 0xE0 && c1 < 0xA0) return 0;               // overlong
+            if (c == 0xED && c1 > 0x9F) return 0;               // surrogates
+            return 3;
+        }
+        if (c >= 0xF0 && c <= 0xF4) {
+            if (q + 3 >= end) return 0;
+            int c1 = b[q + 1] & 0xFF;
+            if ((c1 & 0xC0) != 0x80 || (b[q + 2] & 0xC0) != 0x80 || (b[q + 3] & 0xC0) != 0x80)
+                return 0;
+            if (c == 0xF0 && c1 < 0x90) return 0;               // overlong
+            if (c == 0xF4 && c1 > 0x8F) return 0;               // > U+10FFFF
+            return 4;
+        }
+        return 0;
     }
 
     private boolean num() {
@@ -176,8 +218,43 @@ final class Extract {
     /** the float of the number at b[off, off+len) (Java's parser rounds correctly, as
      *  Python's float() does) */
     private double floatValue(int off, int len) {
+        // Clinger's fast path: up to 15 digits (exact in a double) times or over an exact
+        // power of ten (<= 1e22) is one correctly rounded operation, the same double
+        int q = off, e = off + len;
+        boolean neg = b[q] == '-';
+        if (neg) q++;
+        long m = 0;
+        int digits = 0, scale = 0;
+        for (; q < e && b[q] >= '0' && b[q] <= '9'; q++, digits++) m = m * 10 + (b[q] - '0');
+        if (q < e && b[q] == '.') {
+            for (q++; q < e && b[q] >= '0' && b[q] <= '9'; q++, digits++, scale--)
+                m = m * 10 + (b[q] - '0');
+        }
+        if (digits <= 15) {
+            int x = 0;
+            boolean ok = true;
+            if (q < e) {                         // the exponent (num() checked its form)
+                q++;
+                boolean xneg = b[q] == '-';
+                if (b[q] == '-' || b[q] == '+') q++;
+                for (; q < e; q++) {
+                    x = x * 10 + (b[q] - '0');
+                    if (x > 400) { ok = false; break; }
+                }
+                if (xneg) x = -x;
+            }
+            int p10 = scale + x;
+            if (ok && p10 >= -22 && p10 <= 22) {
+                double d = (double) m;
+                d = p10 < 0 ? d / POW10[-p10] : d * POW10[p10];
+                return neg ? -d : d;
+            }
+        }
         return Double.parseDouble(new String(b, off, len, java.nio.charset.StandardCharsets.US_ASCII));
     }
+
+    private static final double[] POW10 = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9,
+        1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 
     private boolean lit(String w) {
         int n = w.length();

@@ -449,12 +449,19 @@ final class SegmentDecoder {
             agg.badBody(pr, created);
             return;
         }
-        if (!Bodies.utf8(src, off, len)) {
+        if (pr.logs) {
+            // Extract checks the UTF-8 of the strings it walks: a body it accepts is valid
+            // UTF-8; a bad or undecided one is checked whole (invalid: error utf8 as before)
+            int f = extract.run(src, off, len);
+            if ((f & (Extract.F_BAD | Extract.F_UNDECIDED)) != 0 && !Bodies.utf8(src, off, len))
+                agg.badBody(pr, created);
+            else
+                agg.request(pr, created, f, extract, src);
+        } else if (!Bodies.utf8(src, off, len)) {
             agg.badBody(pr, created);
-            return;
+        } else {
+            agg.other(pr, created);
         }
-        if (pr.logs) agg.request(pr, created, extract.run(src, off, len), extract, src);
-        else agg.other(pr, created);
     }
 
     private Pair pair(byte[] b, int p, int la, int lt) {
