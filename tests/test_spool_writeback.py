@@ -6,6 +6,7 @@ a closed descriptor: no exception), and the records read back are those appended
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -23,6 +24,13 @@ class RecordingFS(spool_fs.Filesystem):
         super().start_writeback(fd, offset, size)
 
 
+def wait_idle(wb, timeout: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while wb.pending:
+        assert time.monotonic() - t0 < timeout, "the writeback thread is stuck"
+        time.sleep(0.001)
+
+
 def records(n: int, size: int) -> list[list[bytes]]:
     meta = bytes.fromhex("cabd0001") + bytes(20)
     return [[b"app-env", b"logs.app", (b"%08d" % i) * (size // 8), meta] for i in range(n)]
@@ -35,28 +43,30 @@ def test_interval_hands_appends_to_writeback_in_contiguous_ranges(tmp_path, fsyn
     try:
         for _ in range(120):                      # 120 x 100 x ~1 KiB: 3 segments of 4 MiB
             sp.append_batch(records(100, 1000))
-        if fsync != "interval":
-            assert rfs.calls == []
-            return
-        assert len(rfs.calls) >= 4
-        runs: list[list[tuple[int, int]]] = []      # one per segment: from offset 0
-        for _fd, off, size in rfs.calls:
-            assert size >= spool_writer.WRITEBACK_BYTES
-            if off == 0:
-                runs.append([])
-            runs[-1].append((off, size))
-        assert len(runs) >= 3                     # each new segment starts over at 0
-        for ranges in runs:
-            for (o1, s1), (o2, _) in zip(ranges, ranges[1:], strict=False):
-                assert o2 == o1 + s1               # contiguous, nothing skipped
-            assert ranges[-1][0] + ranges[-1][1] <= 4 << 20
+            wait_idle(sp.writer.writeback)        # a thread behind skips ranges: not here
         rd = sp.reader("a")
         got = []
         while batch := rd.read(10_000):
             got += batch
         assert len(got) == 12_000
     finally:
-        sp.close()
+        sp.close()                                # the writeback thread ends first
+    if fsync != "interval":
+        assert rfs.calls == []
+        return
+    wb = sp.writer.writeback
+    assert wb.skipped == 0 and wb.started == len(rfs.calls) >= 4
+    runs: list[list[tuple[int, int]]] = []      # one per segment: from offset 0
+    for _fd, off, size in rfs.calls:
+        assert size >= spool_writer.WRITEBACK_BYTES
+        if off == 0:
+            runs.append([])
+        runs[-1].append((off, size))
+    assert len(runs) >= 3                     # each new segment starts over at 0
+    for ranges in runs:
+        for (o1, s1), (o2, _) in zip(ranges, ranges[1:], strict=False):
+            assert o2 == o1 + s1               # contiguous, nothing skipped
+        assert ranges[-1][0] + ranges[-1][1] <= 4 << 20
 
 
 def test_the_real_call_is_advisory(tmp_path):
@@ -70,3 +80,29 @@ def test_the_real_call_is_advisory(tmp_path):
         os.close(fd)
     spool_fs.OS.start_writeback(fd, 0, 10)                  # closed: EBADF, ignored
     assert p.read_bytes() == b"x" * 100_000
+
+
+def test_a_stuck_writeback_skips_ranges_and_leaks_no_descriptor(tmp_path):
+    """The kernel's writeback call blocked (a congested disk): the appends go on, at most
+    WRITEBACK_PENDING ranges wait (each holding a duplicate descriptor), the rest are
+    skipped and counted; every duplicate is closed once the thread ends."""
+    import threading
+    release = threading.Event()
+
+    class StuckFS(RecordingFS):
+        def start_writeback(self, fd, offset, size):
+            release.wait(10)
+            super().start_writeback(fd, offset, size)
+    fds0 = len(os.listdir("/proc/self/fd"))
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="interval", segment_bytes=64 << 20,
+               fs=StuckFS())
+    try:
+        for _ in range(200):                      # ~20 MiB: 20 ranges
+            sp.append_batch(records(100, 1000))
+        wb = sp.writer.writeback
+        assert wb.pending <= spool_writer.WRITEBACK_PENDING and wb.skipped >= 10
+    finally:
+        release.set()
+        sp.close()
+    assert wb.started + wb.skipped >= 19
+    assert len(os.listdir("/proc/self/fd")) <= fds0
