@@ -47,6 +47,8 @@ import sys
 import tempfile
 import time
 
+import proctree
+
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 PLAIN_SCHEMA = ("app string, env string, topic string, device long, sequence long, "
@@ -188,24 +190,9 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def _tree_cpu(root: int, seen: dict) -> None:
     """CPU seconds (user + system) of every process under ``root``, into ``seen`` by pid."""
-    kids: dict[int, list[int]] = {}
-    cpu = {}
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as fh:
-                st = fh.read()
-        except OSError:
-            continue
-        f = st[st.rindex(")") + 2:].split()
-        kids.setdefault(int(f[1]), []).append(int(p))
-        cpu[int(p)] = (int(f[11]) + int(f[12])) / _TICK
-    stack = [root]
-    while stack:
-        for c in kids.get(stack.pop(), []):
-            seen[c] = cpu[c]
-            stack.append(c)
+    kids, cpu = proctree.scan()
+    for c in proctree.descendants(root, kids):
+        seen[c] = cpu[c]
 
 
 def _pid_cpu(pid: int) -> float | None:

@@ -18,25 +18,14 @@ import sys
 import tempfile
 import time
 
+import proctree
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def snapshot(root: int, seen: dict) -> None:
-    kids: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as fh:
-                st = fh.read()
-        except OSError:
-            continue
-        kids.setdefault(int(st[st.rindex(")") + 2:].split()[1]), []).append(int(p))
-    procs, stack = [root], [root]
-    while stack:
-        for c in kids.get(stack.pop(), []):
-            procs.append(c)
-            stack.append(c)
+    kids, _ = proctree.scan()
+    procs = [root, *proctree.descendants(root, kids)]
     for pid in procs:
         try:
             with open(f"/proc/{pid}/comm") as fh:

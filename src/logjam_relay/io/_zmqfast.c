@@ -963,6 +963,20 @@ static int pump_send(zmq_msg_t *msg, void *xpub, int flags) {
     return rc;
 }
 
+/* one frame with PUB semantics: a record whose first frame meets a subscriber at its HWM
+ * (XPUB_NODROP: EAGAIN) is sent lossy (*lossy set; the caller turns NODROP back on after
+ * the record's last frame) */
+static int pump_send_pub(zmq_msg_t *msg, void *xpub, int flags, int first, int *lossy) {
+    int rc = pump_send(msg, xpub, flags);
+    if (rc < 0 && first && p_errno() == EAGAIN) {
+        int off = 0;
+        *lossy = 1;
+        p_setsockopt(xpub, ZMQ_XPUB_NODROP, &off, sizeof off);
+        rc = pump_send(msg, xpub, flags);
+    }
+    return rc;
+}
+
 /* 1: forwarded (*dropped set when sent lossy), 0: nothing queued, 2: the stop sentinel,
  * -1: error (*err) */
 static int pump_one(void *src, void *xpub, zmq_msg_t *msg, int *dropped, int *err) {
@@ -979,13 +993,7 @@ static int pump_one(void *src, void *xpub, zmq_msg_t *msg, int *dropped, int *er
         int more = p_msg_more(msg);
         if (first && !more && p_msg_size(msg) == 0) return 2;
         int flags = more ? ZMQ_SNDMORE : 0;
-        rc = pump_send(msg, xpub, flags);
-        if (rc < 0 && first && p_errno() == EAGAIN) {
-            int off = 0;
-            lossy = 1;
-            p_setsockopt(xpub, ZMQ_XPUB_NODROP, &off, sizeof off);
-            rc = pump_send(msg, xpub, flags);
-        }
+        rc = pump_send_pub(msg, xpub, flags, first, &lossy);
         if (rc < 0) {
             *err = p_errno();
             /* the rest of this record stays out of the next one: drop it from src */
@@ -1007,6 +1015,30 @@ static int pump_one(void *src, void *xpub, zmq_msg_t *msg, int *dropped, int *er
         p_setsockopt(xpub, ZMQ_XPUB_NODROP, &on, sizeof on);
     }
     return -1;   /* a send failed (the XPUB closed or the context ended): the caller stops */
+}
+
+/* items[1] = xpub, items[2..] = the sockets of `watch` (items[0], the source, is the
+ * caller's): the number of items, or -1 with a Python error set */
+static int pump_items(zmq_pollitem_t *items, void *xpub, PyObject *watch) {
+    items[1].socket = xpub;
+    int n = 2;
+    PyObject *seq = PySequence_Fast(watch, "watch must be a sequence of handles");
+    if (!seq) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) > PUMP_MAX_WATCH) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many sockets to watch");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        void *h = handle_of(PySequence_Fast_GET_ITEM(seq, i));
+        if (!h) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        items[n++].socket = h;
+    }
+    Py_DECREF(seq);
+    return n;
 }
 
 static long elapsed_ms(const struct timespec *t0) {
@@ -1031,24 +1063,8 @@ static PyObject *fast_pump(PyObject *self, PyObject *args) {
     zmq_pollitem_t items[2 + PUMP_MAX_WATCH];
     memset(items, 0, sizeof items);
     items[0].socket = src;
-    items[1].socket = xpub;
-    int n = 2;
-    PyObject *seq = PySequence_Fast(watch, "watch must be a sequence of handles");
-    if (!seq) return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) > PUMP_MAX_WATCH) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "too many sockets to watch");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        void *h = handle_of(PySequence_Fast_GET_ITEM(seq, i));
-        if (!h) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        items[n++].socket = h;
-    }
-    Py_DECREF(seq);
+    int n = pump_items(items, xpub, watch);
+    if (n < 0) return NULL;
     long forwarded = 0, dropped = 0;
     int flags = 0, err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -1142,13 +1158,7 @@ static int ring_forward(ring_t *r, void *xpub, int *dropped, int *err) {
     for (;;) {
         zmq_msg_t *m = ring_next(r, &more);
         int flags = more ? ZMQ_SNDMORE : 0;
-        rc = pump_send(m, xpub, flags);
-        if (rc < 0 && first && p_errno() == EAGAIN) {
-            int off = 0;
-            lossy = 1;
-            p_setsockopt(xpub, ZMQ_XPUB_NODROP, &off, sizeof off);
-            rc = pump_send(m, xpub, flags);
-        }
+        rc = pump_send_pub(m, xpub, flags, first, &lossy);
         if (rc < 0) {
             *err = p_errno();
             p_msg_close(m);
@@ -1185,24 +1195,8 @@ static PyObject *fast_ring_pump(PyObject *self, PyObject *args) {
     memset(items, 0, sizeof items);
     items[0].socket = NULL;
     items[0].fd = r->efd;
-    items[1].socket = xpub;
-    int n = 2;
-    PyObject *seq = PySequence_Fast(watch, "watch must be a sequence of handles");
-    if (!seq) return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) > PUMP_MAX_WATCH) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "too many sockets to watch");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        void *h = handle_of(PySequence_Fast_GET_ITEM(seq, i));
-        if (!h) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        items[n++].socket = h;
-    }
-    Py_DECREF(seq);
+    int n = pump_items(items, xpub, watch);
+    if (n < 0) return NULL;
     long forwarded = 0, dropped = 0;
     int flags = 0, err = 0;
     Py_BEGIN_ALLOW_THREADS
