@@ -84,8 +84,8 @@ def test_the_real_call_is_advisory(tmp_path):
 
 def test_a_stuck_writeback_skips_ranges_and_leaks_no_descriptor(tmp_path):
     """The kernel's writeback call blocked (a congested disk): the appends go on, at most
-    WRITEBACK_PENDING ranges wait (each holding a duplicate descriptor), the rest are
-    skipped and counted; every duplicate is closed once the thread ends."""
+    WRITEBACK_PENDING ranges wait, the rest are skipped and counted, and no descriptor is
+    taken for them (a relay at its fd limit needs every one)."""
     import threading
     release = threading.Event()
 

@@ -61,7 +61,7 @@ SPARE_FILE = "next-segment.tmp"
 #: (2026-11-26, 200k msg/s of 300 B: the interval fdatasync 4-31 ms -> 1-1.5 ms, the
 #: relay's one-way p99.9 7.1 -> 3.4-3.8 ms, bench_latency.py)
 WRITEBACK_BYTES = 1 << 20
-#: ranges handed over and not yet started: more are skipped (advisory; each holds a dup)
+#: ranges handed over and not yet started: more are skipped (advisory)
 WRITEBACK_PENDING = 4
 
 
@@ -69,8 +69,11 @@ class Writeback:
     """The thread that starts the kernel's writeback of appended ranges
     (:meth:`Filesystem.start_writeback`): the call does the block layer's and the file
     system's allocation work in the caller, which is not to be the event loop (on the
-    loop it cost the durable ingest ~0.15 us of CPU per message).  Each range is handed
-    over with a duplicate of the segment's descriptor, closed by the thread; at most
+    loop it cost the durable ingest ~0.15 us of CPU per message).  A range is handed over
+    with the segment's descriptor number, not a duplicate: a duplicate would take a
+    descriptor (or the fd reserve's last ones) from a relay at its limit.  Should the
+    segment be closed before the thread gets to it, the call fails or starts the writeback
+    of whatever file now has that number: harmless, it writes nothing of its own.  At most
     ``WRITEBACK_PENDING`` wait, more are skipped (the hint is advisory)."""
 
     def __init__(self, fs: Filesystem):
@@ -90,13 +93,8 @@ class Writeback:
         if self._stop or len(self._q) >= WRITEBACK_PENDING:
             self.skipped += 1
             return
-        try:
-            dup = self._fs.dup(fd)
-        except OSError:
-            self.skipped += 1
-            return
         with self._cv:
-            self._q.append((dup, offset, size))
+            self._q.append((fd, offset, size))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="spool-writeback",
                                                 daemon=True)
@@ -110,17 +108,12 @@ class Writeback:
                     self._cv.wait()
                 if not self._q:
                     return
-                dup, offset, size = self._q.popleft()
+                fd, offset, size = self._q.popleft()
             try:
-                self._fs.start_writeback(dup, offset, size)
+                self._fs.start_writeback(fd, offset, size)
                 self.started += 1
             except OSError:
                 self.skipped += 1
-            finally:
-                try:
-                    self._fs.close(dup)
-                except OSError:
-                    pass
 
     def close(self, timeout: float = 5.0) -> None:
         """Start what is queued, then end the thread."""
