@@ -57,6 +57,9 @@ IDLE_MS = 250
 WATCH_SECONDS = 0.02
 #: notifications the loop's PAIR may hold (a churn flood beyond is counted, not kept)
 NOTES_HWM = 10_000
+#: the loop's view is rebuilt after dropped notifications at most this often (s): during a
+#: churn flood drops go on, and each rebuild hands the loop a burst of notifications
+RESYNC_SECONDS = 1.0
 
 
 #: ThreadedPubs whose thread did not stop (close): their sockets must never be closed
@@ -187,6 +190,7 @@ class ThreadedPub:
         self.notes_dropped = 0       # notifications the loop's PAIR could not take
         self.notes_resyncs = 0       # times the loop's view was rebuilt after such drops
         self._resync = False         # a notification was dropped: rebuild the loop's view
+        self.resynced_at = float("-inf")   # when it was last rebuilt (monotonic)
         self._view: set[bytes] = set()   # topics as the loop's notifications say
         self._plain_lock = threading.Lock()   # the plain XPUB's topic set (no guard)
         self.thread_errors = 0
@@ -267,8 +271,9 @@ class ThreadedPub:
             try:
                 m = recv(NOBLOCK)
             except zmq.Again:
-                if self._resync:
+                if self._resync and time.monotonic() - self.resynced_at >= RESYNC_SECONDS:
                     self._resync = False          # before the snapshot: a later drop sets it
+                    self.resynced_at = time.monotonic()
                     out += self._rebuild_view()
                 break
             out.append(m)
