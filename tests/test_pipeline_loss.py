@@ -172,3 +172,92 @@ def test_add_ordered_equals_update(devices):
         a.add_ordered(dev, seq, minute)
         b.update(dev, seq, np.full(n, part), np.arange(n), minute, track=False)
     assert state_rows(a) == state_rows(b) and state_rows(a)
+
+
+def _expand(lo, cnt):
+    return np.concatenate([np.arange(a, a + c, dtype=np.int64) for a, c in zip(lo, cnt, strict=True)]) \
+        if len(lo) else np.empty(0, dtype=np.int64)
+
+
+def _device_state(d):
+    return (d.lo.tolist(), d.hi.tolist(), d.hm.tolist(), sorted(d.rows.items()))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_update_runs_equals_update_of_the_expanded_records(seed):
+    """DeviceLoss.update_runs (the jvm engine's runs: per device, consecutive numbers in
+    one minute) leaves the state update leaves given the records the runs stand for: in
+    the fast path (every number above all seen before, gaps between runs and runs that
+    join) and in the expanded one (duplicates, numbers below the highest, overlaps with
+    earlier batches)."""
+    from logjam_relay.pipeline.loss import DeviceLoss
+    rng = np.random.default_rng(seed)
+    a, b = DeviceLoss(), DeviceLoss()
+    top = 0
+    fast = slow = 0
+    for batch in range(12):
+        k = int(rng.integers(0, 40))
+        lo, cnt, mn = [], [], []
+        minute = batch * 60000
+        disorder = rng.random() < 0.4
+        for _ in range(k):
+            c = int(rng.integers(1, 9))
+            if disorder and rng.random() < 0.3:
+                start = int(rng.integers(max(1, top - 50), top + 5))    # repeats, late
+            else:
+                start = top + int(rng.choice([1, 1, 1, 2, 4]))              # rising, gaps
+            lo.append(start)
+            cnt.append(c)
+            top = max(top, start + c - 1)
+            if rng.random() < 0.3:
+                minute += 60000
+            mn.append(minute)
+        lo, cnt, mn = (np.array(x, dtype=np.int64) for x in (lo, cnt, mn))
+        hi = lo + cnt - 1
+        rising = len(lo) == 0 or (bool((lo[1:] > hi[:-1]).all())
+                                  and (not len(a.lo) or lo[0] > a.hi[-1]))
+        fast += rising and len(lo) > 0
+        slow += not rising
+        a.update_runs(lo, cnt, mn)
+        b.update(_expand(lo, cnt), np.repeat(mn, cnt), False)
+        assert _device_state(a) == _device_state(b), batch
+    assert fast and slow            # both paths were taken
+    assert any(r[1] for r in a.rows.values()) and any(r[2] for r in a.rows.values())
+
+
+def _entry(segno, start, stop, ended, over, devs):
+    body = [segno, start, stop, int(ended), int(over), 0, len(devs)]
+    for dev, runs in devs:
+        body += [dev, len(runs)] + [x for r in runs for x in r]
+    return body
+
+
+def _blob(entries):
+    out = [len(entries)]
+    for e in entries:
+        out += [len(e)] + e
+    return np.array(out, dtype="<i8").tobytes()
+
+
+def test_parse_runs_and_what_covers_a_segment():
+    from logjam_relay.pipeline.loss import covered, parse_runs
+    blob = _blob([
+        _entry(3, 0, -1, True, False, [(1, [(10, 5, 60000)]), (2, [(1, 2, 0), (7, 1, 0)])]),
+        _entry(4, 100, 200, True, False, [(1, [(300, 1, 0)])]),
+        _entry(4, 0, 100, False, False, [(1, [(200, 100, 0)]), (9, [(5, 5, 0)])]),
+        _entry(5, 0, 100, False, False, []),                 # stopped at its end: no last
+        _entry(6, 0, -1, True, True, []),                    # overflow
+        _entry(7, 0, 50, False, False, []), _entry(7, 60, -1, True, False, [])])   # hole
+    by = parse_runs(blob)
+    assert sorted(by) == [3, 4, 5, 6, 7]
+    d3 = covered(by[3])
+    assert [(d, lo.tolist(), c.tolist(), m.tolist()) for d, lo, c, m in d3] == [
+        (1, [10], [5], [60000]), (2, [1, 7], [2, 1], [0, 0])]
+    d4 = {d: (lo.tolist(), c.tolist()) for d, lo, c, _m in covered(by[4])}
+    assert d4 == {1: ([200, 300], [100, 1]), 9: ([5], [5])}     # slices in record order
+    assert covered(by[5]) is None and covered(by[6]) is None and covered(by[7]) is None
+    assert covered(()) is None and parse_runs(b"") == {}
+    for bad in (blob[:-8], blob + b"\0" * 8, _blob([[1, 2, 3]]),
+                _blob([_entry(1, 0, -1, True, False, [(1, [(1, 1, 0)])])[:-1]])):
+        with pytest.raises(ValueError):
+            parse_runs(bad)

@@ -355,3 +355,91 @@ def test_engine_choice(spark, tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=f"engine {asked}: .*too big"):
             stats.compute_tables(spark, archive, engine=asked)
     assert os.path.isdir(archive)
+
+
+def _loss_rows(state_or_df):
+    if hasattr(state_or_df, "devices"):
+        rows = state_or_df.table().to_pylist()
+        return {(r["device"], r["minute_ms"]): tuple(r[c] for c in LOSS_COLS) for r in rows}
+    return {(r["device"], r["minute_ms"]): tuple(r[c] for c in LOSS_COLS)
+            for r in state_or_df.withColumn(
+                "minute_ms", (state_or_df["minute"].cast("long") * 1000)).collect()}
+
+
+LOSS_COLS = ("received", "missing", "duplicates", "out_of_order", "first_sequence",
+             "last_sequence")
+
+
+def test_jvm_engine_loss_from_the_scans_runs(spark, tmp_path, caplog):
+    """The jvm engine's loss table comes from the runs its scan gathered (LossRuns.java),
+    without a second read of the archive, and equals the loss walk's over damaged
+    segments (torn, a flipped bit, a bad header), duplicates, numbers out of order and
+    five devices; a segment whose records make too many runs, and slices that stop short
+    of a segment's end, are read again by the walk, with the same result."""
+    import logging
+
+    from logjam_relay.pipeline import decode as ds
+    from logjam_relay.pipeline.loss import LossState
+    msgs = sample.make_messages(6000, seed=21, devices=(1, 2, 3, 4, 5),
+                                base_ms=CREATED - 2 * 60_000)
+    msgs += [msgs[i] for i in range(4000, 4300, 7)]                  # late duplicates
+    late = set(range(2000, 2100, 5))                                 # out of order
+    msgs = [m for i, m in enumerate(msgs) if i not in late] + [msgs[i] for i in sorted(late)]
+    arch = tmp_path / "a"
+    sample.write_archive(tmp_path / "spool", arch, msgs, segment_bytes=64 << 10)
+    segs = ds.list_segments(str(arch))
+    assert len(segs) >= 8
+    data = open(segs[1][1], "rb").read()
+    open(segs[1][1], "wb").write(data[:len(data) // 2])             # torn
+    b = bytearray(open(segs[3][1], "rb").read())
+    b[len(b) // 3] ^= 4                                             # a flipped bit
+    open(segs[3][1], "wb").write(b)
+    b = bytearray(open(segs[5][1], "rb").read())
+    b[2] ^= 1                                                       # the segment header
+    open(segs[5][1], "wb").write(b)
+    walk = LossState()
+    walk.add_archive(str(arch))
+    want = _loss_rows(walk)
+    assert any(v[2] for v in want.values()) and any(v[3] for v in want.values())
+    assert any(v[1] for v in want.values())
+
+    caplog.set_level(logging.INFO, logger="logjam_relay.pipeline.stats")
+    t, s, agg = stats.compute_tables(spark, str(arch), 300.0, "jvm")
+    try:
+        assert s["engine"] == "jvm"
+        assert _loss_rows(t["loss"]) == want
+    finally:
+        agg.unpersist()
+    assert f"loss table: {len(segs)} segments from the scan's runs, 0 read again" \
+        in caplog.text
+
+    # slices (recordsPerPartition): the last slice of a segment stops at its record
+    # count, short of the seal, so those segments are read again; the rest join up
+    key = "test-slices"
+    sliced = spark.read.format("logjam").schema(PARTIAL_DDL) \
+        .option("aggregate", "requests").option("lossKey", key) \
+        .option("recordsPerPartition", "53").load(str(arch))
+    assert sliced.rdd.getNumPartitions() > len(segs)
+    sliced.write.format("noop").mode("overwrite").save()
+    st = LossState()
+    got = st.add_archive_runs(str(arch), stats._take_loss_runs(spark, key))
+    assert _loss_rows(st) == want
+    assert got["segments"] + got["walked"] == len(segs) and got["walked"] >= 1
+    assert stats._take_loss_runs(spark, key) == b"\0" * 8        # taken: gone
+
+    # every record a gap: more runs than a quarter of the records -> read again
+    many = [sample.Msg(b"shop-production", b"topic", b"{}", 0, b"{}", 7,
+                       CREATED + i, 3 * i + 1) for i in range(20_000)]
+    arch2 = tmp_path / "b"
+    sample.write_archive(tmp_path / "spool2", arch2, many, segment_bytes=8 << 20)
+    assert len(ds.list_segments(str(arch2))) == 1
+    walk2 = LossState()
+    walk2.add_archive(str(arch2))
+    caplog.clear()
+    t, s, agg = stats.compute_tables(spark, str(arch2), 300.0, "jvm")
+    try:
+        assert _loss_rows(t["loss"]) == _loss_rows(walk2)
+        assert _loss_rows(walk2)[(7, CREATED - CREATED % 60000)][1] > 10_000   # missing
+    finally:
+        agg.unpersist()
+    assert "loss table: 0 segments from the scan's runs, 1 read again" in caplog.text

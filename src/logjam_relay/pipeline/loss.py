@@ -127,6 +127,52 @@ class DeviceLoss:
                            if before.get(m) != after.get(m))
         return changed
 
+    def update_runs(self, lo: np.ndarray, count: np.ndarray, minute: np.ndarray) -> None:
+        """As :meth:`update` (``track`` False) of the records that the runs expand to, in
+        arrival order: run ``i`` is the numbers ``lo[i] .. lo[i] + count[i] - 1``, one
+        after the other, all in minute ``minute[i]`` (:class:`LossRuns` of the JVM
+        reader).  The usual case -- every number above all seen before -- costs per run,
+        not per record; anything else (duplicates, numbers out of order) is expanded and
+        goes through :meth:`update`."""
+        if len(lo) == 0:
+            return
+        lo = np.asarray(lo, dtype=np.int64)
+        count = np.asarray(count, dtype=np.int64)
+        minute = np.asarray(minute, dtype=np.int64)
+        hi = lo + (count - 1)
+        rising = bool((lo[1:] > hi[:-1]).all()) and (not len(self.lo) or lo[0] > self.hi[-1])
+        if not rising or bool((count < 1).any()) or bool((hi < lo).any()):
+            total = int(count.sum())
+            starts = np.repeat(np.cumsum(count) - count, count)
+            seq = np.repeat(lo, count) + (np.arange(total, dtype=np.int64) - starts)
+            self.update(seq, np.repeat(minute, count), False)
+            return
+        # no duplicates, nothing out of order: the runs join the seen numbers as they are
+        nlo = np.concatenate([self.lo, lo])
+        nhi = np.concatenate([self.hi, hi])
+        nhm = np.concatenate([self.hm, minute])
+        brk = np.ones(len(nlo), dtype=bool)
+        brk[1:] = nlo[1:] != nhi[:-1] + 1
+        starts = np.flatnonzero(brk)
+        ends = np.append(starts[1:], len(nlo)) - 1
+        self.lo, self.hi, self.hm = nlo[starts], nhi[ends], nhm[ends]
+        mins, inv = np.unique(minute, return_inverse=True)
+        cnt = np.bincount(inv, weights=count).astype(np.int64)
+        fst = np.full(len(mins), np.iinfo(np.int64).max, dtype=np.int64)
+        lst = np.full(len(mins), np.iinfo(np.int64).min, dtype=np.int64)
+        np.minimum.at(fst, inv, lo)
+        np.maximum.at(lst, inv, hi)
+        rows = self.rows
+        for m, c, f, la in zip(mins.tolist(), cnt.tolist(), fst.tolist(), lst.tolist(),
+                               strict=True):
+            r = rows.get(m)
+            if r is None:
+                rows[m] = [c, 0, 0, f, la]
+            else:
+                r[0] += c
+                r[3] = min(r[3], f)
+                r[4] = max(r[4], la)
+
     def table(self, device: int, minutes=None) -> dict[str, list]:
         miss = self.missing()
         out: dict[str, list] = {f.name: [] for f in OUT_SCHEMA}
@@ -143,6 +189,70 @@ class DeviceLoss:
             out["first_sequence"].append(r[3])
             out["last_sequence"].append(r[4])
         return out
+
+
+def parse_runs(blob: bytes) -> dict[int, list[tuple]]:
+    """The entries of ``LossRuns.take`` (little-endian int64s: count, then per entry its
+    length and the entry ``segment, start, stop, ended, overflow, records, devices, then
+    per device: device, runs, (lo, count, minute) per run``) by segment:
+    ``{segment: [(start, stop, ended, overflow, [(device, lo, count, minute), ...])]}``
+    with numpy arrays for lo, count, minute.  A malformed blob raises ValueError."""
+    a = np.frombuffer(blob, dtype="<i8")
+    if len(a) == 0:
+        return {}
+    out: dict[int, list[tuple]] = {}
+    n, k = int(a[0]), 1
+    for _ in range(n):
+        ln = int(a[k])
+        e = a[k + 1:k + 1 + ln]
+        k += 1 + ln
+        if ln < 7 or len(e) != ln:
+            raise ValueError("loss runs: truncated entry")
+        segno, start, stop, ended, over, _records, ndev = (int(x) for x in e[:7])
+        devs = []
+        j = 7
+        for _ in range(ndev):
+            dev, nr = int(e[j]), int(e[j + 1])
+            t = e[j + 2:j + 2 + 3 * nr]
+            if len(t) != 3 * nr:
+                raise ValueError("loss runs: truncated device")
+            t = t.reshape(-1, 3)
+            devs.append((dev, t[:, 0], t[:, 1], t[:, 2]))
+            j += 2 + 3 * nr
+        if j != ln:
+            raise ValueError("loss runs: entry length mismatch")
+        out.setdefault(segno, []).append((start, stop, bool(ended), bool(over), devs))
+    if k != len(a):
+        raise ValueError("loss runs: trailing data")
+    return out
+
+
+def covered(entries) -> list[tuple] | None:
+    """The runs of one segment's entries (:func:`parse_runs`) in arrival order, per device
+    ``(device, lo, count, minute)`` with a device's runs of consecutive slices joined;
+    None unless the slices start at record 0, each starts where the one before stopped,
+    none overflowed and the last one reached the end of the segment."""
+    if not entries:
+        return None
+    entries = sorted(entries, key=lambda e: e[0])
+    at = 0
+    for i, (start, stop, ended, over, _d) in enumerate(entries):
+        if over or start != at:
+            return None
+        if i == len(entries) - 1:
+            if not ended:
+                return None
+        elif ended or stop < 0:
+            return None      # a slice that ended the segment, then more slices: odd
+        at = stop
+    if len(entries) == 1:
+        return entries[0][4]
+    per: dict[int, list] = {}
+    for *_x, devs in entries:
+        for dev, lo, cnt, mn in devs:
+            per.setdefault(dev, []).append((lo, cnt, mn))
+    return [(dev, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+             np.concatenate([p[2] for p in parts])) for dev, parts in per.items()]
 
 
 def arrival_order(segment, record) -> np.ndarray:
@@ -185,6 +295,32 @@ class LossState:
                 continue      # vanished/unreadable: the scan reports it as a row
             self.add_ordered(dev, seq, created - created % 60000)
         return {"records": st.records, "bad_records": st.bad_records}
+
+    def add_archive_runs(self, input_dir: str, blob: bytes) -> dict[str, int]:
+        """Batch mode, as :meth:`add_archive`, from the runs the JVM reader gathered while
+        it aggregated the requests (``blob``: ``LossRuns.take``, see :func:`parse_runs`):
+        the archive is not read again.  A segment the runs do not cover whole (a partition
+        with too many runs, slices that do not join up, a segment the scan did not see) is
+        walked here as :meth:`add_archive` walks it.  Returns ``segments`` (from runs) and
+        ``walked`` (read here)."""
+        from .decode import DecodeStats, list_segments, meta_arrays
+        by_seg = parse_runs(blob)
+        st = DecodeStats()
+        used = walked = 0
+        for segno, path in list_segments(input_dir):
+            devices = covered(by_seg.get(segno, ()))
+            if devices is not None:
+                for dev, lo, cnt, mn in devices:
+                    self.devices.setdefault(dev, DeviceLoss()).update_runs(lo, cnt, mn)
+                used += 1
+                continue
+            walked += 1
+            try:
+                dev, seq, created = meta_arrays(path, st)
+            except OSError:
+                continue      # vanished/unreadable: the scan reports it as a row
+            self.add_ordered(dev, seq, created - created % 60000)
+        return {"segments": used, "walked": walked}
 
     def add_ordered(self, device, sequence, minute_ms) -> None:
         """Records already in arrival order (one segment's, in record order): as

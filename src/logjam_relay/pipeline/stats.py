@@ -384,14 +384,19 @@ def compute_tables_python(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX
                           "python")
 
 
-def jvm_partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+def jvm_partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
+                      loss_key: str | None = None):
     """The JVM reader's partial aggregates (the rows of :mod:`.partial`, plus a K_UNDECIDED
     row counting the logs bodies it leaves to Python's JSON rules): one Spark task per
-    segment, each decoding, extracting and grouping its records on the JVM."""
+    segment, each decoding, extracting and grouping its records on the JVM.  ``loss_key``:
+    the tasks also gather the loss table's runs under that key (``LossRuns.java``; read
+    them with :func:`_take_loss_runs` after the job)."""
     from .partial import PARTIAL_DDL
-    return spark.read.format("logjam").schema(PARTIAL_DDL) \
-        .option("aggregate", "requests").option("apdexMs", repr(float(apdex_ms))) \
-        .load(input_dir)
+    r = spark.read.format("logjam").schema(PARTIAL_DDL) \
+        .option("aggregate", "requests").option("apdexMs", repr(float(apdex_ms)))
+    if loss_key:
+        r = r.option("lossKey", loss_key)
+    return r.load(input_dir)
 
 
 def compute_tables_jvm(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
@@ -400,23 +405,50 @@ def compute_tables_jvm(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS
     (:func:`merge_partials`).  None when some ``logs`` bodies need the Python definitions
     of the fields (see :func:`compute_tables_sql`): the caller then runs the ``python``
     engine."""
-    return _merged_tables(spark, input_dir, jvm_partial_frame(spark, input_dir, apdex_ms),
-                          "jvm")
+    import uuid
+    key = uuid.uuid4().hex
+    return _merged_tables(spark, input_dir,
+                          jvm_partial_frame(spark, input_dir, apdex_ms, loss_key=key),
+                          "jvm", loss_key=key)
 
 
-def _merged_tables(spark, input_dir: str, src, engine: str):
-    """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`), the loss
-    walk beside the Spark job; None when ``src`` counted undecided bodies (engine jvm)."""
+def _take_loss_runs(spark, key: str) -> bytes:
+    """The loss runs the JVM reader's tasks gathered under ``key`` (``LossRuns.take``)."""
+    return bytes(spark.sparkContext._jvm.logjamrelay.spark.LossRuns.take(key))
+
+
+def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None = None):
+    """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`); the loss
+    state from the runs the JVM reader's tasks gathered under ``loss_key`` (the archive is
+    read once), else from the loss walk beside the Spark job; None when ``src`` counted
+    undecided bodies (engine jvm)."""
     import logging
     agg = merge_partials(src).persist()
-    state, join = _loss_walk(input_dir)
-    try:
-        summary = summary_of_merged(agg, undecided=engine == "jvm")    # runs the Spark job
-    finally:
-        failed = join()
-    if failed:
-        agg.unpersist()
-        raise failed
+    if loss_key:
+        try:
+            summary = summary_of_merged(agg, undecided=engine == "jvm")    # the Spark job
+            blob = _take_loss_runs(spark, loss_key)
+        except BaseException:
+            agg.unpersist()
+            raise
+        if summary.get("undecided"):
+            state = None
+        else:
+            from .loss import LossState
+            state = LossState()
+            got = state.add_archive_runs(input_dir, blob)
+            logging.getLogger("logjam_relay.pipeline.stats").info(
+                "loss table: %d segments from the scan's runs, %d read again",
+                got["segments"], got["walked"])
+    else:
+        state, join = _loss_walk(input_dir)
+        try:
+            summary = summary_of_merged(agg, undecided=engine == "jvm")    # runs the Spark job
+        finally:
+            failed = join()
+        if failed:
+            agg.unpersist()
+            raise failed
     n = summary.pop("undecided", 0)
     if n:
         agg.unpersist()

@@ -23,6 +23,8 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
 final class PartialScan implements Scan, Batch {
     static final String OPTION = "aggregate";
     static final String REQUESTS = "requests";
+    /** option: gather the loss table's runs under this key ({@link LossRuns#take}) */
+    static final String LOSS_KEY = "lossKey";
 
     private final LogjamScan segments;
     private final CaseInsensitiveStringMap options;
@@ -61,17 +63,21 @@ final class PartialScan implements Scan, Batch {
     public PartitionReaderFactory createReaderFactory() {
         long rows = LogjamScan.intOption(options, "batchRows", Constants.DEFAULT_BATCH_ROWS);
         if (rows == 0 || rows > (1 << 24)) rows = Constants.DEFAULT_BATCH_ROWS;
-        return new Factory(Partials.apdexOption(options.get("apdexMs")), (int) rows);
+        String key = options.get(LOSS_KEY);
+        LossRuns.Acc loss = key == null || key.isEmpty() ? null : LossRuns.forKey(key);
+        return new Factory(Partials.apdexOption(options.get("apdexMs")), (int) rows, loss);
     }
 
     static final class Factory implements PartitionReaderFactory {
         private static final long serialVersionUID = 1L;
         private final double apdexMs;
         private final int batchRows;
+        private final LossRuns.Acc loss;
 
-        Factory(double apdexMs, int batchRows) {
+        Factory(double apdexMs, int batchRows, LossRuns.Acc loss) {
             this.apdexMs = apdexMs;
             this.batchRows = batchRows;
+            this.loss = loss;
         }
 
         public boolean supportColumnarReads(InputPartition partition) {
@@ -79,7 +85,7 @@ final class PartialScan implements Scan, Batch {
         }
 
         public PartitionReader createColumnarReader(InputPartition partition) {
-            return new Reader((LogjamPartition) partition, apdexMs, batchRows);
+            return new Reader((LogjamPartition) partition, apdexMs, batchRows, loss);
         }
 
         public PartitionReader createReader(InputPartition partition) {
@@ -93,10 +99,12 @@ final class PartialScan implements Scan, Batch {
         private final int batchRows;
         private final WritableColumnVector[] vectors;
         private final ColumnarBatch batch;
+        private final LossRuns.Acc loss;
         private boolean aggregated;
 
-        Reader(LogjamPartition part, double apdexMs, int batchRows) {
+        Reader(LogjamPartition part, double apdexMs, int batchRows, LossRuns.Acc loss) {
             this.part = part;
+            this.loss = loss;
             this.agg = new Partials(apdexMs);
             this.batchRows = batchRows;
             StructField[] f = Partials.SCHEMA.fields();
@@ -113,10 +121,15 @@ final class PartialScan implements Scan, Batch {
             if (!aggregated) {
                 SegmentDecoder d = new SegmentDecoder(part.path, part.segno, part.start,
                                                       part.stop, agg);
+                if (loss != null) d.loss = new LossRuns.Slice(part.segno, part.start, part.stop);
                 try {
                     while (d.fill(1 << 20) > 0) { }
                 } finally {
                     d.close();
+                }
+                if (loss != null) {
+                    d.loss.ended = d.ended;
+                    loss.add(d.loss.encode());
                 }
                 aggregated = true;
             }

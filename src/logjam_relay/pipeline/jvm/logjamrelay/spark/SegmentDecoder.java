@@ -47,6 +47,11 @@ final class SegmentDecoder {
     private final boolean pairCols;
     private final boolean fieldCols;             // any of ACTION..UNDECIDED asked for
     private final Partials agg;                  // aggregate mode: records go here, no rows
+    /** aggregate mode: the loss table's runs of the slice (LossRuns), or null */
+    LossRuns.Slice loss;
+    /** the walk reached the end of the readable segment (its seal, damage, or a file
+     *  that cannot be read), not only the end of the slice */
+    boolean ended;
     private final Extract extract = new Extract();
     private final Bodies bodies = new Bodies();
     private final CRC32 crc = new CRC32();
@@ -143,6 +148,7 @@ final class SegmentDecoder {
         if (buf == null && !open()) {
             row = flushPending(row);
             done = true;
+            ended = true;
             return row;
         }
         if (walking) row = walk(row, max);
@@ -255,7 +261,7 @@ final class SegmentDecoder {
             crc.update(b, pos + 8, (int) bodyLen);
             if (crc.getValue() != u32(b, pos + 4)) { stopAt("crc"); break; }
             if (kind != 0) {
-                if (kind == Constants.KIND_SEAL) { walking = false; break; }
+                if (kind == Constants.KIND_SEAL) { walking = false; ended = true; break; }
                 pos = rend;                     // not a logjam record: no row, no index
                 continue;
             }
@@ -286,6 +292,7 @@ final class SegmentDecoder {
 
     private void stopAt(String reason) {
         walking = false;
+        ended = true;
         if (start <= idx && idx < stop) {
             String body = "{\"offset\": " + pos;
             long[] seal = Segments.readSeal(path);
@@ -391,6 +398,9 @@ final class SegmentDecoder {
             return;
         }
         if (agg != null) {
+            if (loss != null)
+                loss.add(((b[s + 4] & 0xFFL) << 24) | ((b[s + 5] & 0xFFL) << 16)
+                    | ((b[s + 6] & 0xFFL) << 8) | (b[s + 7] & 0xFFL), be64(b, s + 16), be64(b, s + 8));
             aggregate(b, s, r, lb, comp, pr);
             return;
         }
