@@ -156,20 +156,40 @@ def loss_table(spark, state, minutes_by_device=None):
     return _with_minute(spark.createDataFrame(t), "minute_ms").select(*LOSS_COLUMNS)
 
 
-def _percentile_of_sorted(v, n, q: float):
-    """Spark's exact ``percentile`` (linear interpolation) of the ascending array ``v`` of
-    ``n`` values, as a column expression, with the same double arithmetic as
-    ``PercentileBase.getPercentile`` (Spark 4.x) and ``reference._percentile``: position
+PCT_QS = (0.5, 0.95, 0.99)
+
+
+def _with_percentiles_of_sorted(df, v: str = "_v"):
+    """``df`` plus ``_pct``: Spark's exact ``percentile`` (linear interpolation) at
+    :data:`PCT_QS` of the ascending array column ``v``, with the same double arithmetic
+    as ``PercentileBase.getPercentile`` (Spark 4.x) and ``reference._percentile``: position
     (n-1)*q, lower/higher = floor/ceil, and ``v[lower] + (pos - lower) * (v[higher] -
     v[lower])`` unless they coincide (the sql engine's ``percentile`` gives the same bits;
-    ``tests/test_pipeline_sql.py`` compares them)."""
+    ``tests/test_pipeline_sql.py`` compares them).
+
+    Built in stacked projections (positions, then the two elements -- only of a non-empty
+    array: ``element_at(v, 0)`` is an error --, then the value), each value named once: Spark does not merge a projection into the next when that would
+    repeat an expression that is not cheap (``CollapseProject``), so the generated code
+    stays small.  Written as one expression, every ``element_at`` and ``floor`` was
+    repeated per use: a 250 kB method that cost HotSpot's C2 compiler 3.4 CPU-s per run
+    at 10M records."""
     from pyspark.sql import functions as F
-    pos = (n - F.lit(1)).cast("double") * F.lit(q)
-    lo, hi = F.floor(pos), F.ceil(pos)
-    a, b = F.element_at(v, (lo + 1).cast("int")), F.element_at(v, (hi + 1).cast("int"))
-    return F.when(n == 0, F.lit(None).cast("double")) \
-        .when((lo == hi) | (a == b), a) \
-        .otherwise(a + (pos - lo.cast("double")) * (b - a))
+    n = F.col("_n")
+    df = df.withColumn("_n", F.size(v))
+    df = df.select("*", *(((n - F.lit(1)).cast("double") * F.lit(q)).alias(f"_pos{i}")
+                          for i, q in enumerate(PCT_QS)))
+    df = df.select("*", *(c for i in range(len(PCT_QS)) for c in (
+        F.floor(f"_pos{i}").alias(f"_lo{i}"), F.ceil(f"_pos{i}").alias(f"_hi{i}"))))
+    df = df.select("*", *(c for i in range(len(PCT_QS)) for c in (
+        F.when(n > 0, F.element_at(v, (F.col(f"_lo{i}") + 1).cast("int"))).alias(f"_a{i}"),
+        F.when(n > 0, F.element_at(v, (F.col(f"_hi{i}") + 1).cast("int"))).alias(f"_b{i}"))))
+
+    def value(i):
+        pos, lo, hi, a, b = (F.col(f"_{x}{i}") for x in ("pos", "lo", "hi", "a", "b"))
+        return F.when(n == 0, F.lit(None).cast("double")) \
+            .when((lo == hi) | (a == b), a) \
+            .otherwise(a + (pos - lo.cast("double")) * (b - a))
+    return df.withColumn("_pct", F.array(*(value(i) for i in range(len(PCT_QS)))))
 
 
 def merge_partials(partial):
@@ -187,13 +207,10 @@ def merge_partials(partial):
         *(F.sum(c).alias(c) for c in counts),
         *(F.sum(c).alias(f"_{c}") for c in ("rows", "bad", "corrupt", "bad_json")))
     n = F.col("_tt_n")
-    v = F.col("_v")
-    return g.select(
+    return _with_percentiles_of_sorted(g).select(
         "kind", "minute_ms", "app", "env", "name", "exception", "count", "total_time_sum",
         F.when(n > 0, F.col("total_time_sum") / n.cast("double")).alias("total_time_avg"),
-        "total_time_max",
-        F.array(*(_percentile_of_sorted(v, F.size(v), q) for q in (0.5, 0.95, 0.99)))
-        .alias("_pct"),
+        "total_time_max", "_pct",
         F.try_divide(F.col("apdex_s") + 0.5 * F.col("apdex_t"), n).alias("apdex"),
         *(f"http_{k}xx" for k in (2, 3, 4, 5)), *(f"severity_{k}" for k in range(6)),
         "_rows", "_bad", "_corrupt", "_bad_json")
