@@ -3,6 +3,7 @@ data source scan against Spark's Parquet scan, at several sizes in one run.
 
     python bench/bench_pipeline.py [--records 1000000 10000000] [--master local[2]]
                                    [--data DIR] [--dir /tmp] [--engine auto|jvm|sql|python]
+                                   [--no-scan | --scan-only] [--repeat N] [--repeat-jobs N]
 
 1. For each size, realistic records (``bench/pipeline_data.py``: 7 apps in 13 app-envs, the
    logjam agents' body fields, bodies of ~300 B-3.4 KB, mixed compressions, 4 devices with
@@ -390,6 +391,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="scan repetitions")
     ap.add_argument("--repeat-jobs", type=int, default=2, help="whole-process repetitions")
     ap.add_argument("--no-scan", action="store_true", help="whole processes only")
+    ap.add_argument("--scan-only", action="store_true", help="the scans only")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--plain-job", nargs=2, metavar=("JSON_DIR", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -402,13 +404,18 @@ def main() -> int:
         results = []
         for k, n in enumerate(sorted(set(a.records))):
             d = prepare(n, base, a.data)
+            if a.scan_only:
+                archive = os.path.join(d, "archive")
+                results.append({"n": n, "archive": archive, "problems": [], "nseg": len(
+                    [f for f in os.listdir(archive) if f.endswith(".seg")])})
+                continue
             results.append(jobs(n, d, base, a, first=k == 0))
         print()
-        for r in results:
+        for r in results if not a.scan_only else ():
             print(f"at {r['n']:>10,} records: pipeline {r['wall_ours']:7.2f} s, plain job "
                   f"{r['wall_plain']:7.2f} s: plain / pipeline {r['wall_plain'] / r['wall_ours']:.2f}x"
                   f" wall, {r['cpu_plain'] / r['cpu_ours']:.2f}x CPU  (target >= 2.5x at 10M)")
-        if len(results) > 1:
+        if len(results) > 1 and not a.scan_only:
             for what in ("wall", "cpu"):
                 fo = fit([(r["n"], r[f"{what}_ours"]) for r in results])
                 fp = fit([(r["n"], r[f"{what}_plain"]) for r in results])
