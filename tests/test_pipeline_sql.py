@@ -341,8 +341,20 @@ def test_undecided_body_runs_the_python_engine(spark, tmp_path, caplog):
 
 
 def test_engine_choice(spark, tmp_path, monkeypatch):
+    from logjam_relay.pipeline.cli import C1_ONLY, C2_LATE, local_batch_jvm_options
     archive = _archive(tmp_path, [b'{"action":"A#b"}'])
     assert stats.choose_engine(spark, archive)[0] == "jvm"
+    # the driver JVM's JIT settings follow the engine auto will choose
+    assert local_batch_jvm_options("auto", archive) == C2_LATE
+    assert local_batch_jvm_options("python", archive) == C1_ONLY
+    assert local_batch_jvm_options("auto", str(tmp_path / "nothing")) == C2_LATE
+
+    def no_jar(cache_dir=None):
+        raise jvmreader.BuildError("no Janino")
+    with monkeypatch.context() as m:
+        m.setattr(jvmreader, "build_jar", no_jar)
+        assert local_batch_jvm_options("auto", archive) == C1_ONLY
+        assert local_batch_jvm_options("jvm", archive) == C2_LATE
     with pytest.raises(Exception, match="option aggregate must be 'requests'"):
         spark.read.format("logjam").option("aggregate", "sums").load(archive)
     with pytest.raises(Exception, match="option aggregate: the schema is"):
@@ -351,6 +363,7 @@ def test_engine_choice(spark, tmp_path, monkeypatch):
     monkeypatch.setattr(jvmreader, "MAX_SEGMENT_BYTES", 100)
     engine, why = stats.choose_engine(spark, archive)
     assert engine == "python" and "too big" in why
+    assert local_batch_jvm_options("auto", archive) == C1_ONLY
     for asked in ("jvm", "sql"):
         with pytest.raises(ValueError, match=f"engine {asked}: .*too big"):
             stats.compute_tables(spark, archive, engine=asked)

@@ -66,6 +66,26 @@ C2_LATE = ("-XX:Tier4InvocationThreshold=50000 -XX:Tier4MinInvocationThreshold=6
            "-XX:Tier4CompileThreshold=150000 -XX:Tier4BackEdgeThreshold=400000")
 
 
+def local_batch_jvm_options(engine: str, input_dir: str) -> str:
+    """The JIT settings of a batch run's driver JVM on a local master: C1_ONLY for the
+    ``python`` engine, C2_LATE for the ``jvm`` and ``sql`` engines.  ``auto`` is decided
+    only once the JVM runs (:func:`.stats.choose_engine`); what it will choose is known
+    before in the two cases where it falls back to the python engine: the JVM reader's jar
+    cannot be had, or a segment is too big for it."""
+    if engine == "auto":
+        from .jvmreader import BuildError, build_jar
+        from .stats import too_big_for_the_jvm
+        try:
+            build_jar()                 # (cached; make_session logs why it failed)
+            if too_big_for_the_jvm(input_dir):
+                engine = "python"
+        except BuildError:
+            engine = "python"
+        except OSError:
+            pass                        # no such archive: the run says so later
+    return C1_ONLY if engine == "python" else C2_LATE
+
+
 def _is_local(master: str | None) -> bool:
     return master is None or master.startswith("local")
 
@@ -292,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         # records); the jvm and sql engines decode and parse every body on the JVM, where C2 pays
         # off for the reader's code, not for the rest (C2_LATE).  `--conf
         # spark.driver.extraJavaOptions=` (empty) gives the JVM's default back
-        conf.setdefault("spark.driver.extraJavaOptions",
-                        C1_ONLY if a.engine == "python" else C2_LATE)
+        conf.setdefault("spark.driver.extraJavaOptions", local_batch_jvm_options(
+            a.engine, a.input))
     if not a.stream:
         # one fixed, small plan (the partial rows are merged in one aggregation): adaptive
         # re-planning only adds jobs and planning time

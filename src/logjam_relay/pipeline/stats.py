@@ -275,17 +275,27 @@ def choose_engine(spark, input_dir: str) -> tuple[str, str]:
     * ``python``: Python tasks (``mapInArrow``) decode slices and pre-aggregate each batch
       (:mod:`.partial`); Spark merges the partial rows.  Used when the session's JVM cannot
       load the reader (no jar, Spark Connect) or a segment is too big for it."""
-    from .jvmreader import MAX_SEGMENT_BYTES, loaded
+    from .jvmreader import loaded
     if not loaded(spark):
         return "python", "the JVM reader is not loaded in this session"
+    big = too_big_for_the_jvm(input_dir)
+    if big:
+        return "python", f"{big} is too big for the JVM reader"
+    return "jvm", "JVM reader"
+
+
+def too_big_for_the_jvm(input_dir: str) -> str | None:
+    """The first segment of the archive the JVM reader cannot read (one Java array per
+    file), or None."""
     from .decode import list_segments
+    from .jvmreader import MAX_SEGMENT_BYTES
     for _segno, path in list_segments(input_dir):
         try:
             if os.path.getsize(path) > MAX_SEGMENT_BYTES:
-                return "python", f"{path} is too big for the JVM reader"
+                return path
         except OSError:
             pass                        # the reader reports it as a row
-    return "jvm", "JVM reader"
+    return None
 
 
 def _loss_walk(input_dir: str):
