@@ -454,10 +454,14 @@ def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None
     if loss_key:
         try:
             summary = summary_of_merged(agg, undecided=engine == "jvm")    # the Spark job
-            blob = _take_loss_runs(spark, loss_key)
         except BaseException:
             agg.unpersist()
+            try:
+                _take_loss_runs(spark, loss_key)        # forget what the tasks gathered
+            except Exception:               # noqa: BLE001 -- the job's error is the one
+                pass
             raise
+        blob = _take_loss_runs(spark, loss_key)
         if summary.get("undecided"):
             state = None
         else:
