@@ -60,3 +60,17 @@ def spooled_records(dirs) -> list[list[bytes]]:
             if kind == 0:
                 out.append(frames)
     return out
+
+
+def damage_segments(segs) -> None:
+    """Damage three segments of ``segs`` (``[(segno, path), ...]``, at least 6) as a disk
+    or a bad copy would: the second torn in half, a bit flipped a third into the fourth,
+    the sixth's header broken."""
+    data = open(segs[1][1], "rb").read()
+    open(segs[1][1], "wb").write(data[:len(data) // 2])
+    b = bytearray(open(segs[3][1], "rb").read())
+    b[len(b) // 3] ^= 4
+    open(segs[3][1], "wb").write(b)
+    b = bytearray(open(segs[5][1], "rb").read())
+    b[2] ^= 1
+    open(segs[5][1], "wb").write(b)

@@ -13,6 +13,7 @@ pytest.importorskip("pyspark")
 from logjam_relay.pipeline import sample, stats  # noqa: E402
 from logjam_relay.pipeline.datasource import LateSegment, LogjamStreamReader  # noqa: E402
 from logjam_relay.pipeline.loss import LossState  # noqa: E402
+from spool_helpers import damage_segments  # noqa: E402
 
 
 def ref_loss(msgs):
@@ -105,14 +106,7 @@ def test_archive_walk_equals_reference_with_damage(tmp_path, monkeypatch):
     sample.write_archive(tmp_path / "spool", arch, msgs, segment_bytes=64 << 10)
     segs = ds.list_segments(str(arch))
     assert len(segs) >= 8
-    data = open(segs[1][1], "rb").read()
-    open(segs[1][1], "wb").write(data[:len(data) // 2])           # torn
-    b = bytearray(open(segs[3][1], "rb").read())
-    b[len(b) // 3] ^= 4                                           # a flipped bit
-    open(segs[3][1], "wb").write(b)
-    b = bytearray(open(segs[5][1], "rb").read())
-    b[2] ^= 1                                                     # the segment header
-    open(segs[5][1], "wb").write(b)
+    damage_segments(segs)
     os.remove(segs[6][1])                                         # listed, then gone
     listed = list(segs)
     monkeypatch.setattr(ds, "list_segments", lambda _d: list(listed))
@@ -258,6 +252,7 @@ def test_parse_runs_and_what_covers_a_segment():
     assert covered(by[5]) is None and covered(by[6]) is None and covered(by[7]) is None
     assert covered(()) is None and parse_runs(b"") == {}
     for bad in (blob[:-8], blob + b"\0" * 8, _blob([[1, 2, 3]]),
+                _blob([_entry(1, 0, -1, True, False, [(1, [(5, 0, 0)])])]),     # 0 records
                 _blob([_entry(1, 0, -1, True, False, [(1, [(1, 1, 0)])])[:-1]])):
         with pytest.raises(ValueError):
             parse_runs(bad)

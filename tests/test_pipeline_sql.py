@@ -393,6 +393,7 @@ def test_jvm_engine_loss_from_the_scans_runs(spark, tmp_path, caplog):
 
     from logjam_relay.pipeline import decode as ds
     from logjam_relay.pipeline.loss import LossState
+    from spool_helpers import damage_segments
     msgs = sample.make_messages(6000, seed=21, devices=(1, 2, 3, 4, 5),
                                 base_ms=CREATED - 2 * 60_000)
     msgs += [msgs[i] for i in range(4000, 4300, 7)]                  # late duplicates
@@ -402,14 +403,7 @@ def test_jvm_engine_loss_from_the_scans_runs(spark, tmp_path, caplog):
     sample.write_archive(tmp_path / "spool", arch, msgs, segment_bytes=64 << 10)
     segs = ds.list_segments(str(arch))
     assert len(segs) >= 8
-    data = open(segs[1][1], "rb").read()
-    open(segs[1][1], "wb").write(data[:len(data) // 2])             # torn
-    b = bytearray(open(segs[3][1], "rb").read())
-    b[len(b) // 3] ^= 4                                             # a flipped bit
-    open(segs[3][1], "wb").write(b)
-    b = bytearray(open(segs[5][1], "rb").read())
-    b[2] ^= 1                                                       # the segment header
-    open(segs[5][1], "wb").write(b)
+    damage_segments(segs)
     walk = LossState()
     walk.add_archive(str(arch))
     want = _loss_rows(walk)

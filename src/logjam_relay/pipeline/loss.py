@@ -93,33 +93,11 @@ class DeviceLoss:
         hi = np.concatenate([self.hi, seq[new]])
         hm = np.concatenate([self.hm, minute[new]])
         o = np.argsort(lo, kind="stable")
-        lo, hi, hm = lo[o], hi[o], hm[o]
-        brk = np.ones(len(lo), dtype=bool)
-        brk[1:] = lo[1:] != hi[:-1] + 1
-        starts = np.flatnonzero(brk)
-        ends = np.append(starts[1:], len(lo)) - 1
-        self.lo, self.hi, self.hm = lo[starts], hi[ends], hm[ends]
+        self._join_runs(lo[o], hi[o], hm[o])
         # per-minute counters
         mins, inv = np.unique(minute, return_inverse=True)
-        cnt = np.bincount(inv)
-        dups = np.bincount(inv, weights=dup).astype(np.int64)
-        ooos = np.bincount(inv, weights=ooo).astype(np.int64)
-        fst = np.full(len(mins), np.iinfo(np.int64).max, dtype=np.int64)
-        lst = np.full(len(mins), np.iinfo(np.int64).min, dtype=np.int64)
-        np.minimum.at(fst, inv, seq)
-        np.maximum.at(lst, inv, seq)
-        rows = self.rows
-        for m, c, d, q, f, la in zip(mins.tolist(), cnt.tolist(), dups.tolist(),
-                                     ooos.tolist(), fst.tolist(), lst.tolist(), strict=True):
-            r = rows.get(m)
-            if r is None:
-                rows[m] = [c, d, q, f, la]
-            else:
-                r[0] += c
-                r[1] += d
-                r[2] += q
-                r[3] = min(r[3], f)
-                r[4] = max(r[4], la)
+        self._add_rows(mins, inv, np.bincount(inv), np.bincount(inv, weights=dup),
+                       np.bincount(inv, weights=ooo), seq, seq)
         changed = set(mins.tolist())
         if track:
             after = self.missing()
@@ -141,35 +119,47 @@ class DeviceLoss:
         minute = np.asarray(minute, dtype=np.int64)
         hi = lo + (count - 1)
         rising = bool((lo[1:] > hi[:-1]).all()) and (not len(self.lo) or lo[0] > self.hi[-1])
-        if not rising or bool((count < 1).any()) or bool((hi < lo).any()):
+        if not rising or bool((hi < lo).any()):
             total = int(count.sum())
             starts = np.repeat(np.cumsum(count) - count, count)
             seq = np.repeat(lo, count) + (np.arange(total, dtype=np.int64) - starts)
             self.update(seq, np.repeat(minute, count), False)
             return
         # no duplicates, nothing out of order: the runs join the seen numbers as they are
-        nlo = np.concatenate([self.lo, lo])
-        nhi = np.concatenate([self.hi, hi])
-        nhm = np.concatenate([self.hm, minute])
-        brk = np.ones(len(nlo), dtype=bool)
-        brk[1:] = nlo[1:] != nhi[:-1] + 1
-        starts = np.flatnonzero(brk)
-        ends = np.append(starts[1:], len(nlo)) - 1
-        self.lo, self.hi, self.hm = nlo[starts], nhi[ends], nhm[ends]
+        self._join_runs(np.concatenate([self.lo, lo]), np.concatenate([self.hi, hi]),
+                        np.concatenate([self.hm, minute]))
         mins, inv = np.unique(minute, return_inverse=True)
-        cnt = np.bincount(inv, weights=count).astype(np.int64)
+        none = np.zeros(len(mins), dtype=np.int64)
+        self._add_rows(mins, inv, np.bincount(inv, weights=count), none, none, lo, hi)
+
+    def _join_runs(self, lo: np.ndarray, hi: np.ndarray, hm: np.ndarray) -> None:
+        """The state's runs from runs sorted by ``lo`` (disjoint): adjacent ones joined,
+        each keeping the first-arrival minute of its ``hi``."""
+        brk = np.ones(len(lo), dtype=bool)
+        brk[1:] = lo[1:] != hi[:-1] + 1
+        starts = np.flatnonzero(brk)
+        ends = np.append(starts[1:], len(lo)) - 1
+        self.lo, self.hi, self.hm = lo[starts], hi[ends], hm[ends]
+
+    def _add_rows(self, mins, inv, cnt, dups, ooos, first, last) -> None:
+        """Add to the rows of minutes ``mins`` (``inv``: each record's or run's index in
+        ``mins``) the counts per minute and the lowest ``first`` / highest ``last``."""
         fst = np.full(len(mins), np.iinfo(np.int64).max, dtype=np.int64)
         lst = np.full(len(mins), np.iinfo(np.int64).min, dtype=np.int64)
-        np.minimum.at(fst, inv, lo)
-        np.maximum.at(lst, inv, hi)
+        np.minimum.at(fst, inv, first)
+        np.maximum.at(lst, inv, last)
         rows = self.rows
-        for m, c, f, la in zip(mins.tolist(), cnt.tolist(), fst.tolist(), lst.tolist(),
-                               strict=True):
+        for m, c, d, q, f, la in zip(mins.tolist(), np.asarray(cnt, np.int64).tolist(),
+                                     np.asarray(dups, np.int64).tolist(),
+                                     np.asarray(ooos, np.int64).tolist(), fst.tolist(),
+                                     lst.tolist(), strict=True):
             r = rows.get(m)
             if r is None:
-                rows[m] = [c, 0, 0, f, la]
+                rows[m] = [c, d, q, f, la]
             else:
                 r[0] += c
+                r[1] += d
+                r[2] += q
                 r[3] = min(r[3], f)
                 r[4] = max(r[4], la)
 
@@ -217,6 +207,8 @@ def parse_runs(blob: bytes) -> dict[int, list[tuple]]:
             if len(t) != 3 * nr:
                 raise ValueError("loss runs: truncated device")
             t = t.reshape(-1, 3)
+            if nr and int(t[:, 1].min()) < 1:
+                raise ValueError("loss runs: a run of no records")
             devs.append((dev, t[:, 0], t[:, 1], t[:, 2]))
             j += 2 + 3 * nr
         if j != ln:
