@@ -168,9 +168,9 @@ def _with_percentiles_of_sorted(df, v: str = "_v"):
     ``tests/test_pipeline_sql.py`` compares them).
 
     Built in stacked projections (positions, then the two elements -- only of a non-empty
-    array: ``element_at(v, 0)`` is an error --, then the value), each value named once: Spark does not merge a projection into the next when that would
-    repeat an expression that is not cheap (``CollapseProject``), so the generated code
-    stays small.  Written as one expression, every ``element_at`` and ``floor`` was
+    array: ``element_at(v, 0)`` is an error --, then the value), each value named once:
+    Spark does not merge a projection into the next when that would repeat an expression
+    that is not cheap (``CollapseProject``), so the generated code stays small.  Written as one expression, every ``element_at`` and ``floor`` was
     repeated per use: a 250 kB method that cost HotSpot's C2 compiler 3.4 CPU-s per run
     at 10M records."""
     from pyspark.sql import functions as F
