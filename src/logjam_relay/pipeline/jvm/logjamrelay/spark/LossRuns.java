@@ -5,7 +5,6 @@ import java.nio.ByteOrder;
 import java.util.ArrayList;
 import java.util.HashMap;
 import java.util.Iterator;
-import java.util.concurrent.ConcurrentHashMap;
 
 import org.apache.spark.SparkContext;
 import org.apache.spark.util.AccumulatorV2;
@@ -40,7 +39,7 @@ public final class LossRuns {
     /** more devices than this in one partition: overflow */
     static final int MAX_DEVICES = 1024;
 
-    private static final ConcurrentHashMap REGISTRY = new ConcurrentHashMap();
+    private static final HashMap REGISTRY = new HashMap();     // under its own lock
 
     /** The accumulator of key (created and registered on the driver on first use). */
     static Acc forKey(String key) {
