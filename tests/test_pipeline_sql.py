@@ -429,10 +429,10 @@ def test_jvm_engine_loss_from_the_scans_runs(spark, tmp_path, caplog):
     assert sliced.rdd.getNumPartitions() > len(segs)
     sliced.write.format("noop").mode("overwrite").save()
     st = LossState()
-    got = st.add_archive_runs(str(arch), stats._take_loss_runs(spark, key))
+    got = st.add_archive_runs(str(arch), stats.take_loss_runs(spark, key))
     assert _loss_rows(st) == want
     assert got["segments"] + got["walked"] == len(segs) and got["walked"] >= 1
-    assert stats._take_loss_runs(spark, key) == b"\0" * 8        # taken: gone
+    assert stats.take_loss_runs(spark, key) == b"\0" * 8        # taken: gone
 
     # every record a gap: more runs than a quarter of the records -> read again
     many = [sample.Msg(b"shop-production", b"topic", b"{}", 0, b"{}", 7,

@@ -417,7 +417,7 @@ def jvm_partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
     row counting the logs bodies it leaves to Python's JSON rules): one Spark task per
     segment, each decoding, extracting and grouping its records on the JVM.  ``loss_key``:
     the tasks also gather the loss table's runs under that key (``LossRuns.java``; read
-    them with :func:`_take_loss_runs` after the job)."""
+    them with :func:`take_loss_runs` after the job)."""
     from .partial import PARTIAL_DDL
     r = spark.read.format("logjam").schema(PARTIAL_DDL) \
         .option("aggregate", "requests").option("apdexMs", repr(float(apdex_ms)))
@@ -439,7 +439,7 @@ def compute_tables_jvm(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS
                           "jvm", loss_key=key)
 
 
-def _take_loss_runs(spark, key: str) -> bytes:
+def take_loss_runs(spark, key: str) -> bytes:
     """The loss runs the JVM reader's tasks gathered under ``key`` (``LossRuns.take``)."""
     return bytes(spark.sparkContext._jvm.logjamrelay.spark.LossRuns.take(key))
 
@@ -457,11 +457,11 @@ def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None
         except BaseException:
             agg.unpersist()
             try:
-                _take_loss_runs(spark, loss_key)        # forget what the tasks gathered
+                take_loss_runs(spark, loss_key)        # forget what the tasks gathered
             except Exception:               # noqa: BLE001 -- the job's error is the one
                 pass
             raise
-        blob = _take_loss_runs(spark, loss_key)
+        blob = take_loss_runs(spark, loss_key)
         if summary.get("undecided"):
             state = None
         else:

@@ -132,6 +132,12 @@ final class SegmentDecoder {
             | ((b[p + 3] & 0xFFL) << 24);
     }
 
+    /** the device number of the meta frame at b[s] (big-endian, unsigned 32 bits) */
+    private static long device(byte[] b, int s) {
+        return ((b[s + 4] & 0xFFL) << 24) | ((b[s + 5] & 0xFFL) << 16)
+            | ((b[s + 6] & 0xFFL) << 8) | (b[s + 7] & 0xFFL);
+    }
+
     private static long be64(byte[] b, int p) {
         long x = 0;
         for (int i = 0; i < 8; i++) x = (x << 8) | (b[p + i] & 0xFFL);
@@ -424,14 +430,12 @@ final class SegmentDecoder {
         }
         if (agg != null) {
             if (loss != null)
-                loss.add(((b[s + 4] & 0xFFL) << 24) | ((b[s + 5] & 0xFFL) << 16)
-                    | ((b[s + 6] & 0xFFL) << 8) | (b[s + 7] & 0xFFL), be64(b, s + 16), be64(b, s + 8));
+                loss.add(device(b, s), be64(b, s + 16), be64(b, s + 8));
             aggregate(b, s, r, lb, comp, pr);
             return;
         }
         if (metaCols) {
-            if (v[DEVICE] != null) v[DEVICE].putLong(row, ((b[s + 4] & 0xFFL) << 24)
-                | ((b[s + 5] & 0xFFL) << 16) | ((b[s + 6] & 0xFFL) << 8) | (b[s + 7] & 0xFFL));
+            if (v[DEVICE] != null) v[DEVICE].putLong(row, device(b, s));
             if (v[CREATED] != null) v[CREATED].putLong(row, be64(b, s + 8));
             if (v[SEQUENCE] != null) v[SEQUENCE].putLong(row, be64(b, s + 16));
             if (v[COMPRESSION] != null) v[COMPRESSION].putByteArray(row, COMP_NAMES[comp], 0,
