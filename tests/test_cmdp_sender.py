@@ -23,6 +23,9 @@ from constellation.core.message.cmdp1 import (
 )
 
 from logjam_relay.health.cmdp import (
+    MAX_LOG_MESSAGE_BYTES,
+    MAX_LOG_TEXT,
+    MAX_LOG_TRACEBACK,
     CMDPConfig,
     CMDPLogHandler,
     CMDPSender,
@@ -31,6 +34,7 @@ from logjam_relay.health.cmdp import (
     RelayStatsProvider,
     Stat,
     canonical_name,
+    clip,
     component_of,
 )
 from logjam_relay.io import zmq_trio
@@ -363,7 +367,59 @@ def test_handler_bounded_queue_never_blocks():
         lg.removeHandler(h)
         lg.propagate = True
     assert len(h.queue) == 3 and h.dropped == 7 and h.enqueued == 3
-    assert [e[2] for e in h.queue] == ["r0", "r1", "r2"]
+    assert [h.pop()[2] for _ in range(3)] == ["r0", "r1", "r2"]
+    assert h.bytes == 0
+
+
+@pytest.mark.parametrize("text", ["", "a" * MAX_LOG_TEXT, "a" * (MAX_LOG_TEXT + 1),
+                                  "é" * 5000, "✓" * 3000 + "x", "\U0001f600" * 1000],
+                         ids=["empty", "at-limit", "over", "2-byte", "3-byte", "4-byte"])
+def test_clip_keeps_utf8_and_states_its_size(text):
+    for keep_end in (False, True):
+        out, size = clip(text, MAX_LOG_TEXT, keep_end=keep_end)
+        raw = text.encode()
+        assert len(out.encode()) <= size <= MAX_LOG_TEXT + 64
+        if len(raw) <= MAX_LOG_TEXT:
+            assert out == text
+        else:
+            cut = f"{len(raw) - MAX_LOG_TEXT} bytes cut"
+            assert cut in out
+            kept = out.replace(f"[{cut}] ", "") if keep_end else out.replace(f" [{cut}]", "")
+            assert (text.endswith(kept) if keep_end else text.startswith(kept))
+            assert len(kept.encode()) > MAX_LOG_TEXT - 4
+
+
+def test_handler_bounds_the_bytes_it_holds():
+    """Long texts and tracebacks are clipped (the traceback keeps its end, where the error
+    is) and the queue holds at most maxbytes: what would cross it is dropped, counted."""
+    pub = Publisher("LogjamRelay.t")
+    pub.subscriptions = frozenset((b"LOG/",))
+    h = CMDPLogHandler(10000, maxbytes=20 * MAX_LOG_MESSAGE_BYTES)
+    h.attach(pub, None, lambda: None)
+    lg = logging.getLogger("logjam_relay.test_bytes")
+    lg.propagate = False
+    lg.addHandler(h)
+    try:
+        for k in range(100):
+            try:
+                raise ValueError("deep " + "y" * 20000 + f" end{k}")
+            except ValueError:
+                lg.exception("x" * 100000)
+    finally:
+        lg.removeHandler(h)
+        lg.propagate = True
+    assert 0 < h.bytes <= h.maxbytes
+    assert h.enqueued == len(h.queue) >= 20 and h.dropped == 100 - h.enqueued
+    level, comp, text, t_ns, tags = h.pop()
+    assert text.startswith("x" * 100) and text.endswith(" bytes cut]")
+    assert len(text.encode()) <= MAX_LOG_TEXT + 64
+    assert tags["traceback"].endswith("end0\n") and "bytes cut]" in tags["traceback"]
+    assert len(tags["traceback"].encode()) <= MAX_LOG_TRACEBACK + 64
+    msg = pub.log(level, comp, text, t_ns, tags)
+    assert sum(map(len, msg)) <= MAX_LOG_MESSAGE_BYTES
+    while h.queue:
+        h.pop()
+    assert h.bytes == 0
 
 
 def test_handler_ignores_the_sender_itself_and_reentrant_records():
@@ -393,7 +449,7 @@ def test_handler_ignores_the_sender_itself_and_reentrant_records():
         tree.handlers = old_handlers
         tree.propagate = old
         logging.setLogRecordFactory(old_factory)
-    assert [(e[1], e[2]) for e in h.queue] == [("OUTER", "value loud")]
+    assert [h.pop()[1:3] for _ in range(len(h.queue))] == [("OUTER", "value loud")]
 
 
 def test_handler_levels_components_and_trace_tags():
@@ -404,7 +460,7 @@ def test_handler_levels_components_and_trace_tags():
         rec = logging.LogRecord("logjam_relay.outputs.lumberjack", levelno, "/x/y.py", 7,
                                 "m %s", ("a",), None, func="fn")
         h.handle(rec)
-        level, comp, text, t_ns, tags = h.queue.pop()
+        level, comp, text, t_ns, tags = h.pop()
         assert (level, comp, text) == (want, "OUTPUTS_LUMBERJACK", "m a")
         assert t_ns == int(rec.created * 1e9)
         if want in (LogLevel.TRACE, LogLevel.DEBUG, LogLevel.CRITICAL):
@@ -415,7 +471,7 @@ def test_handler_levels_components_and_trace_tags():
             assert tags == {}
     # a bad %-format does not raise into the caller
     h.handle(logging.LogRecord("x", 20, "f", 1, "%d", ("nan",), None))
-    assert "bad log arguments" in h.queue.pop()[2]
+    assert "bad log arguments" in h.pop()[2]
 
 
 def test_component_names():

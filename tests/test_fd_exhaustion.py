@@ -111,6 +111,17 @@ def closed_at_once(port: int, timeout: float = 5.0) -> bool:
             return False
 
 
+def closed_by_peer(c: socket.socket) -> bool:
+    """A non-blocking connection of ``idle_connections``: closed by the relay (EOF or
+    reset)?  False while it is open or still waits to be accepted."""
+    try:
+        return c.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except OSError:             # open, or not yet accepted by the kernel (SYN_SENT)
+        return False
+
+
 def worker_pids(pid: int) -> list[int]:
     children = []
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -248,7 +259,10 @@ def test_out_of_file_descriptors_the_relay_lives_and_loses_nothing(tmp_path):
                 fig["input_closed_at_once"] = sum(
                     [await trio.to_thread.run_sync(closed_at_once, in_port, 2.0)
                      for _ in range(3)])
+                closed_before = sum(map(closed_by_peer, flood))
                 text = await trio.to_thread.run_sync(scrape, s.metrics_port)
+                closed_after = sum(map(closed_by_peer, flood))
+                fig["input_flood_closed"] = (closed_before, closed_after)
                 fig["held"] = {
                     "open_fds": metric(text, "logjam_relay_open_fds"),
                     "paused": metric(text, "logjam_relay_fd_paused"),
@@ -324,7 +338,12 @@ def test_out_of_file_descriptors_the_relay_lives_and_loses_nothing(tmp_path):
     # phase 2: at the limit (within what the relay's own work frees for a moment), ZeroMQ
     # paused, the idle input connections beyond the limit closed at once
     assert held["open_fds"] >= LIMIT - 8 and held["paused"] == 1, fig
-    assert held["input/accept"] > flood[f"input_courier-{in_port}/accept"], fig
+    # each idle input connection the relay closed at accept is counted, and only those (the
+    # three probes may be counted after they gave up waiting); whether any is closed depends
+    # on the reserve having a descriptor to spare at that instant, else they wait
+    refused2 = held["input/accept"] - flood[f"input_courier-{in_port}/accept"]
+    closed_before, closed_after = fig["input_flood_closed"]
+    assert closed_before + fig["input_closed_at_once"] <= refused2 <= closed_after + 3, fig
     assert held["rolled"] >= 3 and held["delivered"] > 1000, fig
     assert held["worker_crashes"] >= 1, fig
     assert fig["reserve_used"] > 0, fig              # it was out, and the reserve served

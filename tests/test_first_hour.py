@@ -469,8 +469,10 @@ def test_readme_operator_tools_work_together_in_a_newcomers_order(tmp_path):
             words += ["-c", f"tcp://127.0.0.1:{settings.router_port}"]
         return [sys.executable, "-m", "logjam_relay", *words]
 
-    relay = start_process(settings)
-    out = open(tmp_path / "tail.out", "w+")
+    relay = start_process(settings, log_path=tmp_path / "relay.log")
+    # the child's own descriptor: a reader's seek on a shared one would move where the
+    # child writes (one file description, one offset) and overwrite lines
+    out = open(tmp_path / "tail.out", "wb")
     tail = subprocess.Popen(argv(lines[0]), stdout=out, stderr=subprocess.STDOUT, env=_env())
     try:
         deadline = time.monotonic() + 30
@@ -487,15 +489,25 @@ def test_readme_operator_tools_work_together_in_a_newcomers_order(tmp_path):
         assert replies[1] == "ping 200 OK vm", replies
         deadline = time.monotonic() + 30
         while True:
-            out.seek(0)
-            shown = [ln for ln in out.read().splitlines() if ln.startswith("myapp-prod logs")]
+            shown = [ln for ln in (tmp_path / "tail.out").read_text().splitlines()
+                     if ln.startswith("myapp-prod logs")]
             if len(shown) >= 1010 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{settings.metrics_port}/metrics",
+                                    timeout=5) as r:      # for the message when it fails
+            counts = [ln for ln in r.read().decode().splitlines() if re.match(
+                r"logjam_relay_(messages|invalid|published|pub_drops|input_messages)", ln)]
     finally:
         tail.terminate()
         tail.wait(10)
+        out.close()
         stop_process(relay)
+    if len(shown) != 1010:      # what the relay counted and which sequence numbers are missing
+        seqs = sorted(int(m.group(1)) for ln in shown if (m := re.search(r" seq=(\d+) ", ln)))
+        print("\n".join(counts), "\nseqs shown:", seqs[:3], "...", seqs[-3:], "missing:",
+              sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs)) if seqs else None,
+              "\nrelay log:", (tmp_path / "relay.log").read_text()[-3000:])
     assert len(shown) == 1010, f"tail showed {len(shown)} of 1010"
     assert sum("comp=lz4" in ln for ln in shown) == 10
     assert all('"action": "Send#test"' in ln for ln in shown), shown[0]

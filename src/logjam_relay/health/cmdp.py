@@ -296,21 +296,52 @@ def component_of(logger_name: str) -> str:
 # implementation sends "funcName".
 _LOCATION_LEVELS = (LogLevel.TRACE, LogLevel.DEBUG, LogLevel.CRITICAL)
 
+# A LOG message's size is bounded, so that the log queue and the XPUB's queue are (the RSS
+# ceiling counts both, relay/memory.py): the text keeps its first MAX_LOG_TEXT bytes, a
+# traceback its last MAX_LOG_TRACEBACK (where the error is), UTF-8; the rest of a message
+# (header, component, location tags) stays under LOG_MESSAGE_OVERHEAD.
+MAX_LOG_TEXT = 2048
+MAX_LOG_TRACEBACK = 4096
+LOG_MESSAGE_OVERHEAD = 1024
+MAX_LOG_MESSAGE_BYTES = MAX_LOG_TEXT + MAX_LOG_TRACEBACK + 64 + LOG_MESSAGE_OVERHEAD
+LOG_QUEUE_MAX_BYTES = 4 << 20        # the log queue: this many bytes, or maxsize records
+
+
+def clip(text: str, limit: int, *, keep_end: bool = False) -> tuple[str, int]:
+    """``text`` cut to ``limit`` UTF-8 bytes (its head, or its tail with ``keep_end``) with
+    a note of what was cut; and the UTF-8 size of the result (at most ``limit`` + 64)."""
+    if len(text) <= limit // 4:            # short: no need to encode to know
+        return text, 4 * len(text)
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text, len(raw)
+    if keep_end:
+        kept = raw[-limit:].decode("utf-8", "ignore")
+        out = f"[{len(raw) - limit} bytes cut] " + kept
+    else:
+        kept = raw[:limit].decode("utf-8", "ignore")
+        out = kept + f" [{len(raw) - limit} bytes cut]"
+    return out, limit + 64
+
 
 class CMDPLogHandler(logging.Handler):
     """Feeds log records to a :class:`CMDPSender` through a bounded queue.
 
     ``emit`` never blocks and never logs: it checks the subscriptions (a frozenset read),
-    formats the record and appends a tuple to a deque; when the queue is full the record
-    is counted in ``dropped`` and discarded.  Records of ``logjam_relay.health.cmdp`` (the
+    formats the record (text and traceback clipped, :func:`clip`) and appends a tuple to a
+    deque; when the queue holds ``maxsize`` records or ``maxbytes`` bytes the record is
+    counted in ``dropped`` and discarded.  Records of ``logjam_relay.health.cmdp`` (the
     sender itself) and records logged while a handler call is running in the same thread
     are ignored, so the sender can never feed itself.  Safe to call from any thread.
     """
 
-    def __init__(self, maxsize: int = 10000, level: int = logging.NOTSET):
+    def __init__(self, maxsize: int = 10000, level: int = logging.NOTSET, *,
+                 maxbytes: int = LOG_QUEUE_MAX_BYTES):
         super().__init__(level)
         self.maxsize = maxsize
-        self.queue: collections.deque = collections.deque()
+        self.maxbytes = maxbytes
+        self.queue: collections.deque = collections.deque()   # (record, bytes); pop()
+        self.bytes = 0              # UTF-8 bytes of text and traceback queued (under lock)
         self.enqueued = 0
         self.dropped = 0
         self.unsubscribed = 0
@@ -326,7 +357,16 @@ class CMDPLogHandler(logging.Handler):
 
     def detach(self) -> None:
         self._publisher = self._token = self._wake = None
-        self.queue.clear()
+        with self.lock:
+            self.queue.clear()
+            self.bytes = 0
+
+    def pop(self) -> tuple:
+        """The oldest queued record: (level, component, text, t_ns, tags)."""
+        with self.lock:                 # emit() runs under it (logging.Handler.handle)
+            record, size = self.queue.popleft()
+            self.bytes -= size
+        return record
 
     def emit(self, record: logging.LogRecord) -> None:
         if getattr(self._local, "busy", False) or record.name.startswith(LOGGER_NAME):
@@ -351,14 +391,23 @@ class CMDPLogHandler(logging.Handler):
                 tags = {"thread": record.thread or 0, "filename": record.filename,
                         "lineno": record.lineno, "funcname": record.funcName,
                         "funcName": record.funcName}
+            size = 0
             if record.exc_info and record.exc_info[0] is not None:
-                tags["traceback"] = "".join(traceback.format_exception(*record.exc_info))
+                tags["traceback"], size = clip(
+                    "".join(traceback.format_exception(*record.exc_info)),
+                    MAX_LOG_TRACEBACK, keep_end=True)
             try:
                 text = record.getMessage()
             except Exception as e:  # a bad %-format must not kill the caller
                 text = f"{record.msg!r} (bad log arguments: {e!r})"
+            text, n = clip(text, MAX_LOG_TEXT)
+            size += n
+            if self.bytes + size > self.maxbytes:
+                self.dropped += 1
+                return
             was_empty = not q
-            q.append((level, comp, text, int(record.created * 1e9), tags))
+            q.append(((level, comp, text, int(record.created * 1e9), tags), size))
+            self.bytes += size
             self.enqueued += 1
             if was_empty and self._token is not None:
                 try:
@@ -372,7 +421,7 @@ class CMDPLogHandler(logging.Handler):
 
     def stats(self) -> dict[str, int]:
         return {"log_enqueued": self.enqueued, "log_dropped": self.dropped,
-                "log_queue": len(self.queue)}
+                "log_queue": len(self.queue), "log_queue_bytes": self.bytes}
 
 
 # --------------------------------------------------------------------------- sender
@@ -524,12 +573,12 @@ class CMDPSender:
 
     def drain_log_queue(self, limit: int | None = None) -> int:
         """Publish queued log records (those still subscribed). Returns messages sent."""
-        q = self.handler.queue
+        h = self.handler
         pub = self.publisher
         n = 0
-        budget = len(q) if limit is None else min(limit, len(q))
+        budget = len(h.queue) if limit is None else min(limit, len(h.queue))
         for _ in range(budget):
-            level, comp, text, t_ns, tags = q.popleft()
+            level, comp, text, t_ns, tags = h.pop()
             if pub.wants_log(level, comp):  # may have unsubscribed meanwhile
                 self._publish(pub.log(level, comp, text, t_ns, tags), "log")
                 n += 1

@@ -61,12 +61,13 @@ class Ceiling:
     connections: int
     slack: int
     inputs: int = 0
+    cmdp: int = 0
 
     @property
     def total(self) -> int:
         return (self.baseline + self.ingress_queues + self.ingest_batches + self.pub_queue
                 + self.output_windows + self.subscriptions + self.output_workers
-                + self.connections + self.slack + self.inputs)
+                + self.connections + self.slack + self.inputs + self.cmdp)
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / MiB:.0f}" for k, v in self.__dict__.items())
@@ -190,8 +191,20 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int | None = None
     workers = output_workers(s) * worker_baseline
     conns = (input_peers + subscriber_peers) * CONNECTION_BYTES
     inputs_held = input_bytes(s)
+    cmdp = cmdp_bytes(s)
     subtotal = baseline + ingress + batches + pub + outputs + subs + workers + conns \
-        + inputs_held
+        + inputs_held + cmdp
     slack = int(subtotal * SLACK_FRACTION) + SLACK_BYTES
     return Ceiling(baseline, ingress, batches, pub, outputs, subs, workers, conns, slack,
-                   inputs=inputs_held)
+                   inputs=inputs_held, cmdp=cmdp)
+
+
+def cmdp_bytes(settings: Settings) -> int:
+    """CMDP (when on): its log queue (health/cmdp.py ``LOG_QUEUE_MAX_BYTES``) and its
+    XPUB's queue for the slowest subscriber, ``snd_hwm`` messages of at most
+    ``MAX_LOG_MESSAGE_BYTES`` (a LOG message's text and traceback are clipped; a STAT
+    message is smaller)."""
+    if not settings.cmdp_port:
+        return 0
+    from ..health.cmdp import LOG_QUEUE_MAX_BYTES, MAX_LOG_MESSAGE_BYTES, CMDPConfig
+    return LOG_QUEUE_MAX_BYTES + CMDPConfig().snd_hwm * MAX_LOG_MESSAGE_BYTES
