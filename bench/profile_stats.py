@@ -79,6 +79,7 @@ def main() -> int:
     for c in a.conf:
         cmd += ["--conf", c]
     load0 = os.getloadavg()[0]
+    epoch0 = time.time()
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen: dict = {}
@@ -107,6 +108,7 @@ def main() -> int:
         top = sorted(seen.values(), key=lambda x: -x[2])[:15]
         print("  top threads: " + ", ".join(f"{c}={v:.1f}" for _p, c, v in top))
     stages: dict[int, dict] = {}
+    marks: dict[str, float] = {}
     for f in glob.glob(os.path.join(ev, "**", "*"), recursive=True):
         if not os.path.isfile(f):
             continue
@@ -122,12 +124,25 @@ def main() -> int:
                     s["gc"] += m.get("JVM GC Time", 0) / 1e3
                 elif e.get("Event") == "SparkListenerStageCompleted":
                     i = e["Stage Info"]
-                    stages.setdefault(i["Stage ID"], {"tasks": 0, "cpu": 0, "run": 0, "gc": 0})[
-                        "name"] = i["Stage Name"].split(" at ")[0]
+                    st = stages.setdefault(i["Stage ID"], {"tasks": 0, "cpu": 0, "run": 0,
+                                                          "gc": 0})
+                    st["name"] = i["Stage Name"].split(" at ")[0]
+                    st["span"] = (i.get("Submission Time", 0) / 1e3 - epoch0,
+                                  i.get("Completion Time", 0) / 1e3 - epoch0)
+                elif e.get("Event") in ("SparkListenerApplicationStart",
+                                        "SparkListenerApplicationEnd"):
+                    marks[e["Event"][len("SparkListenerApplication"):].lower()] = \
+                        e["Timestamp"] / 1e3 - epoch0
     for sid in sorted(stages):
         s = stages[sid]
+        span = s.get("span")
+        at = f"  at {span[0]:.1f}-{span[1]:.1f} s" if span else ""
         print(f"  stage {sid}: {s['tasks']} tasks  CPU {s['cpu']:.2f} s  run {s['run']:.2f} s  "
-              f"GC {s['gc']:.2f} s  ({s.get('name', '?')})")
+              f"GC {s['gc']:.2f} s  ({s.get('name', '?')}){at}")
+    if marks:
+        print("  timeline (s after the command started): " + ", ".join(
+            f"Spark application {k} {v:.1f}" for k, v in marks.items()) +
+            f", the command exited {wall:.1f}")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
