@@ -200,11 +200,11 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int | None = None
 
 
 def cmdp_bytes(settings: Settings) -> int:
-    """CMDP (when on): its log queue (health/cmdp.py ``LOG_QUEUE_MAX_BYTES``) and its
-    XPUB's queue for the slowest subscriber, ``snd_hwm`` messages of at most
-    ``MAX_LOG_MESSAGE_BYTES`` (a LOG message's text and traceback are clipped; a STAT
-    message is smaller)."""
+    """CMDP (when on): its log queue (health/cmdp.py ``LOG_QUEUE_MAX_BYTES``), and its
+    XPUB's queue for the slowest subscriber and the hand-over to the XPUB's thread (as for
+    PUB), ``snd_hwm`` messages each of at most ``MAX_LOG_MESSAGE_BYTES`` (a LOG message's
+    text and traceback are clipped; a STAT message is smaller)."""
     if not settings.cmdp_port:
         return 0
     from ..health.cmdp import LOG_QUEUE_MAX_BYTES, MAX_LOG_MESSAGE_BYTES, CMDPConfig
-    return LOG_QUEUE_MAX_BYTES + CMDPConfig().snd_hwm * MAX_LOG_MESSAGE_BYTES
+    return LOG_QUEUE_MAX_BYTES + 2 * CMDPConfig().snd_hwm * MAX_LOG_MESSAGE_BYTES
