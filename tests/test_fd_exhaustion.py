@@ -12,12 +12,14 @@ connects first and keeps sending through every phase:
    dropped; the guard pauses the ZeroMQ sockets, and idle input connections take the few
    descriptors it kept free, so the relay stays at the limit (``logjam_relay_open_fds``)
    for as long as they stay.  Meanwhile segments roll, the output worker is killed and
-   restarted, /metrics answers and new input connections are closed at once (counted): all
-   on the fd reserve (``logjam_relay_fd_reserve_used_total``);
+   restarted, /metrics answers and new input connections are closed at once (counted) while
+   the fd reserve can spare a descriptor, else they wait in the backlog: all on the fd
+   reserve (``logjam_relay_fd_reserve_used_total``);
 3. the peers leave: new ROUTER and input connections work again.
 
 Asserted: the relay lives and exits 0 on SIGTERM, every message answered 202 is delivered
-(0 lost), the counters are > 0, the fd guard's log lines are rate-limited, no traceback
+(0 lost), the counters are > 0 (the input's: each connection closed at accept counted,
+and only those, as its client saw it), the fd guard's log lines are rate-limited, no traceback
 (but the crash report of the worker that was killed).  Run with ``-s`` for the figures.
 """
 
@@ -218,12 +220,19 @@ def test_out_of_file_descriptors_the_relay_lives_and_loses_nothing(tmp_path):
                 flood += idle_connections(s.router_port, 300)
                 flood += idle_connections(s.pull_port, 300)
                 # as many as the limit: the input's own connections (never dropped) take the
-                # last descriptors, so some of these are closed at accept whatever the guard
-                # freed meanwhile
-                flood += idle_connections(in_port, LIMIT)
+                # last descriptors, so the rest are closed at accept (while the fd reserve
+                # can spare one) or wait in the backlog, whatever the guard freed meanwhile
+                in_flood = idle_connections(in_port, LIMIT)
+                flood += in_flood
                 flood += idle_connections(s.metrics_port, 30)
                 text = await until(lambda t: refused(t, "router", "silent") > 0 and (
                     refused(t, "pull", "silent") + refused(t, "pull", "accept")) > 0, "silent")
+                closed_before = sum(map(closed_by_peer, in_flood))
+                text = await trio.to_thread.run_sync(scrape, s.metrics_port)
+                closed_after = sum(map(closed_by_peer, in_flood))
+                fig["input_flood1"] = (closed_before,
+                                       refused(text, f"input_courier-{in_port}", "accept"),
+                                       closed_after)
                 for c in flood:
                     c.close()
                 flood.clear()
@@ -334,7 +343,12 @@ def test_out_of_file_descriptors_the_relay_lives_and_loses_nothing(tmp_path):
     flood, held = fig["flood"], fig["held"]
     assert flood["router/silent"] > 0, fig
     assert flood["pull/silent"] + flood["pull/accept"] > 0, fig
-    assert flood[f"input_courier-{in_port}/accept"] > 0, fig
+    # the input's connections closed at accept are counted, and only those; how many are
+    # closed depends on the fd reserve having a descriptor to spare (more than 3/4 of it
+    # held) while they arrive, else they wait in the backlog: 0 to all of them were seen
+    # under load (the refusal itself is tested deterministically in test_fdreserve.py)
+    closed_before, counted, closed_after = fig["input_flood1"]
+    assert closed_before <= counted <= closed_after, fig
     # phase 2: at the limit (within what the relay's own work frees for a moment), ZeroMQ
     # paused, the idle input connections beyond the limit closed at once
     assert held["open_fds"] >= LIMIT - 8 and held["paused"] == 1, fig
