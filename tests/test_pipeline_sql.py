@@ -340,7 +340,7 @@ def test_undecided_body_runs_the_python_engine(spark, tmp_path, caplog):
         agg.unpersist()
 
 
-def test_engine_choice(spark, tmp_path, monkeypatch):
+def test_engine_choice(spark, tmp_path, monkeypatch, capsys):
     from logjam_relay.pipeline.cli import C1_ONLY, C2_LATE, local_batch_jvm_options
     archive = _archive(tmp_path, [b'{"action":"A#b"}'])
     assert stats.choose_engine(spark, archive)[0] == "jvm"
@@ -367,6 +367,18 @@ def test_engine_choice(spark, tmp_path, monkeypatch):
     for asked in ("jvm", "sql"):
         with pytest.raises(ValueError, match=f"engine {asked}: .*too big"):
             stats.compute_tables(spark, archive, engine=asked)
+    # the command: one line naming the option and why, status 2, no traceback
+    from logjam_relay.pipeline import cli
+    monkeypatch.setattr(cli, "make_session", lambda *a, **k: spark)
+    monkeypatch.setattr(spark, "stop", lambda: None)
+    capsys.readouterr()
+    rc = cli.main(["stats", "--input", archive, "--output", str(tmp_path / "o"),
+                   "--master", "local[2]", "--engine", "jvm", "-q", "--jvm-cache", "off"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("logjam-relay pipeline: --engine jvm: ") and "too big" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "o")
     assert os.path.isdir(archive)
 
 

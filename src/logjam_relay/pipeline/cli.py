@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     progress.attach(spark.sparkContext)
     from .datasource import LateSegment
-    from .stats import run_batch, run_stream
+    from .stats import EngineUnavailable, run_batch, run_stream
     try:
         if a.stream:
             s = run_stream(spark, a.input, a.output, a.checkpoint, a.apdex_ms,
@@ -354,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             s = run_batch(spark, a.input, a.output, a.apdex_ms, log=log,
                           engine=None if a.engine == "auto" else a.engine)
+    except EngineUnavailable as e:      # --engine jvm/sql that cannot be had: one line
+        progress.close()
+        print(f"logjam-relay pipeline: --engine {a.engine}: {str(e).split(': ', 1)[-1]} "
+              "(--engine auto or python reads this archive)", file=sys.stderr)
+        return 2
     except Exception as e:
         progress.close()
         msg = str(e)

@@ -56,6 +56,14 @@ PARTIAL_DDL = ("kind int, minute_ms long, app string, env string, name string, "
                + ", ".join(f"{c} long" for c in _COUNTS))
 PARTIAL_COLUMNS = tuple(PARTIAL_SCHEMA.names)
 
+
+def partial_schema():
+    """:data:`PARTIAL_DDL` as a Spark StructType whose ``tt_values`` hold no nulls."""
+    from pyspark.sql.types import ArrayType, DoubleType, StructField, StructType
+    s = StructType.fromDDL(PARTIAL_DDL)
+    return StructType([StructField(f.name, ArrayType(DoubleType(), False), True)
+                       if f.name == "tt_values" else f for f in s.fields])
+
 _GROUP = ["minute_ms", "app", "env", "name"]
 
 

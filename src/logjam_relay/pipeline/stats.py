@@ -247,7 +247,7 @@ def partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
     """The reader's partial aggregates (:mod:`.partial`) of an archive as a DataFrame: one
     Spark task per few slices of the segments, each decoding its slices in a Python worker
     (``mapInArrow``) and grouping every batch before anything goes to the JVM."""
-    from .partial import PARTIAL_DDL, plan_slices, read_slices
+    from .partial import partial_schema, plan_slices, read_slices
     slices = plan_slices(input_dir, spark.sparkContext.defaultParallelism)
     t = float(apdex_ms)
 
@@ -256,10 +256,15 @@ def partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
             yield from read_slices(slices, b.column(0).to_pylist(), t)
 
     n = max(1, len(slices))
-    return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, PARTIAL_DDL)
+    return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, partial_schema())
 
 
 ENGINES = ("jvm", "sql", "python")
+
+
+class EngineUnavailable(ValueError):
+    """The engine asked for by name cannot read this archive in this session (the JVM
+    reader did not load, or a segment is too big for it); the message says why."""
 
 
 def choose_engine(spark, input_dir: str) -> tuple[str, str]:
@@ -339,7 +344,7 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
     elif engine in ("jvm", "sql"):
         can, why = choose_engine(spark, input_dir)
         if can != "jvm":
-            raise ValueError(f"engine {engine}: {why}")
+            raise EngineUnavailable(f"engine {engine}: {why}")
     if engine in ("jvm", "sql"):
         run = compute_tables_jvm if engine == "jvm" else compute_tables_sql
         got = run(spark, input_dir, apdex_ms)
@@ -418,8 +423,8 @@ def jvm_partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
     segment, each decoding, extracting and grouping its records on the JVM.  ``loss_key``:
     the tasks also gather the loss table's runs under that key (``LossRuns.java``; read
     them with :func:`take_loss_runs` after the job)."""
-    from .partial import PARTIAL_DDL
-    r = spark.read.format("logjam").schema(PARTIAL_DDL) \
+    from .partial import partial_schema
+    r = spark.read.format("logjam").schema(partial_schema()) \
         .option("aggregate", "requests").option("apdexMs", repr(float(apdex_ms)))
     if loss_key:
         r = r.option("lossKey", loss_key)

@@ -24,7 +24,7 @@ final class LogjamScanBuilder implements SupportsPushDownRequiredColumns {
     public Scan build() {
         // the partial aggregates of the stats pipeline (PartialScan): always this reader
         if (PartialScan.asked(options)) {
-            if (!table.schema().equals(Partials.SCHEMA))
+            if (!table.schema().equals(Partials.SCHEMA) && !table.schema().equals(Partials.SCHEMA_DDL))
                 throw new IllegalArgumentException("logjam data source: option aggregate: "
                     + "the schema is " + Partials.SCHEMA.toDDL() + ", not "
                     + table.schema().toDDL());

@@ -45,7 +45,7 @@ final class PartialScan implements Scan, Batch {
     }
 
     public StructType readSchema() {
-        return Partials.SCHEMA;
+        return segments.readSchema();          // the table's: Partials.SCHEMA or SCHEMA_DDL
     }
 
     public String description() {

@@ -34,8 +34,12 @@ final class Partials {
     /** column indexes in {@link #SCHEMA} */
     static final int C_KIND = 0, C_MINUTE = 1, C_APP = 2, C_ENV = 3, C_NAME = 4, C_EXC = 5,
         C_SUM = 6, C_MAX = 7, C_VALUES = 8, C_COUNTS = 9;
-    /** partial.PARTIAL_DDL */
+    /** partial.partial_schema(): partial.PARTIAL_DDL with tt_values holding no nulls
+     *  (array&lt;double&gt; with containsNull false: Spark's sort_array of the merged values
+     *  then sorts a double[] instead of boxed Doubles with a comparator) */
     static final StructType SCHEMA;
+    /** partial.PARTIAL_DDL as written (containsNull true), which the reader accepts too */
+    static final StructType SCHEMA_DDL;
     static {
         StructField[] f = new StructField[C_COUNTS + COUNTS.length];
         f[C_KIND] = DataTypes.createStructField("kind", DataTypes.IntegerType, true);
@@ -47,10 +51,14 @@ final class Partials {
         f[C_SUM] = DataTypes.createStructField("tt_sum", DataTypes.DoubleType, true);
         f[C_MAX] = DataTypes.createStructField("tt_max", DataTypes.DoubleType, true);
         f[C_VALUES] = DataTypes.createStructField("tt_values",
-            DataTypes.createArrayType(DataTypes.DoubleType, true), true);
+            DataTypes.createArrayType(DataTypes.DoubleType, false), true);
         for (int i = 0; i < COUNTS.length; i++)
             f[C_COUNTS + i] = DataTypes.createStructField(COUNTS[i], DataTypes.LongType, true);
         SCHEMA = DataTypes.createStructType(f);
+        StructField[] g = (StructField[]) f.clone();
+        g[C_VALUES] = DataTypes.createStructField("tt_values",
+            DataTypes.createArrayType(DataTypes.DoubleType, true), true);
+        SCHEMA_DDL = DataTypes.createStructType(g);
     }
     private static final byte[] UNKNOWN = SegmentDecoder.ascii("unknown"),
         HEARTBEAT = SegmentDecoder.ascii("heartbeat");
