@@ -447,7 +447,9 @@ def main() -> int:
         problems = [p for r in results for p in r["problems"]]
         if not a.no_scan:
             from logjam_relay.pipeline.cli import make_session
-            spark = make_session(a.master, "bench_pipeline")
+            # (no console progress bar: the scans' lines are what is pasted)
+            spark = make_session(a.master, "bench_pipeline",
+                                 extra_conf={"spark.ui.showConsoleProgress": "false"})
             for k, r in enumerate(results):
                 scans(r, base, a, spark, context=k == 0)
             spark.stop()
