@@ -181,7 +181,7 @@ def slices_of(segs, parallelism: int, min_records: int = 65536) -> list:
 def partial_frame(spark, slices: list, apdex_ms: float = DEFAULT_APDEX_MS):
     """The partial rows (:mod:`.partial`) of planned slices: :func:`.stats.partial_frame`
     without the client-side listing."""
-    from .partial import PARTIAL_DDL
+    from .partial import partial_schema
     t = float(apdex_ms)
 
     def read(batches):
@@ -190,7 +190,7 @@ def partial_frame(spark, slices: list, apdex_ms: float = DEFAULT_APDEX_MS):
             yield from read_slices(slices, b.column(0).to_pylist(), t)
 
     n = max(1, len(slices))
-    return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, PARTIAL_DDL)
+    return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, partial_schema())
 
 
 def loss_frame(spark, segs: list, parallelism: int):
