@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                           engine=None if a.engine == "auto" else a.engine)
     except EngineUnavailable as e:      # --engine jvm/sql that cannot be had: one line
         progress.close()
-        print(f"logjam-relay pipeline: --engine {a.engine}: {str(e).split(': ', 1)[-1]} "
+        print(f"logjam-relay pipeline: --engine {e.engine}: {e.why} "
               "(--engine auto or python reads this archive)", file=sys.stderr)
         return 2
     except Exception as e:

@@ -64,6 +64,7 @@ def partial_schema():
     return StructType([StructField(f.name, ArrayType(DoubleType(), False), True)
                        if f.name == "tt_values" else f for f in s.fields])
 
+
 _GROUP = ["minute_ms", "app", "env", "name"]
 
 

@@ -264,7 +264,11 @@ ENGINES = ("jvm", "sql", "python")
 
 class EngineUnavailable(ValueError):
     """The engine asked for by name cannot read this archive in this session (the JVM
-    reader did not load, or a segment is too big for it); the message says why."""
+    reader did not load, or a segment is too big for it): ``why``."""
+
+    def __init__(self, engine: str, why: str):
+        super().__init__(f"engine {engine}: {why}")
+        self.engine, self.why = engine, why
 
 
 def choose_engine(spark, input_dir: str) -> tuple[str, str]:
@@ -344,7 +348,7 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
     elif engine in ("jvm", "sql"):
         can, why = choose_engine(spark, input_dir)
         if can != "jvm":
-            raise EngineUnavailable(f"engine {engine}: {why}")
+            raise EngineUnavailable(engine, why)
     if engine in ("jvm", "sql"):
         run = compute_tables_jvm if engine == "jvm" else compute_tables_sql
         got = run(spark, input_dir, apdex_ms)
