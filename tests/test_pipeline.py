@@ -342,3 +342,41 @@ def test_cli_batch_summary(archive, messages, tmp_path, capsys, spark):
     assert f"summary: rows in {len(messages)}" in outp and "rows out" in outp
     assert sorted(p for p in os.listdir(tmp_path / "o")) == sorted(stats.TABLES)
     shutil.rmtree(tmp_path / "o")
+
+
+def test_cli_setup_errors_are_one_line_before_the_job(archive, tmp_path):
+    """A master spark-submit refuses, an output or checkpoint that cannot be written, a
+    JVM that does not start: one line and status 2, before the archive is read (the
+    output used to fail after the whole job, with a Py4J traceback), nothing left behind."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = [sys.executable, "-m", "logjam_relay.pipeline.cli", "stats", "--input", archive,
+            "-q"]
+    cases = [
+        (["--output", str(tmp_path / "o1"), "--master", "bogus://x"],
+         "--master 'bogus://x': Spark takes yarn, local"),
+        (["--output", str(afile / "sub")], f"--output {afile / 'sub'}: {afile} is not a directory"),
+        (["--output", "/proc/logjam-relay-test/o"], "--output /proc/logjam-relay-test/o: "),
+        (["--output", f"file://{afile}/x"], f"{afile} is not a directory"),
+        (["--output", str(tmp_path / "o2"), "--stream", "--checkpoint", str(afile / "c")],
+         f"--checkpoint {afile / 'c'}: "),
+        (["--output", str(tmp_path / "o3"), "--conf", "spark.driver.memory=bogus"],
+         "Spark did not start: its JVM exited before it began"),
+    ]
+    for args, want in cases:
+        r = subprocess.run(base + args, capture_output=True, timeout=120)
+        err = r.stderr.decode()
+        ours = [x for x in err.splitlines() if x.startswith("logjam-relay pipeline:")]
+        assert r.returncode == 2 and len(ours) == 1 and want in ours[0], (args, err)
+        assert "Traceback" not in err, (args, err)
+    # nothing was made where the checks probed
+    assert sorted(os.listdir(tmp_path)) == ["afile", "ro"]
+    # an output that exists and is writable, or on another file system, is not refused
+    from logjam_relay.pipeline.cli import output_problem
+    assert output_problem("--output", str(ro), True) is None
+    assert output_problem("--output", str(tmp_path / "new" / "deeper"), True) is None
+    assert not (tmp_path / "new").exists()
+    assert output_problem("--output", "hdfs://nn/stats", True) is None
+    assert output_problem("--output", "/proc/x", False) is None     # not a local master

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 from ..units import duration
@@ -88,6 +89,56 @@ def local_batch_jvm_options(engine: str, input_dir: str) -> str:
 
 def _is_local(master: str | None) -> bool:
     return master is None or master.startswith("local")
+
+
+#: the master URLs spark-submit takes (SparkSubmit.prepareSubmitEnvironment: "Master must
+#: either be yarn or start with spark, k8s, or local")
+MASTER_FORMS = ("yarn", "local", "spark://", "k8s://")
+
+
+def master_problem(master: str | None) -> str | None:
+    """Why spark-submit would refuse ``master`` (None: it takes it); said before a JVM
+    starts, where spark-submit would print a Java stack trace."""
+    if master is None or master == "yarn" or master.startswith(MASTER_FORMS[1:]):
+        return None
+    return (f"--master {master!r}: Spark takes yarn, local, local[N], local[*], "
+            "spark://HOST:PORT or k8s://URL")
+
+
+def output_problem(option: str, path: str, local_fs: bool) -> str | None:
+    """Why the local directory ``path`` cannot take the run's files (None: it can, or it
+    is not a local path, which Spark checks itself).  Checked before the job (else the
+    whole archive is read before the first write fails) by making it and a directory in
+    it, then removing what was made: nothing is left behind.  ``local_fs``: a path
+    without a scheme is on this machine (a local master)."""
+    if path.startswith("file:"):
+        path = path[len("file:"):]
+        if path.startswith("//"):
+            path = path[2:]
+    elif ":" in path.split("/", 1)[0] or not local_fs:
+        return None                     # hdfs://, s3a://, ...: Spark's to check
+    d = os.path.abspath(path)
+    missing = []
+    while not os.path.exists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        return f"{option} {path}: {d} is not a directory"
+    made = []
+    try:
+        for m in reversed(missing):
+            os.mkdir(m)
+            made.append(m)
+        os.rmdir(tempfile.mkdtemp(prefix=".logjam-relay-probe-", dir=os.path.abspath(path)))
+    except OSError as e:
+        return f"{option} {path}: {e.strerror or e}"
+    finally:
+        for m in reversed(made):
+            try:
+                os.rmdir(m)
+            except OSError:
+                pass
+    return None
 
 
 #: the session settings of the pipeline that a Spark Connect client may set too
@@ -298,14 +349,29 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(a.input):
         print(f"logjam-relay pipeline: input {a.input} is not a directory", file=sys.stderr)
         return 2
+    problem = master_problem(a.master)
+    if problem:
+        print(f"logjam-relay pipeline: {problem}", file=sys.stderr)
+        return 2
     master = a.master
     # this command starts the driver JVM itself (not under spark-submit, no JVM running in
     # this process yet)
     from pyspark import SparkContext
+    from pyspark.errors import PySparkRuntimeError
     launching = "SPARK_SUBMIT_OPTS" not in os.environ and \
         not os.environ.get("PYSPARK_GATEWAY_PORT") and SparkContext._gateway is None
     if master is None and launching:
         master = "local[*]"
+    # a path without a scheme is local only to a local master with no Hadoop configuration
+    # naming another file system (else Spark resolves it there, and checks it itself)
+    local_fs = launching and master is not None and _is_local(master) \
+        and not os.environ.get("HADOOP_CONF_DIR") \
+        and conf.get("spark.hadoop.fs.defaultFS", "file:///").startswith("file:")
+    for opt, path in (("--output", a.output), ("--checkpoint", a.checkpoint)):
+        problem = path and output_problem(opt, path, local_fs)
+        if problem:
+            print(f"logjam-relay pipeline: {problem}", file=sys.stderr)
+            return 2
     if not a.stream and master is not None and _is_local(master):
         # the python engine in one short-lived JVM: its C2 JIT compiler threads cost more
         # CPU than the optimised code saves (measured: ~40 % less JVM CPU time for 1M
@@ -341,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     except JavaNotFound as e:
         progress.close()
         print(f"logjam-relay pipeline: {e}", file=sys.stderr)
+        return 2
+    except PySparkRuntimeError:         # the JVM exited before it started
+        progress.close()
+        print("logjam-relay pipeline: Spark did not start: its JVM exited before it began "
+              "(its own message is above)", file=sys.stderr)
         return 2
     progress.attach(spark.sparkContext)
     from .datasource import LateSegment
