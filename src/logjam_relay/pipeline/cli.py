@@ -91,15 +91,16 @@ def _is_local(master: str | None) -> bool:
     return master is None or master.startswith("local")
 
 
-#: the master URLs spark-submit takes (SparkSubmit.prepareSubmitEnvironment: "Master must
-#: either be yarn or start with spark, k8s, or local")
-MASTER_FORMS = ("yarn", "local", "spark://", "k8s://")
+#: what a master URL spark-submit takes starts with, besides "yarn"
+#: (SparkSubmit.prepareSubmitEnvironment: "Master must either be yarn or start with spark,
+#: k8s, or local")
+MASTER_PREFIXES = ("local", "spark://", "k8s://")
 
 
 def master_problem(master: str | None) -> str | None:
     """Why spark-submit would refuse ``master`` (None: it takes it); said before a JVM
     starts, where spark-submit would print a Java stack trace."""
-    if master is None or master == "yarn" or master.startswith(MASTER_FORMS[1:]):
+    if master is None or master == "yarn" or master.startswith(MASTER_PREFIXES):
         return None
     return (f"--master {master!r}: Spark takes yarn, local, local[N], local[*], "
             "spark://HOST:PORT or k8s://URL")
@@ -117,7 +118,7 @@ def output_problem(option: str, path: str, local_fs: bool) -> str | None:
             path = path[2:]
     elif ":" in path.split("/", 1)[0] or not local_fs:
         return None                     # hdfs://, s3a://, ...: Spark's to check
-    d = os.path.abspath(path)
+    d = target = os.path.abspath(path)
     missing = []
     while not os.path.exists(d):
         missing.append(d)
@@ -129,7 +130,7 @@ def output_problem(option: str, path: str, local_fs: bool) -> str | None:
         for m in reversed(missing):
             os.mkdir(m)
             made.append(m)
-        os.rmdir(tempfile.mkdtemp(prefix=".logjam-relay-probe-", dir=os.path.abspath(path)))
+        os.rmdir(tempfile.mkdtemp(prefix=".logjam-relay-probe-", dir=target))
     except OSError as e:
         return f"{option} {path}: {e.strerror or e}"
     finally:
