@@ -64,6 +64,71 @@ if _WORKER.startswith("gw"):
 SPARK_FILES = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
 
 
+# A worker that dies of a signal (a segfault, an abort() in libzmq) is reported by xdist
+# as "crashed" and its fault handler's traceback is lost among the other output.  Each
+# worker's fault handler writes into a file of the run's own directory instead, and the
+# controller prints the non-empty ones at the end, beside the failures.
+_FAULT_DIR_ENV = "LOGJAM_RELAY_TEST_FAULT_DIR"
+_fault_file = None
+
+
+@pytest.hookimpl(trylast=True)            # after pytest's faulthandler plugin enabled it
+def pytest_configure(config):
+    global _fault_file
+    import faulthandler
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        if getattr(config.option, "numprocesses", None) and _FAULT_DIR_ENV not in os.environ:
+            import tempfile
+            os.environ[_FAULT_DIR_ENV] = tempfile.mkdtemp(prefix="logjam-relay-test-faults-")
+            config._logjam_fault_dir = os.environ[_FAULT_DIR_ENV]
+        return
+    d = os.environ.get(_FAULT_DIR_ENV)
+    if d and os.path.isdir(d):
+        _fault_file = open(os.path.join(d, f"{worker}-{os.getpid()}.txt"), "w")
+        faulthandler.enable(file=_fault_file, all_threads=True)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    d = getattr(config, "_logjam_fault_dir", None)
+    if not d or not os.path.isdir(d):
+        return
+    for name in sorted(os.listdir(d)):
+        with open(os.path.join(d, name), errors="replace") as fh:
+            text = fh.read()
+        if text.strip():
+            terminalreporter.section(f"fault handler of worker {name[:-4]}", red=True)
+            terminalreporter.write(_fault_summary(text))
+
+
+def _fault_summary(text: str) -> str:
+    """The fault's line and each thread's stack down to the first frame of pytest's own
+    machinery (pytest, pluggy, execnet), at most 12 frames a thread."""
+    out, frames = [], 0
+    skipping = False
+    for ln in text.splitlines():
+        if ln.startswith(("Thread 0x", "Current thread")) or not ln.startswith("  "):
+            if ln.strip():
+                out.append(ln)
+            skipping, frames = False, 0
+        elif not skipping:
+            if any(m in ln for m in ("/_pytest/", "/pluggy/", "/execnet/")) or frames == 12:
+                skipping = True
+                out.append("  ...")
+            else:
+                out.append(ln)
+                frames += 1
+    return "\n".join(out) + "\n"
+
+
+def pytest_unconfigure(config):
+    d = getattr(config, "_logjam_fault_dir", None)
+    if d:
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
+        os.environ.pop(_FAULT_DIR_ENV, None)
+
+
 # tryfirst: xdist's worker turns the marks into the node ids' "@group" suffix in its own
 # pytest_collection_modifyitems, which must see them
 @pytest.hookimpl(tryfirst=True)
