@@ -245,6 +245,57 @@ def test_x_lz4_inside_the_loop_same_as_the_compressor_path(ctx, router):
     assert c.compressed > 300 and c.received > 600 and c.invalid > 0
 
 
+def test_x_lz4_in_the_loop_gives_the_batch_compressors_bytes_across_sizes(ctx):
+    """-x lz4 in the loop: every body's block equals the relay's other LZ4 path's (the
+    batch compressor, relay/_recompress.c: both call LZ4_compress_default) and decompresses
+    to the body, in any order of sizes -- below and above 64 KiB, where LZ4 switches its
+    hash table's kind -- and of contents (text that compresses, bytes that do not).
+    python-lz4's own compress() (the pure-Python fallback) uses LZ4's streaming call,
+    whose blocks differ for text under 64 KiB: equal content, other bytes (docs).  A kept
+    state with LZ4_compress_fast_extState_fastReset (27 % faster) gives other bytes again
+    for text after the first body: not used."""
+    from logjam_relay.relay import stamping
+    require_native(stamping._recompress, "logjam_relay.relay._recompress")
+    require_native(zmq_fast.LZ4 or None, "python-lz4's liblz4 for the ingest pass")
+    rnd = random.Random(77)
+    words = [rnd.randbytes(rnd.randint(2, 9)).hex().encode() for _ in range(300)]
+
+    def body(n: int) -> bytes:
+        if rnd.random() < 0.25:
+            return rnd.randbytes(n)
+        out = bytearray()
+        while len(out) < n:
+            out += rnd.choice(words) + b" "
+        return bytes(out[:n])
+
+    sizes = [0, 1, 12, 13, 100, 1500, 65535, 65536, 65537, 70000, 200_000, 5, 64_000]
+    sizes += [rnd.choice((rnd.randint(0, 3000), rnd.randint(60_000, 140_000)))
+              for _ in range(150)]
+    bodies = [body(n) for n in sizes]
+    meta = struct.pack(">HBBIQQ", 0xCABD, 0, 1, 0, 1700000000123, 1)
+    s = Side(ctx, "lz4-sizes", compress=L.LZ4_COMPRESSION)
+    now = 1_750_000_000_000
+    # the first message of a stream is the Python path's (it learns the stream name)
+    drive(fused_round, s, [[b"shop-production", b"logs.shop", b"warm-up", meta]], 1, 0,
+          now, spool=False)
+    assert len(s.received()) == 1
+    s.feed([[b"shop-production", b"logs.shop", b_, meta] for b_ in bodies])
+    got, in_c = [], 0
+    while len(got) < len(bodies):
+        r = ingestpass.run(s.pull, s.pub, s.p, 64, 0, 1 << 20, now, -1, False,
+                           L.LZ4_COMPRESSION)
+        assert not r.leftover
+        in_c += r.stamped
+        if not r.stamped:
+            assert s.pull.poll(2000), "messages did not arrive"
+        got += s.received()
+    assert in_c == len(bodies)
+    blocks = [m[2] for m in got]
+    assert blocks == stamping._recompress.compress_batch(bodies, L.LZ4_COMPRESSION)
+    assert [L.decompress(b_, L.LZ4_COMPRESSION, 1 << 20) for b_ in blocks] == bodies
+    assert all(m[3][2] == L.LZ4_COMPRESSION for m in got)
+
+
 def test_all_fast_without_spool(ctx):
     meta = struct.pack(">HBBIQQ", 0xCABD, 2, 1, 9, 0, 5)
     msgs = [[b"shop-production", b"logs.shop", b"%d" % i * 30, meta] for i in range(3000)]
