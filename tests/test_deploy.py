@@ -454,8 +454,9 @@ def test_pipeline_without_any_java_stops_with_one_line(tmp_path):
     (hide / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
     (tmp_path / "in").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOGJAM_", "JAVA"))}
+    # a cache of its own: the stub java must not leave anything in the suite's
     env.update(PATH=str(tmp_path / "nothing"), JAVA_HOME=str(old.parent.parent),
-               PYTHONPATH=str(hide.parent))
+               PYTHONPATH=str(hide.parent), XDG_CACHE_HOME=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "logjam_relay", "pipeline", "stats", "-q",
                         "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=120, env=env)

@@ -193,3 +193,47 @@ def test_no_archive_with_a_configuration_directory_on_the_classpath(tmp_path, mo
         assert jvmcache.classpath_blockers() == [str(conf_dir)]
         assert _class_archive(str(tmp_path / "cache"), conf, True, lines.append) is None
         assert conf == {} and len(lines) == 1 and str(conf_dir) in lines[0], lines
+
+
+def test_a_java_that_compiles_nothing_and_a_damaged_cached_jar(tmp_path, monkeypatch):
+    """A `java` stub that exits 0 (test_deploy's fake Java 8, found first by an earlier
+    `pipeline stats`) built a jar of no classes into the cache, which then served it to
+    every later run: the reader never loaded, and registering the Python source under its
+    name failed (DATA_SOURCE_ALREADY_EXISTS).  Such a build is a BuildError now, and a
+    cached jar that is damaged -- no classes, cut short, empty, not a zip, a bad entry --
+    is built again."""
+    import zipfile
+
+    from logjam_relay.pipeline import jvmreader
+    for k, v in ensure_java().items():
+        monkeypatch.setenv(k, v)
+    stub = tmp_path / "bin" / "java"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    with pytest.raises(jvmreader.BuildError, match="made no class for"):
+        jvmreader.build(str(tmp_path / "x.jar"), java=str(stub))
+    assert not (tmp_path / "x.jar").exists()
+    cache = tmp_path / "cache"
+    good = jvmreader.build_jar(str(cache))
+    assert jvmreader.jar_problem(good) is None
+    data, want = open(good, "rb").read(), entries(good)
+    services_only = tmp_path / "services-only.jar"
+    with zipfile.ZipFile(services_only, "w") as z:
+        z.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\n")
+        z.writestr(jvmreader.SERVICES, "logjamrelay.spark.LogjamProvider\n")
+    flipped = bytearray(data)
+    flipped[200] ^= 0xFF                                # inside the first entry's data
+    for damage in (services_only.read_bytes(), data[:len(data) // 2], b"", b"not a zip",
+                   bytes(flipped)):
+        with open(good, "wb") as fh:
+            fh.write(damage)
+        assert jvmreader.jar_problem(good) is not None
+        assert jvmreader.build_jar(str(cache)) == good
+        assert jvmreader.jar_problem(good) is None and entries(good) == want
+
+
+def entries(jar: str) -> dict[str, bytes]:
+    import zipfile
+    with zipfile.ZipFile(jar) as z:
+        return {n: z.read(n) for n in z.namelist()}

@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 import time
 import zipfile
+import zlib
 
 from .jvmcache import default_dir, find_java, remove_stale_parts, spark_jars
 
@@ -75,11 +76,12 @@ def build(dest: str, jars: list[str] | None = None, java: str | None = None) -> 
         raise BuildError("no java found")
     if len(compiler) != 2:
         raise BuildError("Spark's jars have no Janino compiler (janino-*.jar, commons-compiler-*.jar)")
+    srcs = sources()
     with tempfile.TemporaryDirectory(prefix="logjam-reader-") as tmp:
         classes = os.path.join(tmp, "classes")
         os.mkdir(classes)
         cmd = [java, "-cp", os.pathsep.join(compiler), _COMPILER, "-d", classes,
-               "-classpath", os.pathsep.join(jars), *sources()]
+               "-classpath", os.pathsep.join(jars), *srcs]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -87,6 +89,15 @@ def build(dest: str, jars: list[str] | None = None, java: str | None = None) -> 
         out = (r.stdout + r.stderr).strip()
         if r.returncode != 0 or "CompileException" in out:
             raise BuildError(f"the Java compiler failed: {out[-2000:]}")
+        # a `java` that is not one (a stub that exits 0) compiles nothing: such a jar,
+        # kept in the cache, would hide the reader from every later run
+        made = {f[:-6] for _root, _dirs, files in os.walk(classes) for f in files
+                if f.endswith(".class")}
+        missing = sorted({os.path.basename(p)[:-5] for p in srcs} - made)
+        if missing:
+            raise BuildError(f"the Java compiler ({java}) made no class for "
+                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+                             f"{f': {out[-500:]}' if out else ''}")
         part = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.{os.getpid()}")
         with zipfile.ZipFile(part, "w", zipfile.ZIP_DEFLATED) as z:
             z.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\n")
@@ -110,8 +121,11 @@ def build_jar(cache_dir: str | None = None) -> str:
                 raise BuildError(f"no writable directory for it ({cache_dir or default_dir()}, {d})")
         path = os.path.join(d, f"logjam-reader-{_key(jars)}.jar")
         if os.path.isfile(path):
-            _touch(path)
-            return path
+            problem = jar_problem(path)
+            if problem is None:
+                _touch(path)
+                return path
+            log.warning("the JVM reader's jar %s is damaged (%s): built again", path, problem)
         build(path, jars)
         # Another installed version may be using its own jar right now (a session opens
         # it by path whenever it looks a data source up): only jars unused for a while go
@@ -126,6 +140,22 @@ def build_jar(cache_dir: str | None = None) -> str:
         return path
     except OSError as e:
         raise BuildError(str(e)) from None
+
+
+def jar_problem(path: str) -> str | None:
+    """Why the jar at ``path`` is not a whole build of the reader (None: it is): not a zip,
+    a damaged entry, or no provider class or service file (a build that compiled
+    nothing, a file cut short)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = set(z.namelist())
+            for need in (PROVIDER.replace(".", "/") + ".class", SERVICES):
+                if need not in names:
+                    return f"no {need}"
+            bad = z.testzip()
+            return f"{bad} is damaged" if bad else None
+    except (OSError, zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
+        return f"not a whole jar: {e}"
 
 
 def ensure_jar(cache_dir: str | None = None) -> str | None:
