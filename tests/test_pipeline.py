@@ -380,3 +380,33 @@ def test_cli_setup_errors_are_one_line_before_the_job(archive, tmp_path):
     assert not (tmp_path / "new").exists()
     assert output_problem("--output", "hdfs://nn/stats", True) is None
     assert output_problem("--output", "/proc/x", False) is None     # not a local master
+
+
+def test_cli_a_job_that_fails_is_one_line_and_a_file(archive, tmp_path):
+    """A job that fails once it runs (here: executors whose Python lacks the package, with
+    --ship-package never) ends with one line naming the cause, exit status 1, and the
+    whole error in a file -- not PySpark's traceback."""
+    from test_pipeline_cluster import HIDE, SRC_DIR
+    hide = tmp_path / "python-without-logjam-relay"
+    hide.write_text(HIDE.format(python=sys.executable, src=os.path.realpath(SRC_DIR)))
+    hide.chmod(0o755)
+    env = dict(os.environ, PYSPARK_PYTHON=str(hide))
+    r = subprocess.run([sys.executable, "-m", "logjam_relay.pipeline.cli", "stats",
+                        "--input", archive, "--output", str(tmp_path / "o"), "-q",
+                        "--master", "local[1]", "--engine", "python", "--ship-package",
+                        "never"], capture_output=True, timeout=300, env=env)
+    err = r.stderr.decode()
+    ours = [x for x in err.splitlines() if x.startswith("logjam-relay pipeline:")]
+    assert r.returncode == 1 and len(ours) == 1, err[-3000:]
+    # no traceback of the command's own (Spark's log lines quote the worker's, indented)
+    assert not any(x.startswith("Traceback") for x in err.splitlines()), err[-3000:]
+    assert "Py4JJavaError" not in err, err[-3000:]
+    line = ours[0]
+    assert "the Spark job failed: " in line and \
+        "No module named 'logjam_relay'" in line, line
+    where = line.rsplit("(the whole error: ", 1)[1].rstrip(")")
+    try:
+        whole = open(where).read()
+        assert "Traceback" in whole and "No module named 'logjam_relay'" in whole
+    finally:
+        os.unlink(where)

@@ -438,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
             line = msg[msg.index(LateSegment.MARK):].splitlines()[0]
             print(f"logjam-relay pipeline: {line}", file=sys.stderr)
             return 2
-        raise
+        # the job failed (a full disk at the write, executors without the package, ...):
+        # its gist in one line, the whole error in a file, exit status 1
+        where = _save_error(e)
+        print(f"logjam-relay pipeline: the Spark job failed: {job_failure(e)}"
+              f"{f' (the whole error: {where})' if where else ''}", file=sys.stderr)
+        return 1
     finally:
         progress.stop()
         spark.stop()
@@ -468,6 +473,36 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(summary_line(r), flush=True)
     return 0
+
+
+def job_failure(e: BaseException) -> str:
+    """The gist of a failed Spark job in one line: the innermost cause of a JVM exception
+    (a Py4J error), or of PySpark's own; for an error of a Python worker, the last line of
+    its traceback (:func:`.connect.first_line`)."""
+    from .connect import first_line
+    java = getattr(e, "java_exception", None) or getattr(e, "_origin", None)
+    if java is not None:
+        try:
+            root, hops = java, 0
+            while root.getCause() is not None and hops < 50:
+                root, hops = root.getCause(), hops + 1
+            return first_line(RuntimeError(str(root.toString())))
+        except Exception:               # the gateway is gone: the Python side's text
+            pass
+    return first_line(e)
+
+
+def _save_error(e: BaseException) -> str | None:
+    """The whole traceback of ``e`` in a new file of the temporary directory (its path),
+    or None when it cannot be written (a full disk may be why the job failed)."""
+    import traceback
+    try:
+        fd, path = tempfile.mkstemp(prefix="logjam-relay-pipeline-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as fh:
+            fh.write("".join(traceback.format_exception(e)))
+        return path
+    except OSError:
+        return None
 
 
 def _main_remote(a, ap, remote: str, conf: dict) -> int:
