@@ -582,3 +582,41 @@ def test_worker_keeps_freed_memory_in_the_heap():
     pages = 5 * 400 * (100 << 10) // 4096
     assert got["0"][1] > pages // 2                   # the defaults: trimmed, faulted again
     assert got["1"][1] < pages // 50                  # kept in the heap
+
+
+async def test_an_output_short_of_descriptors_is_retried_within_a_second(autojump_clock):
+    """An output that cannot start for want of file descriptors (EMFILE from its socket
+    pair) is tried again within FD_RETRY_MAX however long the shortage lasts -- the crash
+    backoff had grown to 50 s, and the output stayed stopped that long after descriptors
+    were free again -- and those tries do not grow the backoff of a real crash."""
+    import errno
+    import types
+
+    from logjam_relay.outputs import supervisor as sup
+
+    starts: list[float] = []
+    plan = [OSError(errno.EMFILE, "Too many open files")] * 12 + [ValueError("a bug")] + \
+        [OSError(errno.ENFILE, "Too many open files in system")] * 3 + [None]
+
+    class Output:
+        async def run(self):
+            starts.append(trio.current_time())
+            what = plan[len(starts) - 1]
+            if what is not None:
+                raise what
+            s.request_stop()
+
+    class Reader:
+        def rewind(self):
+            pass
+
+    s = sup.OutputSupervisor(types.SimpleNamespace(name="x"), Reader(), Output,
+                             backoff_min=0.5, backoff_max=60.0)
+    s.request_stop = lambda: setattr(s, "_stop", True)
+    await s.run()
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(starts) == len(plan) and s.crashes == len(plan) - 1
+    assert all(g <= sup.FD_RETRY_MAX for g in gaps[:12]), gaps
+    assert max(gaps[8:12]) > sup.FD_RETRY_MAX / 2         # and no busy loop either
+    assert gaps[12] <= 0.5                                 # the bug's first backoff: min
+    assert all(g <= sup.FD_RETRY_MAX for g in gaps[13:]), gaps

@@ -24,6 +24,7 @@ import trio
 
 from ..config import ConfigError, Settings
 from ..fdreserve import out_of_fds
+from ..ratelimit import RateLimitedLog
 
 log = logging.getLogger("logjam_relay.outputs")
 
@@ -109,8 +110,16 @@ def make_output(spec: OutputSpec, reader, relay_host: str, *, dead_letters=None,
     raise ValueError(f"unknown output scheme {spec.scheme!r}")  # pragma: no cover
 
 
+#: the longest wait between starts of an output that could not start for want of file
+#: descriptors (s): that lasts only as long as the shortage, and a try costs a failed
+#: socketpair -- the crash backoff (up to ``backoff_max``) left an output stopped for up to
+#: a minute after descriptors were free again
+FD_RETRY_MAX = 1.0
+
+
 class OutputSupervisor:
-    """Runs one output; restarts it with backoff when it crashes."""
+    """Runs one output; restarts it with backoff when it crashes (briefly, and without
+    growing the crash backoff, when it could not start for want of file descriptors)."""
 
     def __init__(self, spec: OutputSpec, reader, factory: Callable[[], object], *,
                  backoff_min: float = 0.5, backoff_max: float = 60.0,
@@ -128,9 +137,10 @@ class OutputSupervisor:
         self.last_error = ""
         self.started_at = time.monotonic()
         self._stop = False
+        self._rlog = RateLimitedLog(log)
 
     async def run(self) -> None:
-        failures = 0
+        failures = fd_failures = 0
         while not self._stop:
             self.output = self.factory()
             self.starts += 1
@@ -139,7 +149,7 @@ class OutputSupervisor:
                 await self.output.run()
                 if self._stop:
                     return
-                failures = 0   # a normal return without a stop request: start again
+                failures = fd_failures = 0   # a normal return without a stop request: start again
             except (KeyboardInterrupt, trio.Cancelled):
                 raise
             except Exception as e:  # a crashed output must not take the relay down
@@ -147,13 +157,17 @@ class OutputSupervisor:
                 self.last_error = f"{type(e).__name__}: {e}"
                 if time.monotonic() - t0 > 60:
                     failures = 0
-                failures += 1
-                delay = min(self.backoff_max, self.backoff_min * 2 ** (failures - 1))
-                delay *= random.uniform(0.5, 1.0)
                 if out_of_fds(e):           # starting it needs descriptors: no traceback
-                    log.error("output %s could not start (%d so far): %s; retrying in %.1fs",
-                              self.name, self.crashes, e, delay)
+                    fd_failures += 1
+                    delay = min(FD_RETRY_MAX, self.backoff_min * 2 ** min(fd_failures - 1, 8))
+                    delay *= random.uniform(0.5, 1.0)
+                    self._rlog.error("emfile", "output %s could not start (%d so far): %s; "
+                                     "retrying in %.1fs", self.name, self.crashes, e, delay)
                 else:
+                    fd_failures = 0
+                    failures += 1
+                    delay = min(self.backoff_max, self.backoff_min * 2 ** (failures - 1))
+                    delay *= random.uniform(0.5, 1.0)
                     log.exception("output %s crashed (%d so far); restarting in %.1fs",
                                   self.name, self.crashes, delay)
                 await trio.sleep(delay)
