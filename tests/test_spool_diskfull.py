@@ -190,9 +190,11 @@ def test_full_disk_never_deadlocks(tmp_path, small_disk, policy, segments):
     if policy == "block":
         assert not missing and lost == 0
     else:
-        # drop_oldest loses only the oldest, and counts every record it dropped
-        # (the window the output had read before its segment was dropped may still be
-        # delivered, so the run of lost records need not start at 0)
+        # drop_oldest loses only the oldest, and counts every record it dropped; what the
+        # output had read before its segment was dropped (at most window x (pipeline + 8)
+        # records, README) may still be delivered, at the start of the lost span or inside
+        # it (seen once: 0-4319 and 4523-4722 lost, 4320-4522 delivered)
         run = sorted(missing)
-        assert lost > 0 and run == list(range(run[0], run[0] + len(run)))
+        inside = set(range(run[0], run[-1] + 1)) - missing
+        assert lost > 0 and len(inside) <= WINDOW * (4 + 8), (len(inside), run[:3], run[-3:])
         assert max(run) < max(got & set(range(100_000)))
