@@ -223,6 +223,14 @@ def test_jvm_and_sql_engines_equal_python_engine(spark, tmp_path):
             aggs.append(agg)
             assert s == {**py_s, "engine": engine}
             assert_same_tables(t, py_t)
+        # the jvm engine's partial rows are one per group and partition: its merge runs
+        # without Spark's pre-shuffle partial aggregation (which would reduce nothing);
+        # the python engine's (one row per group and Arrow batch) and the sql engine's
+        # (one row per record) keep it, and the session's setting is left as it was
+        plans = [a._jdf.queryExecution().executedPlan().toString() for a in aggs]
+        assert ["partial_" in p for p in plans] == [True, False, True]
+        assert "collect_list" in plans[1]
+        assert spark.conf.get(stats.BYPASS_PARTIAL_AGGREGATION, None) is None
         # the data has several values per group: the exact percentiles mean something
         big = [r for r in _table(py_t["request_stats"], KEYS["request_stats"]).values()
                if r["count"] >= 5 and r["total_time_p50"] != r["total_time_p95"]]

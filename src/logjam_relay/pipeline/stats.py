@@ -13,6 +13,7 @@ Python implementation the tests compare against) are in ``docs/pipeline.md``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -453,13 +454,42 @@ def take_loss_runs(spark, key: str) -> bytes:
     return bytes(spark.sparkContext._jvm.logjamrelay.spark.LossRuns.take(key))
 
 
+#: Spark 4.3's switch for aggregations whose partial step reduces nothing: "skips the
+#: pre-shuffle partial aggregation and runs a single Complete-mode aggregation after the
+#: shuffle" (an unknown key is ignored by older releases)
+BYPASS_PARTIAL_AGGREGATION = "spark.sql.execution.bypassPartialAggregation"
+
+
+@contextlib.contextmanager
+def _session_conf(spark, key: str, value: str):
+    """``with _session_conf(spark, key, value):`` -- a runtime setting of the session for
+    the plans made inside, restored (or unset) after."""
+    before = spark.conf.get(key, None)
+    spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        if before is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, before)
+
+
 def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None = None):
     """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`); the loss
     state from the runs the JVM reader's tasks gathered under ``loss_key`` (the archive is
     read once), else from the loss walk beside the Spark job; None when ``src`` counted
     undecided bodies (engine jvm)."""
     import logging
-    agg = merge_partials(src).persist()
+    if engine == "jvm":
+        # one partial row per group and partition by construction (Partials.java): Spark's
+        # pre-shuffle partial aggregation would reduce nothing and cost the most of the
+        # merge (collect_list's buffers built and serialised per row), so the merge runs
+        # once, after the shuffle (physical planning happens in persist())
+        with _session_conf(spark, BYPASS_PARTIAL_AGGREGATION, "true"):
+            agg = merge_partials(src).persist()
+    else:
+        agg = merge_partials(src).persist()
     if loss_key:
         try:
             summary = summary_of_merged(agg, undecided=engine == "jvm")    # the Spark job
