@@ -475,21 +475,10 @@ def _session_conf(spark, key: str, value: str):
             spark.conf.set(key, before)
 
 
-def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None = None):
-    """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`); the loss
-    state from the runs the JVM reader's tasks gathered under ``loss_key`` (the archive is
-    read once), else from the loss walk beside the Spark job; None when ``src`` counted
-    undecided bodies (engine jvm)."""
+def _summary_and_loss(spark, input_dir: str, agg, engine: str, loss_key: str | None):
+    """(summary, loss state) of :func:`_merged_tables`: the Spark job that merges (its
+    summary), and the loss state (None when the reader left bodies undecided)."""
     import logging
-    if engine == "jvm":
-        # one partial row per group and partition by construction (Partials.java): Spark's
-        # pre-shuffle partial aggregation would reduce nothing and cost the most of the
-        # merge (collect_list's buffers built and serialised per row), so the merge runs
-        # once, after the shuffle (physical planning happens in persist())
-        with _session_conf(spark, BYPASS_PARTIAL_AGGREGATION, "true"):
-            agg = merge_partials(src).persist()
-    else:
-        agg = merge_partials(src).persist()
     if loss_key:
         try:
             summary = summary_of_merged(agg, undecided=engine == "jvm")    # the Spark job
@@ -519,6 +508,25 @@ def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None
         if failed:
             agg.unpersist()
             raise failed
+    return summary, state
+
+
+def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None = None):
+    """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`); the loss
+    state from the runs the JVM reader's tasks gathered under ``loss_key`` (the archive is
+    read once), else from the loss walk beside the Spark job; None when ``src`` counted
+    undecided bodies (engine jvm)."""
+    import logging
+    # the jvm engine's partial rows are one per group and partition by construction
+    # (Partials.java): Spark's pre-shuffle partial aggregation would reduce nothing and
+    # cost the most of the merge (collect_list's buffers built and serialised per row), so
+    # its merge runs once, after the shuffle -- set until the merge has run, as adaptive
+    # execution plans its stages again when they run
+    scope = _session_conf(spark, BYPASS_PARTIAL_AGGREGATION, "true") if engine == "jvm" \
+        else contextlib.nullcontext()
+    with scope:
+        agg = merge_partials(src).persist()
+        summary, state = _summary_and_loss(spark, input_dir, agg, engine, loss_key)
     n = summary.pop("undecided", 0)
     if n:
         agg.unpersist()
