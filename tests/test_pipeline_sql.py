@@ -230,7 +230,8 @@ def test_jvm_and_sql_engines_equal_python_engine(spark, tmp_path):
         plans = [a._jdf.queryExecution().executedPlan().toString() for a in aggs]
         assert ["partial_" in p for p in plans] == [True, False, True]
         assert "collect_list" in plans[1]
-        assert spark.conf.get(stats.BYPASS_PARTIAL_AGGREGATION, None) is None
+        assert {k: spark.conf.get(k, None) for k in stats.JVM_MERGE_CONF} == \
+            dict.fromkeys(stats.JVM_MERGE_CONF)
         # the data has several values per group: the exact percentiles mean something
         big = [r for r in _table(py_t["request_stats"], KEYS["request_stats"]).values()
                if r["count"] >= 5 and r["total_time_p50"] != r["total_time_p95"]]
