@@ -456,7 +456,7 @@ def take_loss_runs(spark, key: str) -> bytes:
 
 #: Spark 4.3's switch for aggregations whose partial step reduces nothing: "skips the
 #: pre-shuffle partial aggregation and runs a single Complete-mode aggregation after the
-#: shuffle" (an unknown key is ignored by older releases)
+#: shuffle"
 BYPASS_PARTIAL_AGGREGATION = "spark.sql.execution.bypassPartialAggregation"
 
 
@@ -530,9 +530,9 @@ def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None
     import logging
     # the jvm engine's partial rows are one per group and partition by construction
     # (Partials.java): Spark's pre-shuffle partial aggregation would reduce nothing and
-    # cost the most of the merge (collect_list's buffers built and serialised per row), so
-    # its merge runs once, after the shuffle -- set until the merge has run, as adaptive
-    # execution plans its stages again when they run
+    # cost about a tenth of stage 0 (collect_list's buffers built and serialised per row),
+    # so its merge runs once, after the shuffle -- set until the merge has run, as
+    # adaptive execution plans its stages again when they run
     scope = _session_conf(spark, JVM_MERGE_CONF) if engine == "jvm" \
         else contextlib.nullcontext()
     with scope:
