@@ -96,6 +96,15 @@ TRICKY = [
     (b'{"total_time":1e-22}', True),
     (b'{"total_time":3.14159265358979}', True),
     (b'{"total_time":1e0000000000000000000001}', True),
+    # integers around the 18 digits Extract sums without an overflow check
+    (b'{"code":999999999999999999,"severity":1000000000000000000,'
+     b'"started_ms":-999999999999999999,"total_time":-1000000000000000001}', True),
+    (b'{"code":12', True),                             # truncated inside a number
+    # whitespace JSON does not have (ws() stops at the first byte above ' ')
+    (b'{"code":200,\x0b"severity":1}', True),
+    (b'{"code":200,\x0c"severity":1}', True),
+    (b'{"action":"del\x7f and \x1f"}', True),          # 0x7F is a string byte; 0x1F is not
+    (b'{"action":"del\x7f","code":1}', True),
 ]
 
 

@@ -39,8 +39,6 @@ final class Extract {
 
     // parser state
     private byte[] b;
-    private byte[] bbArray, bbArray2;
-    private java.nio.ByteBuffer bb, bb2;
     private int p, end, depth;
     private boolean undecided;
     // the last scalar value parsed
@@ -52,8 +50,11 @@ final class Extract {
     private double vDouble;
 
     private void ws() {
+        // one comparison for the usual case (no whitespace: every JSON token but
+        // whitespace starts above ' '; bytes over 0x7F are negative and fall through)
         while (p < end) {
             byte c = b[p];
+            if (c > ' ') break;
             if (c == ' ' || c == '\t' || c == '\n' || c == '\r') p++;
             else break;
         }
@@ -66,19 +67,29 @@ final class Extract {
     private static final long ONES = 0x0101010101010101L, HIGH = 0x8080808080808080L,
         QUOTES = 0x2222222222222222L, BACKSLASHES = 0x5C5C5C5C5C5C5C5CL,
         SPACES = 0x2020202020202020L;
+    /** 8 bytes of a byte[] as one little-endian long (Spark's Platform: Unsafe, no bounds
+     *  check -- every read is within [off, off+len) of run(), which checks that range) */
+    private static final long BASE = org.apache.spark.unsafe.Platform.BYTE_ARRAY_OFFSET;
+    private static final boolean BIG_ENDIAN =
+        java.nio.ByteOrder.nativeOrder() == java.nio.ByteOrder.BIG_ENDIAN;
+
+    private static long le8(byte[] a, int i) {
+        long x = org.apache.spark.unsafe.Platform.getLong(a, BASE + i);
+        return BIG_ENDIAN ? Long.reverseBytes(x) : x;
+    }
 
     /** a string at b[p] == '"'; false when invalid */
     private boolean str() {
         int q = p + 1;
         boolean esc = false;
-        java.nio.ByteBuffer w = bb;
+        byte[] a = b;
         while (q < end) {
             // 8 bytes at a time up to the first '"', '\\' or control character (exact:
             // without a borrow from a lower flagged byte no byte is flagged wrongly, so the
             // lowest flag is the first such byte; the loop below then sees every byte it
             // would have seen one by one but the plain ones)
             while (q + 8 <= end) {
-                long x = w.getLong(q);
+                long x = le8(a, q);
                 long t1 = x ^ QUOTES, t2 = x ^ BACKSLASHES;
                 // (| x: bytes over 0x7F too, checked as UTF-8 below)
                 long m = (((t1 - ONES) & ~t1) | ((t2 - ONES) & ~t2) | ((x - SPACES) & ~x) | x)
@@ -162,8 +173,16 @@ final class Extract {
         if (q < end && b[q] == '-') { neg = true; q++; }
         if (q >= end) return false;
         if (b[q] == 'I') { undecided = true; return false; }       // -Infinity
+        long fast = 0;                           // the digits' value (wraps past 18 digits)
         if (b[q] == '0') q++;
-        else if (b[q] >= '1' && b[q] <= '9') { while (q < end && b[q] >= '0' && b[q] <= '9') q++; }
+        else if (b[q] >= '1' && b[q] <= '9') {
+            while (q < end) {
+                int d = b[q] - '0';
+                if (d < 0 || d > 9) break;
+                fast = fast * 10 + d;
+                q++;
+            }
+        }
         else return false;
         int intEnd = q;
         boolean fracOk = true;
@@ -190,7 +209,7 @@ final class Extract {
             boolean of = false;
             int k0 = start + (neg ? 1 : 0);
             if (q - k0 <= 18) {                  // 18 digits cannot overflow: no check
-                for (int k = k0; k < q; k++) acc = acc * 10 + (b[k] - '0');
+                acc = fast;
                 k0 = q;
             }
             for (int k = k0; k < q; k++) {
@@ -322,19 +341,8 @@ final class Extract {
 
     /** Extract the fields of buf[off, off+len); returns the flags. */
     int run(byte[] buf, int off, int len) {
-        if (buf != bbArray) {                    // a little-endian view for 8-byte reads
-            java.nio.ByteBuffer o = bb;          // (two kept: the segment's, the bodies')
-            byte[] oa = bbArray;
-            if (buf == bbArray2) {
-                bb = bb2;
-                bbArray = bbArray2;
-            } else {
-                bb = java.nio.ByteBuffer.wrap(buf).order(java.nio.ByteOrder.LITTLE_ENDIAN);
-                bbArray = buf;
-            }
-            bb2 = o;
-            bbArray2 = oa;
-        }
+        if (off < 0 || len < 0 || off + len > buf.length || off + len < 0)
+            throw new IndexOutOfBoundsException("Extract.run: " + off + "+" + len + " of " + buf.length);
         b = buf;
         p = off;
         end = off + len;
