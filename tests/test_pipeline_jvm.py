@@ -677,6 +677,12 @@ def test_constants(spark):
     assert c.MIN_RECORD == fmt.MIN_RECORD
     assert c.KIND_SEAL == fmt.KIND_SEAL
     assert c.PYTHON_NAME == ds.PYTHON_NAME
+    from logjam_relay.pipeline import minutes
+    assert (c.MIN_MS, c.MAX_MS) == (minutes.MIN_MS, minutes.MAX_MS)
+    edges = [minutes.MIN_MS, minutes.MAX_MS, 59_999, 60_000, -60_001]
+    for ms in [-(1 << 63), (1 << 63) - 1] + [e + d for e in edges for d in (-1, 0, 1)]:
+        assert c.minute(ms) == minutes.minute_of(ms), ms
+        assert c.inRange(ms) == minutes.in_range(ms), ms
 
 
 def test_no_janino_falls_back(monkeypatch, tmp_path, caplog):

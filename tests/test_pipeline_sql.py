@@ -228,11 +228,12 @@ def assert_same_tables(a: dict, b: dict):
 def test_jvm_and_sql_engines_equal_python_engine(spark, tmp_path):
     # sample traffic (malformed records, gaps, four app-envs, other topics, started_at)
     # plus the tricky bodies the JVM decides, over several segments
+    # and times beyond the calendar (created_ms, started_ms: the first/last minute)
+    from test_pipeline import _hostile_time_messages
     extra = sample.make_messages(4000, seed=11, malformed=True, gaps=True,
-                                 base_ms=CREATED - 3 * 60_000)
-    # (not the started_ms beyond Spark's timestamp range: neither engine takes those)
-    archive = _archive(tmp_path, [b for b, d in TRICKY if d and b"922337" not in b],
-                       extra=extra, segment_bytes=256 << 10)
+                                 base_ms=CREATED - 3 * 60_000) + _hostile_time_messages(1)
+    archive = _archive(tmp_path, [b for b, d in TRICKY if d], extra=extra,
+                       segment_bytes=256 << 10)
     assert len(list_segments(archive)) > 2
     assert stats.choose_engine(spark, archive) == ("jvm", "JVM reader")
     py_t, py_s, py_agg = stats.compute_tables(spark, archive, 300.0, "python")
@@ -258,6 +259,11 @@ def test_jvm_and_sql_engines_equal_python_engine(spark, tmp_path):
         big = [r for r in _table(py_t["request_stats"], KEYS["request_stats"]).values()
                if r["count"] >= 5 and r["total_time_p50"] != r["total_time_p95"]]
         assert len(big) > 20
+        # the times out of range: at minute 0 (and the last day's minute), in every table
+        for name, want in (("request_stats", {1970, 9999}), ("topics", {1970}),
+                           ("loss", {1970})):
+            years = {k[0].year for k in _table(py_t[name], KEYS[name])}
+            assert want <= years, (name, years)
         # the JVM's partial rows: the schema of partial.py's; groups cut across many small
         # partitions and output batches merge to the same tables
         whole = stats.jvm_partial_frame(spark, archive, 300.0)

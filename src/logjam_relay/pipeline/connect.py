@@ -204,6 +204,7 @@ def loss_frame(spark, segs: list, parallelism: int):
         import pyarrow as pa
 
         from logjam_relay.pipeline.decode import decode_segment
+        from logjam_relay.pipeline.minutes import minutes_of
         for b in batches:
             for i in b.column(0).to_pylist():
                 path, segno = paths[i]
@@ -218,7 +219,7 @@ def loss_frame(spark, segs: list, parallelism: int):
                         c = created.to_numpy()
                         yield pa.RecordBatch.from_arrays(
                             [dev, seq, pa.array(np.full(len(c), segno, dtype=np.int64)),
-                             rec.cast(pa.int64()), pa.array(c - c % 60000)],
+                             rec.cast(pa.int64()), pa.array(minutes_of(c))],
                             names=["device", "sequence", "segment", "record", "minute_ms"])
                 except OSError:
                     continue        # vanished/unreadable: as LossState.add_archive

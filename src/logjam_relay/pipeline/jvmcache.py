@@ -22,6 +22,8 @@ run writes such an archive at JVM exit (``-XX:ArchiveClassesAtExit``); later run
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import glob
 import hashlib
 import json
@@ -191,6 +193,31 @@ def remove_stale_parts(directory: str, pattern: str) -> None:
             pass
 
 
+def _quiet_py4j(gw) -> None:
+    """Before the JVM is made to exit: send Py4J's pending "memory delete"s of collected
+    proxies now, then mark its client disconnected.  Py4J sends them from a worker thread
+    that wakes once a second; one sent while the JVM exits fails, and Py4J prints that with a
+    traceback on the root logger, after the command's last line (seen in a job that failed:
+    its exception's frames held proxies).  A disconnected client skips them: the JVM that
+    would free the objects is about to be gone anyway."""
+    client = getattr(gw, "_gateway_client", None)
+    pending = getattr(client, "finalizer_deque", None)
+    if client is None:
+        return
+    gc.collect()
+    while pending:
+        try:
+            task = pending.pop()
+        except IndexError:              # the worker took the last one
+            break
+        if not isinstance(task, tuple):             # the worker's stop: leave it
+            pending.append(task)
+            break
+        with contextlib.suppress(Exception):
+            client.garbage_collect_object(task[1], False)
+    client.is_connected = False
+
+
 def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:
     """Close the Spark driver JVM's stdin (it exits on EOF, writing a class archive if
     asked to) and wait for it; returns the class path it had, or None."""
@@ -205,6 +232,7 @@ def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:
             classpath = None
     if proc is None:
         return classpath
+    _quiet_py4j(gw)
     try:
         if proc.stdin is not None:
             proc.stdin.close()

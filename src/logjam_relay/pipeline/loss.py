@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from .minutes import minutes_of
+
 ROW_FIELDS = ("received", "duplicates", "out_of_order", "first_sequence", "last_sequence")
 OUT_SCHEMA = pa.schema([
     ("device", pa.int64()), ("minute_ms", pa.int64()), ("received", pa.int64()),
@@ -285,7 +287,7 @@ class LossState:
                 dev, seq, created = meta_arrays(path, st)
             except OSError:
                 continue      # vanished/unreadable: the scan reports it as a row
-            self.add_ordered(dev, seq, created - created % 60000)
+            self.add_ordered(dev, seq, minutes_of(created))
         return {"records": st.records, "bad_records": st.bad_records}
 
     def add_archive_runs(self, input_dir: str, blob: bytes) -> dict[str, int]:
@@ -311,7 +313,7 @@ class LossState:
                 dev, seq, created = meta_arrays(path, st)
             except OSError:
                 continue      # vanished/unreadable: the scan reports it as a row
-            self.add_ordered(dev, seq, created - created % 60000)
+            self.add_ordered(dev, seq, minutes_of(created))
         return {"segments": used, "walked": walked}
 
     def add_ordered(self, device, sequence, minute_ms) -> None:

@@ -34,6 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .minutes import minutes_of, request_times
+
 K_REQUEST, K_EXCEPTION, K_TOPIC, K_OTHER, K_UNDECIDED = 0, 1, 2, 3, 4
 
 #: the columns the partial aggregation needs from the decoder (no body)
@@ -69,10 +71,10 @@ _GROUP = ["minute_ms", "app", "env", "name"]
 
 
 def _minute(ms: pa.Array) -> pa.Array:
-    """``ms - pmod(ms, 60000)`` (floor to the minute; nulls stay null)."""
+    """:func:`~logjam_relay.pipeline.minutes.minute_of` of each (nulls stay null)."""
     v = pc.fill_null(ms, 0).to_numpy(zero_copy_only=False)
     mask = pc.is_null(ms).to_numpy(zero_copy_only=False) if ms.null_count else None
-    return pa.array(v - np.mod(v, 60000), pa.int64(), mask=mask)
+    return pa.array(minutes_of(v), pa.int64(), mask=mask)
 
 
 def _as_int(mask) -> pa.Array:
@@ -105,7 +107,7 @@ def partial_batch(b: pa.RecordBatch, apdex_ms: float) -> pa.Table | None:
         sev = r.column("severity")
         t = float(apdex_ms)
         cols = {
-            "minute_ms": _minute(pc.coalesce(r.column("started_ms"), r.column("created_ms"))),
+            "minute_ms": _minute(request_times(r.column("started_ms"), r.column("created_ms"))),
             "app": r.column("app"), "env": r.column("env"),
             "name": pc.coalesce(r.column("action"), pa.scalar("unknown")),
             "tt": tt,

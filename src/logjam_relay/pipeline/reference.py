@@ -9,12 +9,10 @@ import math
 from collections import defaultdict
 
 from .extract import iso_ms as _iso_ms
+from .minutes import minute_of as _minute
+from .minutes import request_time
 
 DEFAULT_APDEX_MS = 500.0
-
-
-def _minute(ms: int) -> int:
-    return ms - ms % 60000
 
 
 def _is_int(v) -> bool:
@@ -89,9 +87,7 @@ def reference_tables(records, apdex_ms: float = DEFAULT_APDEX_MS) -> dict[str, l
             continue
         started = j.get("started_ms")
         sm = started if _is_int(started) else _iso_ms(j.get("started_at"))
-        if sm is None:
-            sm = created
-        m = _minute(sm)
+        m = _minute(request_time(sm, created))
         action = j.get("action") if isinstance(j.get("action"), str) else None
         action = "unknown" if action is None else action
         tt = j.get("total_time")

@@ -20,6 +20,8 @@ import os
 import time
 from urllib.parse import unquote, urlsplit
 
+from .minutes import minute_col, minutes_of, request_time_col
+
 TABLES = ("request_stats", "exceptions", "loss", "topics")
 RECORDS_DIR = "_records"
 DEFAULT_APDEX_MS = 500.0
@@ -46,11 +48,6 @@ from .partial import K_EXCEPTION, K_OTHER, K_REQUEST, K_TOPIC, K_UNDECIDED  # no
 # --------------------------------------------------------------------- Spark side
 
 
-def _minute_of(c):
-    from pyspark.sql import functions as F
-    return c - F.pmod(c, F.lit(60000))
-
-
 def _with_minute(df, ms_col: str):
     from pyspark.sql import functions as F
     ts = F.timestamp_millis(F.col(ms_col))
@@ -73,8 +70,8 @@ def aggregate(df, apdex_ms: float = DEFAULT_APDEX_MS, undecided: bool = False):
     keyed = F.when(valid, 1).when(is_topic, 1)
     x = df.select(
         kind.alias("kind"),
-        F.when(valid, _minute_of(F.coalesce(F.col("started_ms"), F.col("created_ms"))))
-         .when(is_topic, _minute_of(F.col("created_ms"))).alias("minute_ms"),
+        F.when(valid, minute_col(request_time_col(F.col("started_ms"), F.col("created_ms"))))
+         .when(is_topic, minute_col(F.col("created_ms"))).alias("minute_ms"),
         F.when(keyed.isNotNull(), F.col("app")).alias("app"),
         F.when(keyed.isNotNull(), F.col("env")).alias("env"),
         F.when(valid, F.coalesce(F.col("action"), F.lit("unknown")))
@@ -561,6 +558,13 @@ def configure(spark, datasource: bool = True) -> None:
         register(spark)
 
 
+def _date_literals(isos) -> list:
+    """Spark date literals of ISO dates, by their text: PySpark's conversion of a Python
+    date fails on the year 1 (IllegalArgumentException), the first minute's date."""
+    from pyspark.sql import functions as F
+    return [F.lit(x).cast("date") for x in sorted(isos)]
+
+
 def _write_tables(tables: dict, output: str, dates=None, log=print,
                   counts: dict | None = None) -> dict[str, int]:
     """Write small aggregated tables (one task each, dynamic partition overwrite), all at
@@ -573,7 +577,7 @@ def _write_tables(tables: dict, output: str, dates=None, log=print,
 
     def write(name: str, df) -> int:
         if dates is not None:
-            df = df.where(F.col("date").isin([_dt.date.fromisoformat(x) for x in dates]))
+            df = df.where(F.col("date").isin(_date_literals(dates)))
         df = df.coalesce(1)
         path = os.path.join(output, name)
         if counts is not None and name in counts:
@@ -683,8 +687,13 @@ def recompute(spark, output: str, dates: set[str], apdex_ms: float, log=print) -
     around = set()
     for d in dates:
         day = _dt.date.fromisoformat(d)
-        around.update({day - _dt.timedelta(days=1), day, day + _dt.timedelta(days=1)})
-    agg = aggregate(rec.where(F.col("date").isin(sorted(around))), apdex_ms).persist()
+        around.add(day)
+        # (records an older version filed under their created date: context of a day)
+        for step in (-1, 1):
+            with contextlib.suppress(OverflowError):        # the calendar's first/last day
+                around.add(day + _dt.timedelta(days=step))
+    agg = aggregate(rec.where(F.col("date").isin(_date_literals(d.isoformat() for d in around))),
+                    apdex_ms).persist()
     try:
         return _write_tables(split(agg), output, dates, log=log)
     finally:
@@ -704,7 +713,7 @@ def update_loss(spark, output: str, files: list[str], state, log=print) -> dict:
     created = t["created_ms"].to_numpy()
     changed = state.update(t["device"].to_numpy(), t["sequence"].to_numpy(),
                            t["segment"].to_numpy(), t["record"].to_numpy(),
-                           created - created % 60000)
+                           minutes_of(created))
     dates = {_date_of_ms(m) for ms in changed.values() for m in ms}
     if not dates:
         return {}
@@ -755,8 +764,10 @@ def run_stream(spark, input_dir: str, output: str, checkpoint: str,
     if max_records_per_trigger:
         reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
     sdf = reader.load(input_dir)
+    # each record under the date it counts at (a request: its started time, else created;
+    # anything else: created), so that recomputing a date reads every record it holds
     sdf = sdf.withColumn("date", F.to_date(F.timestamp_millis(
-        _minute_of(F.col("created_ms")))))
+        minute_col(request_time_col(F.col("started_ms"), F.col("created_ms"))))))
     w = sdf.writeStream.format("parquet").option("checkpointLocation", checkpoint) \
         .partitionBy("date").outputMode("append")
     w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=interval)

@@ -18,4 +18,16 @@ public final class Constants {
     public static final int DEFAULT_BATCH_ROWS = 32768;
     /** The name the Python data source is registered under when this one is "logjam". */
     public static final String PYTHON_NAME = "logjam_python";
+    /** pipeline.minutes.MIN_MS / MAX_MS: the Unix epoch .. 9999-12-30T23:59:59.999Z. */
+    public static final long MIN_MS = 0L, MAX_MS = 253_402_214_399_999L;
+
+    public static boolean inRange(long ms) {
+        return ms >= MIN_MS && ms <= MAX_MS;
+    }
+
+    /** pipeline.minutes.minute_of: the minute a time counts at (floored; out of range:
+     *  minute 0, 1970-01-01 00:00 UTC). */
+    public static long minute(long ms) {
+        return inRange(ms) ? ms - ms % 60000L : 0L;
+    }
 }

@@ -108,7 +108,7 @@ public final class LossRuns {
                 if (d < 0) return;
                 lastDev = d;
             }
-            long minute = created - Math.floorMod(created, 60000L);
+            long minute = Constants.minute(created);
             long[] r = runs[d];
             int u = used[d];
             if (u > 0 && seq != Long.MIN_VALUE && seq - 1 == lastSeq[d] && r[u - 1] == minute) {

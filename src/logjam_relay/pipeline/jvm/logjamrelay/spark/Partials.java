@@ -125,7 +125,7 @@ final class Partials {
         if (pr.logs) return;
         ids(pr);
         if (pr.heartbeat) return;
-        int k = topics.find(created - Math.floorMod(created, 60000L), pr.aid, pr.eid, pr.tid);
+        int k = topics.find(Constants.minute(created), pr.aid, pr.eid, pr.tid);
         if (k == tcnt.length) tcnt = Arrays.copyOf(tcnt, k * 2);
         tcnt[k]++;
     }
@@ -144,9 +144,9 @@ final class Partials {
         if ((f & Extract.F_UNDECIDED) != 0) { undecided++; return; }
         if ((f & Extract.F_BAD) != 0) { badJson++; return; }
         ids(pr);
-        long ms = (f & Extract.F_STARTED) != 0 ? x.started : created;
+        long ms = (f & Extract.F_STARTED) != 0 && Constants.inRange(x.started) ? x.started : created;
         int name = (f & Extract.F_ACTION) != 0 ? strings.id(src, x.actionOff, x.actionLen) : unknown;
-        int g = groups.find(ms - Math.floorMod(ms, 60000L), pr.aid, pr.eid, name);
+        int g = groups.find(Constants.minute(ms), pr.aid, pr.eid, name);
         if (g == cnt.length) grow(g * 2);
         cnt[g]++;
         if ((f & Extract.F_TT) != 0) {
