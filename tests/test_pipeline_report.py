@@ -469,3 +469,55 @@ def test_summary_equals_the_tables(page, tables):
     head = page.evaluate("document.querySelector('#summary .headline').textContent")
     assert head.startswith(f"{label(min(allm))} → {label(max(allm))} UTC")
     assert f"{sum(r['count'] for r in req):,} requests" in head and "loss: yes" in head
+
+
+def test_no_usable_time_stays_off_the_time_axis(data, tmp_path):
+    """Rows at minute 0 (1970-01-01 00:00 UTC: records with no usable time, docs/pipeline.md
+    "Times out of range") do not stretch the report's time range and charts over fifty
+    years: the time range and every chart are those of the same tables without them, the
+    totals and the devices keep them, and the summary counts them in one line."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from logjam_relay.pipeline import report as rep
+    from logjam_relay.pipeline import report_data
+    out = tmp_path / "out"
+    shutil.copytree(data["out"], out)
+    added = {}
+    for name in ("request_stats", "exceptions", "loss", "topics"):
+        row = pq.read_table(next((out / name).rglob("*.parquet"))).slice(0, 1)
+        i = row.schema.get_field_index("minute")
+        row = row.set_column(i, "minute", pa.array([0], type=row.schema.field(i).type))
+        if name == "request_stats":
+            i = row.schema.get_field_index("action")
+            row = row.set_column(i, "action", pa.array(["T#undated"]))
+            i = row.schema.get_field_index("count")
+            row = row.set_column(i, "count", pa.array([3], type=row.schema.field(i).type))
+        (out / name / "date=1970-01-01").mkdir()
+        pq.write_table(row, out / name / "date=1970-01-01" / "part-undated.parquet")
+        added[name] = row.to_pylist()[0]
+    before = report_data.collect(str(data["out"]))
+    after = report_data.collect(str(out))
+    sb, sa = before["summary"], after["summary"]
+    assert sa["first_minute_ms"] == sb["first_minute_ms"] > 0
+    assert (sa["last_minute_ms"], sa["minutes"]) == (sb["last_minute_ms"], sb["minutes"])
+    assert set(sb["undated"].values()) == {0}
+    assert sa["undated"] == {"requests": 3, "topic_messages": added["topics"]["count"],
+                             "received": added["loss"]["received"],
+                             "missing": added["loss"]["missing"]}
+    assert sa["requests"] == sb["requests"] + 3
+    assert sa["topic_messages"] == sb["topic_messages"] + added["topics"]["count"]
+    assert sum(d["received"] for d in after["devices"]) == \
+        sum(d["received"] for d in before["devices"]) + added["loss"]["received"]
+    assert rep.chart_specs(after)[1] == rep.chart_specs(before)[1]
+    assert 'id="undated"' not in rep.summary_html(before)
+    html = rep.summary_html(after)
+    assert 'id="undated"' in html and "3 requests" in html and \
+        f'{added["loss"]["received"]:,} sequence numbers received' in html
+    # the command writes the report of such tables (the time axis as without them)
+    r = subprocess.run(CMD + ["report", "--tables", str(out), str(tmp_path / "r.html")],
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert 'id="undated"' in page and 'data-first-minute="1970' not in page

@@ -112,6 +112,9 @@ def chart_specs(d: dict) -> tuple[dict[str, dict], dict[str, list[dict]]]:
     specs, data = {}, {}
     legend = {"orient": "top", "title": None, "labelLimit": 320}
     s = d["summary"]
+    if any(s["undated"].values()):      # minute 0 is not on the time axis (the summary says)
+        d = {**d, **{k: [r for r in d[k] if r["minute_ms"] != 0]
+                     for k in ("requests", "latency", "exceptions", "gap_minutes")}}
     long = s["first_minute_ms"] is not None and \
         s["last_minute_ms"] - s["first_minute_ms"] >= 86_400_000
     x = _x("%b %d %H:%M" if long else "%H:%M")
@@ -257,6 +260,14 @@ def summary_html(d: dict) -> str:
                     "sequence numbers")
     if s["topic_messages"]:
         more.append(f'{s["topic_messages"]:,} messages of other topics')
+    u = s["undated"]
+    if any(u.values()):
+        missing = f', {u["missing"]:,} missing' if u["missing"] else ""
+        more.append(
+            '<span class="bad" id="undated">no usable time (counted at 1970-01-01 00:00 UTC, '
+            f'not in the charts): {u["requests"]:,} requests, {u["topic_messages"]:,} '
+            f'messages of other topics, {u["received"]:,} sequence numbers received'
+            f'{missing}</span>')
     return (f'<section id="summary" {a}><p class="headline">{head}</p>'
             f'<p class="more">{" · ".join(more)}</p></section>')
 

@@ -150,10 +150,23 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
                       if t is not None else None for t in tables]
     req, exc, loss, top = tables
 
-    minutes = [pc.min_max(t["minute_ms"]).as_py() for t in (req, exc, loss, top)
-               if t is not None and t.num_rows]
+    # minute 0 (1970-01-01 00:00 UTC) holds the records with no usable time (a clock never
+    # set, a time out of range: docs/pipeline.md, "Times out of range"): when other minutes
+    # exist, the time range and the charts leave it out (one such record would stretch the
+    # time axis over fifty years) and the summary counts it; the tables keep it
+    present = [t for t in (req, exc, loss, top) if t is not None and t.num_rows]
+    dated = [t.filter(pc.not_equal(t["minute_ms"], 0)) for t in present]
+    minutes = [pc.min_max(t["minute_ms"]).as_py() for t in (dated if any(
+        t.num_rows for t in dated) else present) if t.num_rows]
     first = min(m["min"] for m in minutes) if minutes else None
     last = max(m["max"] for m in minutes) if minutes else None
+
+    def at_zero(t, col):
+        if first is None or first == 0 or t is None or t.num_rows == 0:
+            return 0
+        return _sum(t.filter(pc.equal(t["minute_ms"], 0)), col)
+    undated = {"requests": at_zero(req, "count"), "topic_messages": at_zero(top, "count"),
+               "received": at_zero(loss, "received"), "missing": at_zero(loss, "missing")}
 
     # requests and HTTP errors per minute and app-env (exact sums)
     per_app = _group(req, ["minute_ms", "app", "env"],
@@ -256,6 +269,7 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
         "devices_with_loss": sum(1 for d in devices if d["missing"]),
         "duplicates": sum(d["duplicates"] for d in devices),
         "out_of_order": sum(d["out_of_order"] for d in devices),
+        "undated": undated,
     }
     return {"tables_dir": os.path.abspath(tables_dir), "missing_tables": missing_tables,
             "summary": summary, "requests": requests, "series": series_names,
