@@ -92,10 +92,21 @@ class RefusingListener(trio.abc.Listener[trio.SocketStream]):
     async def accept(self) -> trio.SocketStream:
         while True:
             try:
-                return await self.inner.accept()
+                stream = await self.inner.accept()
             except OSError as e:
                 if not out_of_fds(e):
                     raise
+            else:
+                if RESERVE.held >= RESERVE.size or RESERVE.refill() >= RESERVE.size:
+                    return stream
+                # out of descriptors with the reserve short (an output worker's restart or
+                # the spool took slots, another thread the numbers they freed): the number
+                # this connection got becomes a slot again and the peer sees it closed at
+                # once -- else idle connections waiting here took every number freed, the
+                # reserve stayed empty and the output could never restart (fd test, 1 in 6)
+                RESERVE.close_socket(stream.socket)
+                self.on_refused()
+                continue
             try:
                 refused = RESERVE.refuse(self.socket.fileno(), RESERVE.keep(0.75))
             except OSError:
