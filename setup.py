@@ -6,7 +6,8 @@ mappings),
 ``logjam_relay.relay._recompress`` (batch recompression without the GIL),
 ``logjam_relay.relay._stamp`` (the PULL validate + stamp loop, and its halves for -x) and
 ``logjam_relay.spool._segscan`` (record parsing, the Spark data source's walk) and
-``_segenc`` (record encoding, the spool's write side) are built when a C
+``_segenc`` (record encoding, the spool's write side) and
+``logjam_relay.pipeline._jinflate`` (the JVM reader's fast zlib path) are built when a C
 compiler and the Python headers (and zlib.h) are there; if a build fails, the install
 goes on and the pure-Python code is used (``logjam-relay --version`` says which).
 """
@@ -51,6 +52,11 @@ setup(ext_modules=[
     # the request fields of logs bodies for the Spark data source (pipeline/extract.py)
     Extension("logjam_relay.pipeline._extract", ["src/logjam_relay/pipeline/_extract.c"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
+    # the JVM reader's fast zlib path (libdeflate, loaded with dlopen, behind zlib's rules):
+    # a JNI library with primitive arguments only (no jni.h needed); jvmreader puts it in
+    # the reader's jar
+    Extension("logjam_relay.pipeline._jinflate", ["src/logjam_relay/pipeline/_jinflate.c"],
+              optional=True, libraries=["dl"], extra_compile_args=["-O2", "-std=c11"]),
     # the body decompression (zlib, snappy, lz4) and UTF-8 check of the Spark data source
     Extension("logjam_relay.pipeline._bodies", ["src/logjam_relay/pipeline/_bodies.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,8 @@ def main() -> int:
     ap.add_argument("--rev", default=None)
     ap.add_argument("--java-opts", default="")
     ap.add_argument("--heap", default="2g")
+    ap.add_argument("--no-native", action="store_true",
+                    help="leave the native zlib path (_jinflate) out: Inflater alone")
     ap.add_argument("--mode", default="agg", choices=("agg", "walk", "bodies"),
                     help="agg: as PartialScan (default); walk: the record walk and CRC "
                          "only; bodies: the walk, decompression and UTF-8 check")
@@ -79,6 +82,15 @@ def main() -> int:
             print(out[-3000:])
             return 1
         print(f"compiled ({a.rev or 'working tree'}) in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        # the native zlib path, where the jar has it (jvmreader.build), unless --no-native
+        native = jvmreader.native_library()
+        if native and not a.no_native and os.path.exists(os.path.join(
+                classes, "logjamrelay", "spark", "NativeInflate.class")):
+            dest = os.path.join(classes, jvmreader.NATIVE_RESOURCE)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(native, dest)
+        print(f"native zlib path: {'yes' if native and not a.no_native else 'no'}",
               flush=True)
         cmd = [java, f"-Xmx{a.heap}", *shlex.split(a.java_opts), "-cp",
                os.pathsep.join([classes, *jars]), "logjamrelay.spark.Stage0Bench",

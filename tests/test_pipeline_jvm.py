@@ -738,3 +738,62 @@ def test_segment_too_big_for_the_jvm_reader(spark, healthy):
     assert "JVM reader" not in plan(small)
     assert "JVM reader" in plan(jvm_df(spark, d, jvmMaxSegmentBytes=1 << 30))
     assert_same_rows(COLS, collect(small), py_rows(d), "over the limit")
+
+
+def _native_status(spark) -> str:
+    return spark.sql("SELECT reflect('logjamrelay.spark.NativeInflate', 'status')").first()[0]
+
+
+def _native_enabled(spark, on: bool) -> None:
+    spark.sql(f"SELECT reflect('logjamrelay.spark.NativeInflate', 'setEnabled', {str(on).lower()})"
+              ).collect()
+
+
+def _agent_body(rng: random.Random, i: int) -> bytes:
+    lines = [[rng.randint(0, 5), f"2026-11-27T10:00:{i % 60:02d}.{rng.randint(0, 999999):06d}",
+              "Processing by Orders#show as HTML " + "\u00e9x" * rng.randint(0, 30)]
+             for _ in range(rng.randint(1, 25))]
+    return json.dumps({"action": f"Orders#a{i % 7}", "code": 200, "total_time": i % 97 + 0.5,
+                       "started_ms": CREATED + i, "lines": lines},
+                      ensure_ascii=False).encode()
+
+
+def test_native_zlib_path_rows_equal_python_and_inflater(spark, tmp_path):
+    """The reader's zlib bodies through the native path (pipeline/_jinflate.c: libdeflate
+    behind zlib's rules; tests/test_pipeline_jinflate.py tests it alone): in use where it
+    was built and the machine has libdeflate (always under CI), and its rows -- intact
+    bodies, bodies damaged after their block header (the guard passes them, libdeflate
+    refuses, zlib decides), cut short, extended -- equal the Python decoder's and those of
+    the same reader with Inflater alone."""
+    import ctypes
+    lib = jvmreader.native_library()
+    have = lib is not None and ctypes.CDLL(lib).ljr_inflate_available() == 1
+    status = _native_status(spark)
+    if have:
+        assert status.startswith("libdeflate"), status
+    elif os.environ.get("CI"):
+        pytest.fail(f"the native zlib path must be in use in CI: {status}")
+    rng = random.Random(21)
+    recs = []
+    for i in range(1500):
+        b = bytearray(zlib.compress(_agent_body(rng, i)))
+        op = i % 6
+        if op == 1:
+            b[rng.randrange(40, len(b))] ^= 1 << rng.randrange(8)
+        elif op == 2:
+            del b[rng.randrange(20, len(b)):]
+        elif op == 3:
+            b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 5)))
+        recs.append((0, [b"nat-test", b"logs.nat.test", bytes(b), meta(ZLIB, seq=i)]))
+    write_segment(tmp_path, 1, recs[:700])
+    write_segment(tmp_path, 2, recs[700:])
+    fast = check_against_python(spark, tmp_path)
+    errors = collections.Counter(by(fast, "error"))
+    assert errors[None] > 800 and errors["decompress"] > 300, errors
+    try:
+        _native_enabled(spark, False)
+        assert _native_status(spark).startswith("java.util.zip.Inflater"), _native_status(spark)
+        slow = collect(jvm_df(spark, tmp_path))
+    finally:
+        _native_enabled(spark, True)
+    assert_same_rows(COLS, fast, slow, "native path vs Inflater alone")

@@ -56,9 +56,23 @@ def sources() -> list[str]:
     return sorted(glob.glob(os.path.join(SOURCE_DIR, "logjamrelay", "spark", "*.java")))
 
 
+#: where the jar holds the native zlib path (NativeInflate.RESOURCE)
+NATIVE_RESOURCE = "logjamrelay/spark/native/libjinflate.so"
+
+
+def native_library() -> str | None:
+    """The built ``_jinflate`` extension (the JVM reader's fast zlib path, see
+    ``_jinflate.c``), or None when it was not built (the reader then inflates with
+    ``java.util.zip.Inflater`` alone)."""
+    found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                          "_jinflate*.so")))
+    return found[0] if found else None
+
+
 def _key(jars: list[str]) -> str:
     h = hashlib.sha256()
-    for p in sources() + [os.path.join(SOURCE_DIR, SERVICES)]:
+    native = native_library()
+    for p in sources() + [os.path.join(SOURCE_DIR, SERVICES)] + ([native] if native else []):
         h.update(os.path.relpath(p, SOURCE_DIR).encode() + b"\0")
         with open(p, "rb") as f:
             h.update(f.read())
@@ -102,6 +116,9 @@ def build(dest: str, jars: list[str] | None = None, java: str | None = None) -> 
         with zipfile.ZipFile(part, "w", zipfile.ZIP_DEFLATED) as z:
             z.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\n")
             z.write(os.path.join(SOURCE_DIR, SERVICES), SERVICES)
+            native = native_library()
+            if native:
+                z.write(native, NATIVE_RESOURCE)
             for root, _dirs, files in os.walk(classes):
                 for f in sorted(files):
                     p = os.path.join(root, f)

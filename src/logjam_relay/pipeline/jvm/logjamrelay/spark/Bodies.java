@@ -16,6 +16,7 @@ final class Bodies {
     byte[] out = new byte[1 << 16];
     int len;
     private final Inflater inflater = new Inflater();
+    private final NativeInflate fast = NativeInflate.create();  // null: Inflater alone
     private Object lz4;                 // net.jpountz.lz4.LZ4SafeDecompressor, on first use
 
     /** Decompress buf[off, off+n) with method comp (1 zlib, 2 snappy, 3 lz4) into out;
@@ -36,6 +37,11 @@ final class Bodies {
     }
 
     private boolean zlib(byte[] buf, int off, int n) {
+        if (fast != null) {
+            room(1 << 16);
+            int got = fast.inflate(buf, off, n, out);
+            if (got >= 0) { len = got; return true; }
+        }
         Inflater z = inflater;
         z.reset();
         z.setInput(buf, off, n);
@@ -263,5 +269,6 @@ final class Bodies {
 
     void close() {
         inflater.end();
+        if (fast != null) fast.free();
     }
 }
