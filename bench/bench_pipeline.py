@@ -268,6 +268,20 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def native_zlib_path() -> str:
+    """What the pipeline's JVM reader inflates zlib bodies with (NativeInflate.status's
+    words), as far as this process can tell: the _jinflate extension and libdeflate."""
+    import ctypes
+
+    from logjam_relay.pipeline import jvmreader
+    lib = jvmreader.native_library()
+    if lib is None:
+        return "java.util.zip.Inflater (_jinflate not built)"
+    if ctypes.CDLL(lib).ljr_inflate_available() != 1:
+        return "java.util.zip.Inflater (no libdeflate on this machine)"
+    return "libdeflate (zlib's rules), Inflater for the rest"
+
+
 def prepare(n: int, base: str, data: str | None) -> str:
     """The data directory of ``n`` records (bench/pipeline_data.py): ``data``/N when it was
     written before with the same figures, else written there (or under ``base``)."""
@@ -422,6 +436,7 @@ def main() -> int:
         return 0
 
     base = tempfile.mkdtemp(prefix="bench_pipeline_", dir=a.dir)
+    print(f"the JVM reader's zlib path: {native_zlib_path()}", flush=True)
     try:
         results = []
         for k, n in enumerate(sorted(set(a.records))):

@@ -81,7 +81,7 @@ def test_prerequisite_line_works_as_root_and_as_a_user(tmp_path, sudo):
     assert r.returncode == 0, r.stderr
     got = calls.read_text().splitlines()
     want_install = ("apt-get install -y git ca-certificates python3 python3-venv python3-dev "
-                    "gcc zlib1g-dev")
+                    "gcc zlib1g-dev libdeflate0")
     if sudo:
         assert got == ["sudo", "apt-get update", "sudo", want_install], got
     else:

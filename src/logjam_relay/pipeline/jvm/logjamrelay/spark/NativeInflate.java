@@ -16,7 +16,8 @@ import org.apache.spark.unsafe.Platform;
  * jvmreader.build when the extension was built), so a cluster's executors get it with
  * the jar; it is written to a temporary file and loaded once per JVM.  Without it (not
  * built, another platform, no libdeflate on the machine, a temporary directory that
- * cannot hold it, {@link #setEnabled}(false)) every body goes to Inflater.  The entry
+ * cannot hold it, {@link #setEnabled}(false), system property
+ * {@code logjamrelay.nativeInflate=false}) every body goes to Inflater.  The entry
  * points take only primitives: the buffers are native memory of this object
  * (Platform.allocateMemory), the bodies are copied in and out.
  */
@@ -25,7 +26,10 @@ public final class NativeInflate {
     private static final int OUT_CAP = 1 << 16;
 
     private static int state;                  // 0 not tried, 1 loaded, -1 unavailable
-    private static volatile boolean enabled = true;
+    /** system property {@code logjamrelay.nativeInflate=false} (e.g. in
+     *  spark.executor.extraJavaOptions) turns the path off for a JVM */
+    private static volatile boolean enabled =
+        !"false".equals(System.getProperty("logjamrelay.nativeInflate"));
     private static String why = "not tried";
 
     private static native int available();
@@ -43,7 +47,9 @@ public final class NativeInflate {
                 if (in == null) {
                     why = "not in the jar";
                 } else {
-                    File f = File.createTempFile("logjam-jinflate-", ".so");
+                    // owner-only (0600), a name of its own in java.io.tmpdir
+                    File f = java.nio.file.Files.createTempFile("logjam-jinflate-", ".so",
+                        new java.nio.file.attribute.FileAttribute[0]).toFile();
                     try {
                         OutputStream o = new FileOutputStream(f);
                         try {
