@@ -176,8 +176,12 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
                  "requests": r["count_sum"], "http_5xx": r["http_5xx_sum"]}
                 for r in per_app]
 
-    # the busiest (app, env, action) series, with their per-minute percentiles and apdex
-    totals = _group(req, ["app", "env", "action"], [("count", "sum")],
+    # the busiest (app, env, action) series, with their per-minute percentiles and apdex;
+    # when minute 0 is off the time axis, neither counted nor offered (its chart would be
+    # empty)
+    charted = req.filter(pc.not_equal(req["minute_ms"], 0)) \
+        if req is not None and first not in (None, 0) else req
+    totals = _group(charted, ["app", "env", "action"], [("count", "sum")],
                     [("count_sum", "descending"), ("app", "ascending"), ("env", "ascending"),
                      ("action", "ascending")])[:series]
     series_names = [f"{_app_env(r['app'], r['env'])} · {r['action']}" for r in totals]
@@ -185,7 +189,7 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
     if totals:
         keys = {(r["app"], r["env"], r["action"]): n for r, n in
                 zip(totals, series_names, strict=True)}
-        for r in req.select(["minute_ms", "app", "env", "action", "count", "total_time_p50",
+        for r in charted.select(["minute_ms", "app", "env", "action", "count", "total_time_p50",
                              "total_time_p95", "total_time_p99", "apdex"]
                             ).to_pylist():
             name = keys.get((r["app"], r["env"], r["action"]))
