@@ -274,6 +274,9 @@ def native_zlib_path() -> str:
     import ctypes
 
     from logjam_relay.pipeline import jvmreader
+    for var in ("JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS"):
+        if "-Dlogjamrelay.nativeInflate=false" in os.environ.get(var, ""):
+            return f"java.util.zip.Inflater (turned off in {var})"
     lib = jvmreader.native_library()
     if lib is None:
         return "java.util.zip.Inflater (_jinflate not built)"
