@@ -744,6 +744,11 @@ def _native_status(spark) -> str:
     return spark.sql("SELECT reflect('logjamrelay.spark.NativeInflate', 'status')").first()[0]
 
 
+def _native_answered(spark) -> int:
+    return int(spark.sql("SELECT reflect('logjamrelay.spark.NativeInflate', 'answered')"
+                         ).first()[0])
+
+
 def _native_enabled(spark, on: bool) -> None:
     spark.sql(f"SELECT reflect('logjamrelay.spark.NativeInflate', 'setEnabled', {str(on).lower()})"
               ).collect()
@@ -787,13 +792,18 @@ def test_native_zlib_path_rows_equal_python_and_inflater(spark, tmp_path):
         recs.append((0, [b"nat-test", b"logs.nat.test", bytes(b), meta(ZLIB, seq=i)]))
     write_segment(tmp_path, 1, recs[:700])
     write_segment(tmp_path, 2, recs[700:])
+    before = _native_answered(spark)
     fast = check_against_python(spark, tmp_path)
+    if have:        # used, not only loaded: it answered for the intact and extended bodies
+        assert _native_answered(spark) - before >= 400, (before, _native_answered(spark))
     errors = collections.Counter(by(fast, "error"))
     assert errors[None] > 800 and errors["decompress"] > 300, errors
     try:
         _native_enabled(spark, False)
         assert _native_status(spark).startswith("java.util.zip.Inflater"), _native_status(spark)
+        off = _native_answered(spark)
         slow = collect(jvm_df(spark, tmp_path))
+        assert _native_answered(spark) == off
     finally:
         _native_enabled(spark, True)
     assert_same_rows(COLS, fast, slow, "native path vs Inflater alone")

@@ -169,5 +169,14 @@ public final class Stage0Bench {
                 + " ms  digest " + Long.toHexString(digest));
         }
         System.out.println("process CPU total " + String.format("%.2f", os.getProcessCpuTime() / 1e9) + " s");
+        // (by reflection: --rev of a revision before the native path has no such class)
+        try {
+            Class<?> ni = Class.forName("logjamrelay.spark.NativeInflate");
+            System.out.println("zlib bodies inflated by the native path: "
+                + ni.getMethod("answered").invoke(null) + " ("
+                + ni.getMethod("status").invoke(null) + ")");
+        } catch (ReflectiveOperationException e) {
+            System.out.println("zlib bodies inflated by the native path: none (no such path)");
+        }
     }
 }

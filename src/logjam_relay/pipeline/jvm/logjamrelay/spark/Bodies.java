@@ -16,7 +16,8 @@ final class Bodies {
     byte[] out = new byte[1 << 16];
     int len;
     private final Inflater inflater = new Inflater();
-    private final NativeInflate fast = NativeInflate.create();  // null: Inflater alone
+    private NativeInflate fast;         // on the first zlib body; null: Inflater alone
+    private boolean fastTried;
     private Object lz4;                 // net.jpountz.lz4.LZ4SafeDecompressor, on first use
 
     /** Decompress buf[off, off+n) with method comp (1 zlib, 2 snappy, 3 lz4) into out;
@@ -37,6 +38,10 @@ final class Bodies {
     }
 
     private boolean zlib(byte[] buf, int off, int n) {
+        if (!fastTried) {
+            fastTried = true;
+            fast = NativeInflate.create();
+        }
         if (fast != null) {
             room(1 << 16);
             int got = fast.inflate(buf, off, n, out);

@@ -83,6 +83,15 @@ public final class NativeInflate {
         return state == 1 && enabled ? "libdeflate (zlib's rules)" : "java.util.zip.Inflater (" + (enabled ? why : "disabled") + ")";
     }
 
+    private static final java.util.concurrent.atomic.AtomicLong ANSWERED =
+        new java.util.concurrent.atomic.AtomicLong();
+
+    /** How many bodies the native path has inflated in this JVM (readers add theirs when
+     *  they close): tests see that it is used, not only loaded. */
+    public static long answered() {
+        return ANSWERED.get();
+    }
+
     /** Tests and operators: off makes every new reader use Inflater alone. */
     public static void setEnabled(boolean on) {
         enabled = on;
@@ -94,6 +103,7 @@ public final class NativeInflate {
     }
 
     private long handle;
+    private long count;                        // bodies answered, added to ANSWERED at free
     private long in;
     private int inCap;
     private long out;
@@ -118,10 +128,13 @@ public final class NativeInflate {
         int cap = Math.min(Math.min(OUT_CAP, dst.length), Constants.MAX_DECOMPRESSED);
         int got = inflate(handle, in, n, out, cap);
         if (got > 0) Platform.copyMemory(null, out, dst, Platform.BYTE_ARRAY_OFFSET, got);
+        if (got >= 0) count++;
         return got;
     }
 
     void free() {
+        ANSWERED.addAndGet(count);
+        count = 0;
         if (handle != 0) close(handle);
         handle = 0;
         if (in != 0) Platform.freeMemory(in);
