@@ -790,6 +790,14 @@ def test_native_zlib_path_rows_equal_python_and_inflater(spark, tmp_path):
         elif op == 3:
             b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 5)))
         recs.append((0, [b"nat-test", b"logs.nat.test", bytes(b), meta(ZLIB, seq=i)]))
+    # streams of more than 64 KiB go to Inflater (the native buffers stay bounded): one that
+    # inflates beyond, one small body with 70 KiB after its stream (ignored, as by zlib)
+    big = [zlib.compress(json.dumps({"action": "Big#one", "pad": rng.randbytes(80_000).hex()}
+                                    ).encode()),
+           zlib.compress(b'{"action":"Big#tail","total_time":1}') + rng.randbytes(70_000)]
+    assert all(len(b) > 65536 for b in big)
+    recs += [(0, [b"nat-test", b"logs.nat.test", b, meta(ZLIB, seq=1500 + k)])
+             for k, b in enumerate(big)]
     write_segment(tmp_path, 1, recs[:700])
     write_segment(tmp_path, 2, recs[700:])
     before = _native_answered(spark)
@@ -798,6 +806,8 @@ def test_native_zlib_path_rows_equal_python_and_inflater(spark, tmp_path):
         assert _native_answered(spark) - before >= 400, (before, _native_answered(spark))
     errors = collections.Counter(by(fast, "error"))
     assert errors[None] > 800 and errors["decompress"] > 300, errors
+    assert sum(1 for e, b in zip(by(fast, "error"), by(fast, "body"), strict=True)
+               if e is None and '"Big#' in b[:24]) == 2
     try:
         _native_enabled(spark, False)
         assert _native_status(spark).startswith("java.util.zip.Inflater"), _native_status(spark)

@@ -116,12 +116,15 @@ public final class NativeInflate {
     }
 
     /** buf[off, off+n) inflated into dst (which holds at least 64 KiB): its length, or
-     *  -1 when zlib must decide. */
+     *  -1 when zlib must decide (also for every stream of more than 64 KiB). */
     int inflate(byte[] buf, int off, int n, byte[] dst) {
-        if (handle == 0 || n <= 0) return -1;
+        // a stream of more than 64 KiB goes to Inflater (it nearly always inflates beyond
+        // the output buffer): the native buffers stay at most 64 KiB each, whatever a
+        // hostile body's size
+        if (handle == 0 || n <= 0 || n > OUT_CAP) return -1;
         if (n > inCap) {
             Platform.freeMemory(in);
-            inCap = Math.max(n, inCap * 2);
+            inCap = Math.min(Math.max(n, inCap * 2), OUT_CAP);
             in = Platform.allocateMemory(inCap);
         }
         Platform.copyMemory(buf, Platform.BYTE_ARRAY_OFFSET + off, null, in, n);
