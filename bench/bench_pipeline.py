@@ -271,16 +271,13 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 def native_zlib_path() -> str:
     """What the pipeline's JVM reader inflates zlib bodies with (NativeInflate.status's
     words), as far as this process can tell: the _jinflate extension and libdeflate."""
-    import ctypes
-
     from logjam_relay.pipeline import jvmreader
     for var in ("JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS"):
         if "-Dlogjamrelay.nativeInflate=false" in os.environ.get(var, ""):
             return f"java.util.zip.Inflater (turned off in {var})"
-    lib = jvmreader.native_library()
-    if lib is None:
+    if jvmreader.native_library() is None:
         return "java.util.zip.Inflater (_jinflate not built)"
-    if ctypes.CDLL(lib).ljr_inflate_available() != 1:
+    if not jvmreader.native_inflate_ready():
         return "java.util.zip.Inflater (no libdeflate on this machine)"
     return "libdeflate (zlib's rules), Inflater for the rest"
 

@@ -770,9 +770,7 @@ def test_native_zlib_path_rows_equal_python_and_inflater(spark, tmp_path):
     bodies, bodies damaged after their block header (the guard passes them, libdeflate
     refuses, zlib decides), cut short, extended -- equal the Python decoder's and those of
     the same reader with Inflater alone."""
-    import ctypes
-    lib = jvmreader.native_library()
-    have = lib is not None and ctypes.CDLL(lib).ljr_inflate_available() == 1
+    have = jvmreader.native_inflate_ready()
     status = _native_status(spark)
     if have:
         assert status.startswith("libdeflate"), status

@@ -69,6 +69,18 @@ def native_library() -> str | None:
     return found[0] if found else None
 
 
+def native_inflate_ready() -> bool:
+    """Whether the JVM reader's fast zlib path can work here: the extension was built and
+    this machine has libdeflate (what ``NativeInflate.status`` will say, less a JVM that
+    turns it off)."""
+    import ctypes
+    lib = native_library()
+    try:
+        return lib is not None and ctypes.CDLL(lib).ljr_inflate_available() == 1
+    except OSError:
+        return False
+
+
 def _key(jars: list[str]) -> str:
     h = hashlib.sha256()
     native = native_library()
