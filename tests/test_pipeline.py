@@ -417,6 +417,74 @@ def test_cli_a_job_that_fails_is_one_line_and_a_file(archive, tmp_path):
         os.unlink(where)
 
 
+@pytest.fixture
+def noexec_dir(tmp_path):
+    """A directory mounted noexec (tmpfs): what a hardened /tmp is.  Needs root; under CI
+    (root on its machines) a mount that fails is a failure, elsewhere a skip."""
+    d = tmp_path / "noexec"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,nosuid,size=256m", "tmpfs",
+                        str(d)], capture_output=True, text=True) if os.geteuid() == 0 else None
+    if r is None or r.returncode != 0:
+        why = "not root" if r is None else r.stderr.strip()
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a noexec tmpfs under CI: {why}")
+        pytest.skip(f"cannot mount a noexec tmpfs: {why}")
+    try:
+        yield str(d)
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_cli_noexec_tmpdir(spark, archive, messages, tmp_path, noexec_dir):
+    """java.io.tmpdir mounted noexec, through the real command (engine jvm): the native
+    libraries that snappy-java (Parquet's writer) and the reader's zlib path unpack there
+    cannot be mapped.  Snappy's failure ends the job with one line that says what to do;
+    with snappy's own directory elsewhere the run completes with the zlib bodies on
+    Inflater, its log line saying why; with logjamrelay.nativeInflate.tempdir elsewhere
+    the native path is back.  The tables equal the reference every time."""
+    from logjam_relay.pipeline import cli, jvmreader
+    ref = stats.reference_tables(reference_input(messages))
+    ok_dir = tmp_path / "exec"
+    ok_dir.mkdir()
+
+    def run(opts: str, out: str):
+        return subprocess.run(
+            [sys.executable, "-m", "logjam_relay.pipeline.cli", "stats", "--input", archive,
+             "--output", str(tmp_path / out), "--master", "local[2]", "--engine", "jvm"],
+            capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1",
+                     JAVA_TOOL_OPTIONS=f"-Djava.io.tmpdir={noexec_dir} {opts}"))
+
+    r = run("", "o1")
+    ours = [x for x in r.stderr.splitlines() if x.startswith("logjam-relay pipeline:")]
+    assert r.returncode == 1 and len(ours) == 1, r.stderr[-3000:]
+    assert "failed to map segment" in ours[0] and cli.NOEXEC_HINT in ours[0], ours[0]
+    where = ours[0].rsplit("(the whole error: ", 1)[1].rstrip(")")
+    os.unlink(where)
+
+    r = run(f"-Dorg.xerial.snappy.tempdir={ok_dir}", "o2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if "zlib bodies:" in x]
+    assert len(line) == 1 and "java.util.zip.Inflater (the library cannot be loaded from " \
+        f"{noexec_dir}, mounted noexec?" in line[0], r.stdout[-3000:]
+    assert_tables_equal(spark, str(tmp_path / "o2"), ref)
+
+    r = run(f"-Dorg.xerial.snappy.tempdir={ok_dir} "
+            f"-Dlogjamrelay.nativeInflate.tempdir={ok_dir}", "o3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if "zlib bodies:" in x]
+    if jvmreader.native_inflate_ready():
+        assert len(line) == 1 and "zlib bodies: libdeflate (zlib's rules), " in line[0], \
+            r.stdout[-3000:]
+        assert int(line[0].split("rules), ")[1].split()[0].replace(",", "")) > 100, line
+    elif os.environ.get("CI"):
+        pytest.fail(f"the native zlib path must be in use in CI: {line}")
+    assert_tables_equal(spark, str(tmp_path / "o3"), ref)
+    # the library's temporary file is gone once loaded (or not)
+    assert not [f for f in os.listdir(noexec_dir) if f.startswith("logjam-jinflate-")]
+
+
 # ------------------------------------------------------------------ times beyond the calendar
 
 U64 = (1 << 64) - 1

@@ -475,10 +475,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: what a JVM's native library that the kernel will not map says (a directory mounted
+#: noexec: snappy-java, lz4-java and the reader's zlib path write theirs to java.io.tmpdir)
+_NOEXEC_MARK = "failed to map segment from shared object"
+NOEXEC_HINT = ("(a native library could not be loaded from its directory: is java.io.tmpdir "
+               "mounted noexec? Run with JAVA_TOOL_OPTIONS=-Djava.io.tmpdir=DIR, a directory "
+               "that allows executables)")
+
+
 def job_failure(e: BaseException) -> str:
     """The gist of a failed Spark job in one line: the innermost cause of a JVM exception
     (a Py4J error), or of PySpark's own; for an error of a Python worker, the last line of
-    its traceback (:func:`.connect.first_line`)."""
+    its traceback (:func:`.connect.first_line`).  A native library the kernel refused to
+    map gets :data:`NOEXEC_HINT`."""
+    gist = _job_failure(e)
+    return f"{gist} {NOEXEC_HINT}" if _NOEXEC_MARK in gist else gist
+
+
+def _job_failure(e: BaseException) -> str:
     from .connect import first_line
     java = getattr(e, "java_exception", None) or getattr(e, "_origin", None)
     if java is not None:

@@ -81,6 +81,41 @@ def native_inflate_ready() -> bool:
         return False
 
 
+def zlib_path(spark) -> tuple[str, int] | None:
+    """What the JVM reader inflates zlib bodies with (``NativeInflate.status``: "libdeflate
+    (zlib's rules)" or "java.util.zip.Inflater (why)") and how many bodies the native
+    path has inflated in that JVM; None when it cannot be asked (no reader, Spark
+    Connect).  Local masters: the driver's JVM, which runs the tasks; others: one
+    executor's, asked by a one-task job."""
+    cls = "logjamrelay.spark.NativeInflate"
+    try:
+        if spark.sparkContext.master.startswith("local"):
+            ni = spark._jvm.logjamrelay.spark.NativeInflate
+            return str(ni.status()), int(ni.answered())
+        row = spark.range(1).selectExpr(f"reflect('{cls}', 'status')",
+                                        f"reflect('{cls}', 'answered')").first()
+        return str(row[0]), int(row[1])
+    except Exception:                   # noqa: BLE001 -- no reader, no gateway: not known
+        return None
+
+
+def zlib_path_line(spark) -> str | None:
+    """:func:`zlib_path` in one line for the run's log (with what to do when the native
+    path is not in use)."""
+    got = zlib_path(spark)
+    if got is None or not got[0]:
+        return None
+    status, n = got
+    if status.startswith("libdeflate"):
+        return f"zlib bodies: {status}, {n:,} inflated by it (the rest by Inflater)"
+    hint = ""
+    if "no libdeflate" in status:
+        hint = " -- install libdeflate0 (Debian, Ubuntu) or libdeflate for the faster path"
+    elif "not in the jar" in status:
+        hint = " -- the _jinflate extension was not built with this package"
+    return f"zlib bodies: {status}{hint}"
+
+
 def _key(jars: list[str]) -> str:
     h = hashlib.sha256()
     native = native_library()

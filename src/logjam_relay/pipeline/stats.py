@@ -620,6 +620,11 @@ def run_batch(spark, input_dir: str, output: str, apdex_ms: float = DEFAULT_APDE
     log(f"read {summary['rows_in']} records ({summary['bad_records']} undecodable, "
         f"{summary['corrupt_segments']} corrupt segment regions, {summary['bad_json']} "
         f"logs bodies not JSON) and aggregated them in {time.perf_counter() - t0:.1f} s")
+    if compute is None and summary.get("engine") in ("jvm", "sql"):
+        from .jvmreader import zlib_path_line
+        line = zlib_path_line(spark)
+        if line:
+            log(line)
     counts = summary.pop("counts")
     rows = _write_tables(tables, output, log=log, counts=counts)
     agg.unpersist()

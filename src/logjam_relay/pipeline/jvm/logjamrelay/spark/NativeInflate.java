@@ -16,13 +16,17 @@ import org.apache.spark.unsafe.Platform;
  * jvmreader.build when the extension was built), so a cluster's executors get it with
  * the jar; it is written to a temporary file and loaded once per JVM.  Without it (not
  * built, another platform, no libdeflate on the machine, a temporary directory that
- * cannot hold it, {@link #setEnabled}(false), system property
- * {@code logjamrelay.nativeInflate=false}) every body goes to Inflater.  The entry
+ * cannot hold it or is mounted noexec -- {@link #TEMPDIR_PROPERTY} names another --,
+ * {@link #setEnabled}(false), system property {@code logjamrelay.nativeInflate=false})
+ * every body goes to Inflater; {@link #status} says which and why.  The entry
  * points take only primitives: the buffers are native memory of this object
  * (Platform.allocateMemory), the bodies are copied in and out.
  */
 public final class NativeInflate {
     static final String RESOURCE = "logjamrelay/spark/native/libjinflate.so";
+    /** where the library is written before it is loaded (default: java.io.tmpdir), for a
+     *  temporary directory mounted noexec (as snappy-java's org.xerial.snappy.tempdir) */
+    static final String TEMPDIR_PROPERTY = "logjamrelay.nativeInflate.tempdir";
     private static final int OUT_CAP = 1 << 16;
 
     private static int state;                  // 0 not tried, 1 loaded, -1 unavailable
@@ -47,9 +51,15 @@ public final class NativeInflate {
                 if (in == null) {
                     why = "not in the jar";
                 } else {
-                    // owner-only (0600), a name of its own in java.io.tmpdir
-                    File f = java.nio.file.Files.createTempFile("logjam-jinflate-", ".so",
-                        new java.nio.file.attribute.FileAttribute[0]).toFile();
+                    // owner-only (0600), a name of its own in TEMPDIR_PROPERTY's
+                    // directory or java.io.tmpdir
+                    String dir = System.getProperty(TEMPDIR_PROPERTY);
+                    java.nio.file.attribute.FileAttribute[] none =
+                        new java.nio.file.attribute.FileAttribute[0];
+                    File f = (dir == null || dir.isEmpty()
+                        ? java.nio.file.Files.createTempFile("logjam-jinflate-", ".so", none)
+                        : java.nio.file.Files.createTempFile(java.nio.file.Paths.get(dir),
+                            "logjam-jinflate-", ".so", none)).toFile();
                     try {
                         OutputStream o = new FileOutputStream(f);
                         try {
@@ -72,9 +82,19 @@ public final class NativeInflate {
                 }
             } catch (Throwable t) {            // UnsatisfiedLinkError, IOException, ...
                 why = t.toString();
+                // a directory mounted noexec: the kernel refuses to map the library
+                if (why.contains("failed to map segment"))
+                    why = "the library cannot be loaded from " + tempDir()
+                        + ", mounted noexec? (set -D" + TEMPDIR_PROPERTY
+                        + "=DIR to another directory): " + why;
             }
         }
         return state == 1;
+    }
+
+    private static String tempDir() {
+        String dir = System.getProperty(TEMPDIR_PROPERTY);
+        return dir == null || dir.isEmpty() ? System.getProperty("java.io.tmpdir") : dir;
     }
 
     /** What the reader inflates zlib bodies with, in words (for logs and tests). */
