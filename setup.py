@@ -56,8 +56,11 @@ setup(ext_modules=[
     # a JNI library with primitive arguments only (no jni.h needed); jvmreader puts it in
     # the reader's jar
     Extension("logjam_relay.pipeline._jinflate", ["src/logjam_relay/pipeline/_jinflate.c"],
+              depends=["src/logjam_relay/pipeline/_fastinflate.h"],
               optional=True, libraries=["dl"], extra_compile_args=["-O2", "-std=c11"]),
     # the body decompression (zlib, snappy, lz4) and UTF-8 check of the Spark data source
+    # (zlib bodies through the same fast path as the JVM reader's, _fastinflate.h)
     Extension("logjam_relay.pipeline._bodies", ["src/logjam_relay/pipeline/_bodies.c"],
-              optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
+              depends=["src/logjam_relay/pipeline/_fastinflate.h"],
+              optional=True, libraries=["z", "dl"], extra_compile_args=["-O2", "-std=c11"]),
 ])

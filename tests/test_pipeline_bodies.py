@@ -3,6 +3,7 @@ against the Python path (pipeline/bodies.py: zlib / cramjam / python-lz4, Arrow'
 validation): crafted and random bodies, truncated and mutated ones, bombs and huge declared
 sizes, and whole segments through both decoders.  No Spark needed."""
 
+import json
 import random
 import struct
 import zlib
@@ -216,6 +217,79 @@ def test_real_limit_bomb():
                                                    + b"\x00"),
                     (SNAPPY, varint(MAX_DECOMPRESSED + 1) + b"\x00" * 100)])
     assert errs == {0: "decompress", 2: "decompress", 3: "decompress"}
+
+
+def _agent_body(rng: random.Random, i: int) -> bytes:
+    """A logjam agent's request body of 300 B to 6 KB (what zlib writes a dynamic block for)."""
+    lines = [[rng.randint(0, 5), f"2026-11-27T10:00:{i % 60:02d}.{rng.randint(0, 999999):06d}",
+              "Processing by Orders#show as HTML " + "\u00e9x" * rng.randint(0, 30)
+              + rng.randbytes(rng.randint(0, 40)).hex()]
+             for _ in range(rng.randint(1, 30))]
+    return json.dumps({"action": f"Orders#show{i % 7}", "total_time": rng.random() * 900,
+                       "code": rng.choice((200, 302, 404, 500)), "lines": lines,
+                       "request_id": rng.randbytes(16).hex()}).encode()
+
+
+def test_fast_zlib_path_same_rows_and_used():
+    """zlib bodies through libdeflate where it and zlib agree (_fastinflate.h, the guard
+    the JVM reader's path uses too; tests/test_pipeline_jinflate.py tests it alone):
+    intact, damaged after the block header (the guard admits them, libdeflate refuses,
+    zlib decides), cut short and extended bodies, at zlib levels 1, 6 and 9 and two
+    windows: the rows equal the Python path's, and the same decoder's with zlib alone;
+    the path is used where libdeflate is installed (always under CI)."""
+    import os
+    on, before = bd._bodies_c.fast_zlib()
+    if not on:
+        if os.environ.get("CI"):
+            pytest.fail("libdeflate must be installed under CI (the fast zlib path)")
+        pytest.skip("no libdeflate on this machine: zlib alone")
+    rng = random.Random(29)
+    cases = []
+    for i in range(1500):
+        body = _agent_body(rng, i)
+        c = zlib.compressobj(rng.choice((1, 6, 9)), zlib.DEFLATED, rng.choice((15, 12)))
+        b = bytearray(c.compress(body) + c.flush())
+        op = i % 6
+        if op == 1:
+            b[rng.randrange(40, len(b))] ^= 1 << rng.randrange(8)
+        elif op == 2:
+            del b[rng.randrange(20, len(b)):]
+        elif op == 3:
+            b += rng.randbytes(rng.randint(1, 5))
+        elif op == 4:                           # the Adler-32 wrong
+            b[-1] ^= 0x40
+        cases.append((ZLIB, bytes(b)))
+    cases += [(ZLIB, z(bytes(70_000))), (ZLIB, z(rng.randbytes(70_000)))]    # over 64 KiB
+    errs = compare(cases)
+    on_errs, after = errs, bd._bodies_c.fast_zlib()[1]
+    assert after - before >= 400, (before, after)      # used, not only loaded
+    assert 300 < len(on_errs) < 1200, len(on_errs)
+    try:
+        assert bd._bodies_c.fast_zlib(False) == (False, after)
+        off_errs = compare(cases)
+        assert bd._bodies_c.fast_zlib()[1] == after
+    finally:
+        bd._bodies_c.fast_zlib(True)
+    assert on_errs == off_errs
+
+
+def test_fast_zlib_path_in_version_and_switch():
+    """``--version`` says which zlib path the pipeline's decoders have, and
+    LOGJAM_RELAY_NATIVE_INFLATE=0 (read at import) turns the fast one off."""
+    import os
+    import subprocess
+    import sys
+    on = bd._bodies_c.fast_zlib()[0]
+    if not on and os.environ.get("CI"):
+        pytest.fail("libdeflate must be installed under CI (the fast zlib path)")
+    for env, want in (({}, on), ({"LOGJAM_RELAY_NATIVE_INFLATE": "0"}, False)):
+        r = subprocess.run([sys.executable, "-m", "logjam_relay", "--version"],
+                           capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, **env))
+        assert r.returncode == 0, r.stderr
+        text = ("zlib bodies: libdeflate where zlib agrees" if want else
+                "zlib bodies: zlib alone (no libdeflate found, or LOGJAM_RELAY_NATIVE_INFLATE=0)")
+        assert text in r.stdout, (env, r.stdout)
 
 
 def test_rows_out_of_range_refused():

@@ -14,7 +14,8 @@
  * A body never gets more memory than its declared size (snappy, lz4: after a check that
  * the input can produce that much at all) or the limit (zlib, growing as it inflates).
  * Decisions follow the Python libraries: zlib.decompress (trailing bytes after the stream
- * are ignored), cramjam/snap's raw decoder, LZ4_decompress_safe plus the exact-length
+ * are ignored; libdeflate inflates the streams on which it and zlib agree, the rest goes to
+ * zlib: _fastinflate.h, shared with the JVM reader's _jinflate.c), cramjam/snap's raw decoder, LZ4_decompress_safe plus the exact-length
  * check.  Where LZ4's end-of-block rules or snap's varint reading could decide otherwise
  * than the plain format (blocks no compressor writes), the row is left undecided (5).
  * ValueError when a batch holds more than 2 GiB of text (as the Python path).
@@ -24,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <zlib.h>
+
+#include "_fastinflate.h"
 
 enum { S_OK = 0, S_META = 1, S_FRAMES = 2, S_DECOMP = 3, S_UTF8 = 4, S_PY = 5 };
 
@@ -79,10 +82,26 @@ static int utf8_ok(const unsigned char *s, size_t n) {
 
 /* ------------------------------------------------------------------ zlib */
 
+#define FAST_CAP 65536u
+static int use_fast;                    /* libdeflate found at import, not turned off */
+static unsigned long long fast_answered; /* bodies the fast path inflated (tests) */
+
 /* inflate src into o (within limit) with the batch's stream *zp (initialised on first
  * use, reset for every body); S_OK or S_DECOMP, -1 out of memory */
 static int do_zlib(const unsigned char *src, size_t n, size_t limit, out_t *o, z_stream *zp,
-                   int *zinit) {
+                   int *zinit, void *fast) {
+    /* the fast path (_fastinflate.h): at most 64 KiB in and out, an answer only where zlib
+     * would give the same; otherwise (-1) zlib below decides */
+    if (fast != NULL && n > 0 && n <= FAST_CAP) {
+        size_t cap = limit < FAST_CAP ? limit : FAST_CAP;
+        if (reserve(o, cap) < 0) return -1;
+        int32_t got = fi_inflate(fast, src, (int32_t)n, o->p + o->len, (int32_t)cap);
+        if (got >= 0) {
+            o->len += (size_t)got;
+            __atomic_fetch_add(&fast_answered, 1, __ATOMIC_RELAXED);
+            return S_OK;
+        }
+    }
     if (!*zinit) {
         memset(zp, 0, sizeof *zp);
         if (inflateInit(zp) != Z_OK) return -1;
@@ -290,6 +309,7 @@ static PyObject *bodies(PyObject *self, PyObject *args) {
     int err = 0;                                             /* 1 no memory, 2 too large */
     z_stream zs;
     int zinit = 0;
+    void *fast = use_fast ? fi_open() : NULL;              /* NULL: zlib alone */
     Py_BEGIN_ALLOW_THREADS
     offs[0] = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -308,7 +328,7 @@ static PyObject *bodies(PyObject *self, PyObject *args) {
                 st = S_OK;
             }
         }
-        else if (code == 1) st = do_zlib(buf + r, (size_t)lb, (size_t)limit, &o, &zs, &zinit);
+        else if (code == 1) st = do_zlib(buf + r, (size_t)lb, (size_t)limit, &o, &zs, &zinit, fast);
         else if (code == 2) st = do_snappy(buf + r, (size_t)lb, (size_t)limit, &o);
         else if (code == 3) st = do_lz4(buf + r, (size_t)lb, (size_t)limit, &o);
         else st = S_DECOMP;
@@ -321,6 +341,7 @@ static PyObject *bodies(PyObject *self, PyObject *args) {
     }
     if (zinit) inflateEnd(&zs);
     Py_END_ALLOW_THREADS
+    fi_close(fast);
     if (err == 1) { PyErr_NoMemory(); goto out; }
     if (err == 2) { PyErr_SetString(PyExc_ValueError, "batch too large for a string column"); goto out; }
     PyObject *data = PyBytes_FromStringAndSize(o.p ? (const char *)o.p : "", (Py_ssize_t)o.len);
@@ -336,9 +357,26 @@ out:
     return result;
 }
 
+/* fast_zlib(on=None) -> (whether zlib bodies go through libdeflate where it and zlib agree
+ * (libdeflate was found at import), how many bodies it has inflated in this process);
+ * on=False/True turns it off/on (tests, benchmarks) */
+static PyObject *fast_zlib(PyObject *self, PyObject *args) {
+    PyObject *on = Py_None;
+    if (!PyArg_ParseTuple(args, "|O", &on)) return NULL;
+    if (on != Py_None) {
+        int v = PyObject_IsTrue(on);
+        if (v < 0) return NULL;
+        use_fast = v && fi_available();
+    }
+    return Py_BuildValue("(OK)", use_fast ? Py_True : Py_False,
+                         __atomic_load_n(&fast_answered, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef methods[] = {
     {"bodies", bodies, METH_VARARGS,
      "bodies(buf, rows, first, count, limit) -> (offsets, data, status)"},
+    {"fast_zlib", fast_zlib, METH_VARARGS,
+     "fast_zlib(on=None) -> (libdeflate in use where zlib agrees, bodies it inflated)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -347,4 +385,11 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__bodies(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__bodies(void) {
+    /* dlopen once, here, with the GIL; LOGJAM_RELAY_NATIVE_INFLATE=0 keeps zlib alone (as
+     * the JVM's -Dlogjamrelay.nativeInflate=false) */
+    const char *env = getenv("LOGJAM_RELAY_NATIVE_INFLATE");
+    int off = env != NULL && (strcmp(env, "0") == 0 || strcmp(env, "false") == 0);
+    use_fast = !off && fi_available();
+    return PyModule_Create(&module);
+}
