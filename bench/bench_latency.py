@@ -47,6 +47,8 @@ import bench_relay as BR  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zmq_latency.c")
 KEYS = ("p50", "p99", "p999", "max")
+#: --batch-delay: spool_fsync_batch_delay of the batch target ("" = the default, 0)
+BATCH_DELAY = ""
 
 
 def build_tool() -> str:
@@ -90,6 +92,8 @@ class Target:
         if self.kind != "none":
             argv += ["--spool-dir", os.path.join(self.work, "spool"),
                      "--spool-fsync", self.kind]
+        if self.kind == "batch" and BATCH_DELAY:
+            argv += ["--spool-fsync-batch-delay", BATCH_DELAY]
         env = dict(os.environ)
         env.pop("LOGJAM_RELAY_CONFIG", None)
         if self.src:
@@ -177,10 +181,14 @@ def main() -> int:
                     help="messages of the ingest-rate comparison (0: skip it)")
     ap.add_argument("--relay-src", action="append", default=[], metavar="NAME=SRC_DIR",
                     help="also run the relay targets from this source tree, named NAME")
+    ap.add_argument("--batch-delay", default="", metavar="DURATION",
+                    help="spool_fsync_batch_delay of the batch target (default: the relay's, 0)")
     ap.add_argument("--nice", type=int, default=0,
                     help="os.nice() for the whole run (load tool and every target alike; "
                          "negative needs root): less noise from other work on the host")
     args = ap.parse_args()
+    global BATCH_DELAY
+    BATCH_DELAY = args.batch_delay
     if args.nice:
         os.nice(args.nice)
     tool = build_tool()
@@ -192,7 +200,7 @@ def main() -> int:
             continue
         for label, src in trees:
             name = {"none": "relay, no spool", "interval": "relay, interval",
-                    "batch": "relay, batch"}[t]
+                    "batch": f"relay, batch{f' {BATCH_DELAY}' if BATCH_DELAY else ''}"}[t]
             targets.append(Target(f"{name} [{label}]" if label else name, t, src))
     print(f"latency bench: {os.cpu_count()} cpus shared, 300 B messages at a fixed rate "
           f"for {args.seconds:g} s; latency from each message's scheduled send time "

@@ -66,10 +66,11 @@ class Watch:
 
 
 @contextlib.asynccontextmanager
-async def batch_relay(tmp_path, monkeypatch, inputs=(), **watch):
+async def batch_relay(tmp_path, monkeypatch, inputs=(), delay: float = 0.0, **watch):
     settings = relay_settings(tmp_path, spool_dir=str(tmp_path / "spool"),
                               spool_fsync="batch", heartbeat_interval=3600,
-                              metrics_port=0, inputs=list(inputs))
+                              metrics_port=0, inputs=list(inputs),
+                              spool_fsync_batch_delay=delay)
     relay = build(settings)
     w = Watch(relay, monkeypatch, **watch)
     ctx = zmq.Context()
@@ -120,6 +121,41 @@ async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, mo
     # grouped: far fewer syncs than replies (each sync answered many messages)
     assert 1 <= spool_fsyncs <= w.syncs < n * clients
     assert st["largest_group"] > 1, st
+
+
+async def test_batch_delay_spaces_the_rounds(tmp_path, monkeypatch):
+    """spool_fsync_batch_delay: a round starts at most once per delay, what arrives
+    meanwhile joins it; every message is answered, never before its sync.  Four clients
+    with 50 requests in flight each for 0.6 s: with a 50 ms delay at most one round per
+    50 ms (the syncs' start times, measured), with none many more."""
+    starts: dict[float, list[float]] = {}
+    for delay in (0.05, 0.0):
+        async with batch_relay(tmp_path / f"d{delay}", monkeypatch, delay=delay) as (
+                relay, c, w):
+            real = relay.spool.sync_async
+            at = starts.setdefault(delay, [])
+
+            async def timed(real=real, at=at):
+                at.append(trio.current_time())
+                await real()
+            relay.spool.sync_async = timed
+            assert relay.commits.min_round == delay
+            dealers = [c.dealer() for _ in range(4)]
+            got: list[list[bytes]] = [[] for _ in dealers]
+            t0 = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for d, g in zip(dealers, got, strict=True):
+                    nursery.start_soon(load, d, 600, g, 50)
+            took = trio.current_time() - t0
+        assert all(g == [b"202 Accepted"] * 600 for g in got)
+        assert w.violations == [], w.violations[:5]
+        if delay:
+            gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+            # rounds start a delay apart or more (a sync starts after its round's appends,
+            # which a loaded machine may slow: some slack); back to back they are ~0.2 ms
+            assert gaps and min(gaps) >= delay * 0.8, sorted(gaps)[:5]
+            assert len(at) <= took / delay + 2, (len(at), took)
+    assert len(starts[0.0]) > 3 * len(starts[0.05]), {k: len(v) for k, v in starts.items()}
 
 
 async def test_a_failing_fdatasync_holds_the_202s_back_until_one_succeeds(tmp_path,

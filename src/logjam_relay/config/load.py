@@ -166,6 +166,10 @@ def _check(s: Settings) -> None:
                           f"> max_event_bytes ({s.max_event_bytes}) -- it disconnects the "
                           f"peer, so it is a memory guard above the event limit, got "
                           f"{s.zmq_max_msg_bytes}")
+    if s.spool_fsync_batch_delay > 0.1:
+        raise ConfigError(f"spool_fsync_batch_delay ({s.source_label('spool_fsync_batch_delay')}):"
+                          f" must be at most 100ms (every 202 waits for it), got "
+                          f"{s.spool_fsync_batch_delay:g} s")
     if s.ingest_max_bytes < 64 * 1024:
         raise ConfigError(f"ingest_max_bytes ({s.source_label('ingest_max_bytes')}): must be "
                           f">= 64KiB, got {s.ingest_max_bytes}")

@@ -200,7 +200,8 @@ class Relay:
                             self.spool, self._send_released,
                             max_pending=max_pending(s.batch_size),
                             max_bytes=s.ingest_max_bytes,
-                            on_error=self.spool_writes.failed)
+                            on_error=self.spool_writes.failed,
+                            min_round=s.spool_fsync_batch_delay)
                         nursery.start_soon(self.commits.run)
                 self.ticker = self._make_ticker()
                 nursery.start_soon(self.ticker.run)
