@@ -273,6 +273,31 @@ def test_fast_zlib_path_same_rows_and_used():
     assert on_errs == off_errs
 
 
+def test_fast_zlib_path_small_limit(monkeypatch):
+    """A decompression limit under the fast path's 64 KiB: bodies that inflate to the limit
+    less one, the limit and one more go the Python path's way, with the fast path and
+    without (where it is in use it answers the first two)."""
+    lim = 2000
+    monkeypatch.setattr(bd, "MAX_DECOMPRESSED", lim)
+    monkeypatch.setattr(bd, "_SMALL_ZLIB", 1)
+    rng = random.Random(8)
+    cases = []
+    for size in (lim - 1, lim, lim + 1):
+        body = json.dumps({"pad": rng.randbytes(2000).hex()}).encode()[:size]
+        assert len(body) == size
+        cases.append((ZLIB, z(body)))
+    on, before = bd._bodies_c.fast_zlib()
+    errs = compare(cases)
+    assert errs == {2: "decompress"}, errs
+    if on:
+        assert bd._bodies_c.fast_zlib()[1] - before == 2
+    try:
+        bd._bodies_c.fast_zlib(False)
+        assert compare(cases) == errs
+    finally:
+        bd._bodies_c.fast_zlib(True)
+
+
 def test_fast_zlib_path_in_version_and_switch():
     """``--version`` says which zlib path the pipeline's decoders have, and
     LOGJAM_RELAY_NATIVE_INFLATE=0 (read at import) turns the fast one off."""

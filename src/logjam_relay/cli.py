@@ -120,8 +120,9 @@ def c_parts() -> str:
     if not zmq_fast.AVAILABLE:
         text += f" ({zmq_fast.WHY_NOT})"
     bodies = _native.load(_native.EXTENSIONS["pipeline body decoding"])
-    if bodies is not None:              # the pipeline's zlib bodies (_fastinflate.h)
-        text += ("; zlib bodies: libdeflate where zlib agrees" if bodies.fast_zlib()[0] else
+    fast = getattr(bodies, "fast_zlib", None)
+    if fast is not None:                # the pipeline's zlib bodies (_fastinflate.h)
+        text += ("; zlib bodies: libdeflate where zlib agrees" if fast()[0] else
                  "; zlib bodies: zlib alone (no libdeflate found, or LOGJAM_RELAY_NATIVE_INFLATE=0)")
     return text
 

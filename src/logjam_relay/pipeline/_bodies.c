@@ -24,6 +24,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <strings.h>
 #include <zlib.h>
 
 #include "_fastinflate.h"
@@ -389,7 +390,8 @@ PyMODINIT_FUNC PyInit__bodies(void) {
     /* dlopen once, here, with the GIL; LOGJAM_RELAY_NATIVE_INFLATE=0 keeps zlib alone (as
      * the JVM's -Dlogjamrelay.nativeInflate=false) */
     const char *env = getenv("LOGJAM_RELAY_NATIVE_INFLATE");
-    int off = env != NULL && (strcmp(env, "0") == 0 || strcmp(env, "false") == 0);
+    int off = env != NULL && (strcmp(env, "0") == 0 || strcasecmp(env, "false") == 0
+                              || strcasecmp(env, "no") == 0 || strcasecmp(env, "off") == 0);
     use_fast = !off && fi_available();
     return PyModule_Create(&module);
 }

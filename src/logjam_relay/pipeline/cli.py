@@ -476,8 +476,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: what a JVM's native library that the kernel will not map says (a directory mounted
-#: noexec: snappy-java, lz4-java and the reader's zlib path write theirs to java.io.tmpdir)
-_NOEXEC_MARK = "failed to map segment from shared object"
+#: noexec: snappy-java, lz4-java and the reader's zlib path write theirs to java.io.tmpdir),
+#: and what the tasks after the first say of snappy-java then
+_NOEXEC_MARKS = ("failed to map segment from shared object",
+                 "Could not initialize class org.xerial.snappy")
 NOEXEC_HINT = ("(a native library could not be loaded from its directory: is java.io.tmpdir "
                "mounted noexec? Run with JAVA_TOOL_OPTIONS=-Djava.io.tmpdir=DIR, a directory "
                "that allows executables)")
@@ -487,9 +489,22 @@ def job_failure(e: BaseException) -> str:
     """The gist of a failed Spark job in one line: the innermost cause of a JVM exception
     (a Py4J error), or of PySpark's own; for an error of a Python worker, the last line of
     its traceback (:func:`.connect.first_line`).  A native library the kernel refused to
-    map gets :data:`NOEXEC_HINT`."""
+    map (anywhere in the chain of causes, or in the error's text) gets :data:`NOEXEC_HINT`."""
     gist = _job_failure(e)
-    return f"{gist} {NOEXEC_HINT}" if _NOEXEC_MARK in gist else gist
+    return f"{gist} {NOEXEC_HINT}" if _noexec(e, gist) else gist
+
+
+def _noexec(e: BaseException, gist: str) -> bool:
+    texts = [gist, str(e)]
+    java = getattr(e, "java_exception", None) or getattr(e, "_origin", None)
+    try:
+        hops = 0
+        while java is not None and hops < 50:
+            texts.append(str(java.toString()))
+            java, hops = java.getCause(), hops + 1
+    except Exception:                   # noqa: BLE001 -- the gateway is gone: the texts so far
+        pass
+    return any(m in t for t in texts for m in _NOEXEC_MARKS)
 
 
 def _job_failure(e: BaseException) -> str:

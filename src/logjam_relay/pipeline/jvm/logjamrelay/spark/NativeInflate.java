@@ -56,10 +56,15 @@ public final class NativeInflate {
                     String dir = System.getProperty(TEMPDIR_PROPERTY);
                     java.nio.file.attribute.FileAttribute[] none =
                         new java.nio.file.attribute.FileAttribute[0];
-                    File f = (dir == null || dir.isEmpty()
-                        ? java.nio.file.Files.createTempFile("logjam-jinflate-", ".so", none)
-                        : java.nio.file.Files.createTempFile(java.nio.file.Paths.get(dir),
-                            "logjam-jinflate-", ".so", none)).toFile();
+                    File f = null;
+                    try {
+                        f = (dir == null || dir.isEmpty()
+                            ? java.nio.file.Files.createTempFile("logjam-jinflate-", ".so", none)
+                            : java.nio.file.Files.createTempFile(java.nio.file.Paths.get(dir),
+                                "logjam-jinflate-", ".so", none)).toFile();
+                    } finally {
+                        if (f == null) in.close();     // no file: the stream is not copied
+                    }
                     try {
                         OutputStream o = new FileOutputStream(f);
                         try {
