@@ -153,7 +153,9 @@ def _alive_workers(ui_port) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=5) as r:
             return int(json.load(r).get("aliveworkers", 0))
-    except OSError:
+    except (OSError, ValueError):
+        # not up yet; while the master starts, its UI may answer /json/ with its HTML page
+        # (seen once in CI: JSONDecodeError on '<!DOCTYPE html>...')
         return 0
 
 
@@ -200,6 +202,8 @@ def cluster(tmp_path_factory):
         master = start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                         "--port", str(port), "--webui-port", str(ui)], "master")
         _wait_port(port, master)
+        # and its web UI, before the workers pick their free ports (one could take it)
+        _wait_port(ui, master)
         url = f"spark://127.0.0.1:{port}"
         for i in range(2):
             start(["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",

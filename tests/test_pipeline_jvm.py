@@ -31,6 +31,7 @@ from logjam_relay.protocols.logjam import MAX_DECOMPRESSED, compress  # noqa: E4
 from logjam_relay.spool import segment as fmt  # noqa: E402
 from test_pipeline_bodies import ODD_LZ4_BLOCKS  # noqa: E402
 from test_pipeline_bodies import varint as _varint  # noqa: E402  (snappy length prefixes)
+from zlib_cases import damaged_stream  # noqa: E402
 
 NONE, ZLIB, SNAPPY, LZ4 = 0, 1, 2, 3
 COLS = list(dec.BASE_COLUMNS)
@@ -779,15 +780,9 @@ def test_native_zlib_path_rows_equal_python_and_inflater(spark, tmp_path):
     rng = random.Random(21)
     recs = []
     for i in range(1500):
-        b = bytearray(zlib.compress(_agent_body(rng, i)))
-        op = i % 6
-        if op == 1:
-            b[rng.randrange(40, len(b))] ^= 1 << rng.randrange(8)
-        elif op == 2:
-            del b[rng.randrange(20, len(b)):]
-        elif op == 3:
-            b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 5)))
-        recs.append((0, [b"nat-test", b"logs.nat.test", bytes(b), meta(ZLIB, seq=i)]))
+        op = i % 6                          # intact, damaged, cut short, extended
+        b = damaged_stream(rng, zlib.compress(_agent_body(rng, i)), op if op <= 3 else 0)
+        recs.append((0, [b"nat-test", b"logs.nat.test", b, meta(ZLIB, seq=i)]))
     # streams of more than 64 KiB go to Inflater (the native buffers stay bounded): one that
     # inflates beyond, one small body with 70 KiB after its stream (ignored, as by zlib)
     big = [zlib.compress(json.dumps({"action": "Big#one", "pad": rng.randbytes(80_000).hex()}
