@@ -6,7 +6,8 @@ mappings),
 ``logjam_relay.relay._recompress`` (batch recompression without the GIL),
 ``logjam_relay.relay._stamp`` (the PULL validate + stamp loop, and its halves for -x) and
 ``logjam_relay.spool._segscan`` (record parsing, the Spark data source's walk) and
-``_segenc`` (record encoding, the spool's write side) and
+``_segenc`` (record encoding, the spool's write side) and ``_syncthread`` (the group
+commit's fdatasync thread) and
 ``logjam_relay.pipeline._jinflate`` (the JVM reader's fast zlib path) are built when a C
 compiler and the Python headers (and zlib.h) are there; if a build fails, the install
 goes on and the pure-Python code is used (``logjam-relay --version`` says which).
@@ -44,6 +45,9 @@ setup(ext_modules=[
     Extension("logjam_relay.spool._segenc", ["src/logjam_relay/spool/_segenc.c"],
               depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"], optional=True, libraries=["z"],
               extra_compile_args=["-O2", "-std=c11"]),
+    # the group commit's fdatasync thread (spool/syncthread.py), never takes the GIL
+    Extension("logjam_relay.spool._syncthread", ["src/logjam_relay/spool/_syncthread.c"],
+              optional=True, libraries=["pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # an output worker's reads of the spool segments (spool/tail.py)
     Extension("logjam_relay.spool._tailread", ["src/logjam_relay/spool/_tailread.c"],
               depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h",

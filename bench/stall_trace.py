@@ -161,7 +161,15 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                 return real_fds(fd)
             finally:
                 raw_syncs.append(time.perf_counter() - t0)
-        spool_mod._fdatasync = timed_fdatasync
+        # the C fdatasync thread (spool/syncthread.py) calls the system's fdatasync: a
+        # replaced one would switch it off, so the syscall is timed only without it
+        try:
+            from logjam_relay.spool import syncthread
+            c_thread = not syncthread.OFF_REASON
+        except ImportError:                 # a tree from before it
+            c_thread = False
+        if not c_thread:
+            spool_mod._fdatasync = timed_fdatasync
         # segment roll: sealing (seal record, fsync, rename, directory fsync, state file)
         # and creating the next segment; on the loop, or (background seals) the loop's
         # parts and the worker threads' parts of a SealJob.  The names a tree lacks are

@@ -279,3 +279,32 @@ async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
     gc.submit("sock", [["id", APP, b"202 Accepted"]], records=[[APP, TOPIC, b"{}", meta()]])
     assert gc.withheld == 2 and await gc.durable() is False
     sp.close()
+
+
+async def test_a_batch_delay_without_batch_says_it_has_no_effect(tmp_path, caplog):
+    """spool_fsync_batch_delay spaces the group commit's rounds: with spool_fsync =
+    "interval", or without a spool, it does nothing, and the start-up log says so (once,
+    with where the value came from); with "batch" it says nothing."""
+    said = {}
+    for name, extra in (("interval", {"spool_dir": str(tmp_path / "i"),
+                                      "spool_fsync": "interval"}),
+                        ("nospool", {}),
+                        ("batch", {"spool_dir": str(tmp_path / "b"), "spool_fsync": "batch"})):
+        settings = relay_settings(tmp_path / name, heartbeat_interval=3600, metrics_port=0,
+                                  spool_fsync_batch_delay=0.002, **extra)
+        settings.sources["spool_fsync_batch_delay"] = "relay.toml"
+        caplog.clear()
+        relay = build(settings)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            relay.shutdown()
+            with trio.fail_after(30):
+                await relay.stopped.wait()
+        said[name] = [r.getMessage() for r in caplog.records
+                      if "spool_fsync_batch_delay" in r.getMessage()]
+    assert said["interval"] == [
+        'spool_fsync_batch_delay (file relay.toml) = 0.002s has no effect: it spaces the '
+        'group commit\'s rounds, which run only with a spool and spool_fsync = "batch" '
+        '(here: spool_fsync = "interval")'], said
+    assert len(said["nospool"]) == 1 and said["nospool"][0].endswith("(here: no spool_dir)")
+    assert said["batch"] == []

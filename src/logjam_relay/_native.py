@@ -19,6 +19,7 @@ EXTENSIONS = {
     "spool parsing": "logjam_relay.spool._segscan",
     "spool encoding": "logjam_relay.spool._segenc",
     "spool tail reads": "logjam_relay.spool._tailread",
+    "spool fdatasync thread": "logjam_relay.spool._syncthread",
     "pipeline field extraction": "logjam_relay.pipeline._extract",
     "pipeline body decoding": "logjam_relay.pipeline._bodies",
     "lumberjack mapping": "logjam_relay.outputs._ljencode",

@@ -24,6 +24,7 @@ from ..fdreserve import RESERVE as _FDS
 # indirection so tests can inject write/sync failures without patching the os module
 _write = os.write
 _fdatasync = getattr(os, "fdatasync", os.fsync)
+_OS_FDATASYNC = _fdatasync
 
 
 def _sync_file_range():
@@ -68,6 +69,13 @@ class Filesystem:
 
     def fdatasync(self, fd: int) -> None:
         _fdatasync(fd)
+
+    @property
+    def native_fdatasync(self) -> bool:
+        """True when a sync may bypass :meth:`fdatasync` (the C thread of
+        ``syncthread.py`` calls the system's own): this is the real file system and no
+        test replaced its fdatasync."""
+        return type(self).fdatasync is Filesystem.fdatasync and _fdatasync is _OS_FDATASYNC
 
     def ftruncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)

@@ -50,6 +50,8 @@ from .api import Position
 from .errors import SpoolWriteError, WriteErrors, is_disk_full, write_error
 from .fs import Filesystem, unlink_quiet, write_all
 from .ledger import Ledger, Seg
+from .syncthread import SyncThread
+from .syncthread import make as make_sync_thread
 
 log = logging.getLogger("logjam_relay.spool")
 
@@ -189,6 +191,10 @@ class SegmentWriter:
         self.defer_interval_sync = False
         self.writeback_from = 0            # the active segment's offset not yet handed over
         self.writeback = Writeback(fs)
+        # sync_async's fdatasync thread in C (syncthread.py), made at the first sync_async
+        # on the real file system; None: trio's worker threads
+        self.sync_thread: SyncThread | None = None
+        self._sync_thread_tried = False
         self.pending_seals: list[Seg] = []      # closed on a full disk, seal record owed
         # background seals (module text): on while run_seals() runs
         self.defer_seals = False
@@ -440,7 +446,11 @@ class SegmentWriter:
         except OSError as e:
             raise self._errors.count(write_error("syncing", path, e)) from None
         try:
-            await trio.to_thread.run_sync(fs.fdatasync, fd)
+            st = self._sync_thread()
+            if st is not None and not st.busy():
+                await st.fdatasync(fd)
+            else:
+                await trio.to_thread.run_sync(fs.fdatasync, fd)
         except OSError as e:
             raise self._errors.count(write_error("syncing", path, e)) from None
         finally:
@@ -807,9 +817,26 @@ class SegmentWriter:
             self._notify_sealed(seg)
             self._ledger.announce_append()     # readers and output workers look again
 
+    def _sync_thread(self) -> SyncThread | None:
+        """The C fdatasync thread, made at the first call where it can be used: on the real
+        file system with its own fdatasync (a model file system or an injected failure goes
+        through :meth:`Filesystem.fdatasync` in a worker thread)."""
+        if not self._sync_thread_tried and not self._closed:
+            self._sync_thread_tried = True
+            if self._fs.native_fdatasync:
+                try:
+                    self.sync_thread = make_sync_thread()
+                except OSError as e:      # no descriptor or thread left: trio's threads
+                    log.warning("spool: no fdatasync thread of its own (%s); syncing in "
+                                "worker threads", e)
+        st = self.sync_thread
+        return st if st is not None and self._fs.native_fdatasync else None
+
     def close(self) -> None:
         self._closed = True
         self.writeback.close()
+        if self.sync_thread is not None:
+            self.sync_thread.close()
         if self.spare_fd is not None:
             self._fs.close(self.spare_fd)
             self.spare_fd = None

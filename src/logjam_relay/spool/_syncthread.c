@@ -1,0 +1,258 @@
+/* The group commit's fdatasync thread (spool/syncthread.py): a POSIX thread that never
+ * takes the GIL.  The event loop hands it one descriptor at a time (submit), the thread
+ * runs fdatasync on it, keeps the errno and writes to the loop's notify descriptor (an
+ * eventfd the loop waits on); the loop takes the result (result).
+ *
+ * Why not a worker thread of trio's: its completion has to take the GIL (to run Python
+ * code that reports back through run_sync_soon), and on a busy relay the GIL is held by
+ * the ingest; the round's 202s then wait for the switch.  Here the hand-back is one
+ * write() to an eventfd, without the GIL.
+ *
+ * One job at a time: submit raises RuntimeError while one is in flight (the caller falls
+ * back to a worker thread).  The descriptor stays the caller's: it must not be closed
+ * before result() returned the job's errno.  All signals are blocked in the thread (they
+ * are the main thread's).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <unistd.h>
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thread;
+    int started;        /* the thread runs (join it at close) */
+    int stop;
+    int job_fd;         /* the descriptor to sync, -1: none waiting */
+    int busy;           /* a job was submitted and its result not yet taken */
+    int done;           /* its result is there */
+    int err;            /* its errno (0: synced) */
+    int notify_fd;      /* written once per finished job (8 bytes: eventfd's counter) */
+    unsigned long long jobs;
+} Syncer;
+
+static void *
+worker(void *arg)
+{
+    Syncer *s = (Syncer *)arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->stop && s->job_fd < 0)
+            pthread_cond_wait(&s->cv, &s->mu);
+        if (s->job_fd < 0)
+            break;                      /* stopping, nothing left */
+        int fd = s->job_fd;
+        pthread_mutex_unlock(&s->mu);
+        int rc = fdatasync(fd);
+        int err = rc == 0 ? 0 : errno;
+        pthread_mutex_lock(&s->mu);
+        s->job_fd = -1;
+        s->err = err;
+        s->done = 1;
+        s->jobs++;
+        int nfd = s->notify_fd;
+        pthread_mutex_unlock(&s->mu);
+        uint64_t one = 1;
+        /* EAGAIN: the counter is full of unread wake-ups, the loop will look anyway */
+        while (write(nfd, &one, sizeof one) < 0 && errno == EINTR) {
+        }
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static int
+Syncer_init(Syncer *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"notify_fd", NULL};
+    int nfd;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i", kwlist, &nfd))
+        return -1;
+    if (self->started) {
+        PyErr_SetString(PyExc_RuntimeError, "already started");
+        return -1;
+    }
+    if (nfd < 0) {
+        PyErr_SetString(PyExc_ValueError, "notify_fd must be a descriptor");
+        return -1;
+    }
+    self->notify_fd = nfd;
+    self->job_fd = -1;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);      /* inherited by the thread */
+    int rc = pthread_create(&self->thread, NULL, worker, self);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        errno = rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->started = 1;
+    return 0;
+}
+
+static PyObject *
+Syncer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Syncer *self = (Syncer *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_cond_init(&self->cv, NULL);
+    self->job_fd = -1;
+    self->notify_fd = -1;
+    return (PyObject *)self;
+}
+
+static PyObject *
+Syncer_submit(Syncer *self, PyObject *arg)
+{
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (fd < 0 || fd > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "fd must be a descriptor");
+        return NULL;
+    }
+    pthread_mutex_lock(&self->mu);
+    if (!self->started || self->stop || self->busy) {
+        const char *why = self->busy ? "a sync is in flight" : "the sync thread is stopped";
+        pthread_mutex_unlock(&self->mu);
+        PyErr_SetString(PyExc_RuntimeError, why);
+        return NULL;
+    }
+    self->busy = 1;
+    self->done = 0;
+    self->job_fd = (int)fd;
+    pthread_cond_signal(&self->cv);
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_NONE;
+}
+
+/* None while the job runs; else its errno (0: synced), and the thread is free again */
+static PyObject *
+Syncer_result(Syncer *self, PyObject *unused)
+{
+    pthread_mutex_lock(&self->mu);
+    if (!self->busy || !self->done) {
+        int idle = !self->busy;
+        pthread_mutex_unlock(&self->mu);
+        if (idle) {
+            PyErr_SetString(PyExc_RuntimeError, "no sync was submitted");
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    int err = self->err;
+    self->busy = 0;
+    self->done = 0;
+    pthread_mutex_unlock(&self->mu);
+    return PyLong_FromLong(err);
+}
+
+static void
+stop_thread(Syncer *self)
+{
+    pthread_mutex_lock(&self->mu);
+    int started = self->started;
+    self->stop = 1;
+    self->started = 0;
+    pthread_cond_signal(&self->cv);
+    pthread_mutex_unlock(&self->mu);
+    if (started)
+        pthread_join(self->thread, NULL);   /* finishes a job in flight first */
+}
+
+static PyObject *
+Syncer_close(Syncer *self, PyObject *unused)
+{
+    Py_BEGIN_ALLOW_THREADS
+    stop_thread(self);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Syncer_get_busy(Syncer *self, void *closure)
+{
+    pthread_mutex_lock(&self->mu);
+    int busy = self->busy;
+    pthread_mutex_unlock(&self->mu);
+    return PyBool_FromLong(busy);
+}
+
+static PyObject *
+Syncer_get_jobs(Syncer *self, void *closure)
+{
+    pthread_mutex_lock(&self->mu);
+    unsigned long long jobs = self->jobs;
+    pthread_mutex_unlock(&self->mu);
+    return PyLong_FromUnsignedLongLong(jobs);
+}
+
+static void
+Syncer_dealloc(Syncer *self)
+{
+    stop_thread(self);
+    pthread_cond_destroy(&self->cv);
+    pthread_mutex_destroy(&self->mu);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Syncer_methods[] = {
+    {"submit", (PyCFunction)Syncer_submit, METH_O,
+     "submit(fd): fdatasync(fd) in the thread; the fd must stay open until result()"},
+    {"result", (PyCFunction)Syncer_result, METH_NOARGS,
+     "None while the job runs, else its errno (0: synced)"},
+    {"close", (PyCFunction)Syncer_close, METH_NOARGS,
+     "end the thread (after the job in flight)"},
+    {NULL}
+};
+
+static PyGetSetDef Syncer_getset[] = {
+    {"busy", (getter)Syncer_get_busy, NULL, "a job was submitted, its result not taken", NULL},
+    {"jobs", (getter)Syncer_get_jobs, NULL, "jobs finished", NULL},
+    {NULL}
+};
+
+static PyTypeObject SyncerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "logjam_relay.spool._syncthread.Syncer",
+    .tp_basicsize = sizeof(Syncer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "fdatasync in a thread that never takes the GIL; done -> write to notify_fd",
+    .tp_new = Syncer_new,
+    .tp_init = (initproc)Syncer_init,
+    .tp_dealloc = (destructor)Syncer_dealloc,
+    .tp_methods = Syncer_methods,
+    .tp_getset = Syncer_getset,
+};
+
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT, "_syncthread",
+    "The group commit's fdatasync thread (see spool/syncthread.py).", -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__syncthread(void)
+{
+    if (PyType_Ready(&SyncerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&SyncerType);
+    if (PyModule_AddObject(m, "Syncer", (PyObject *)&SyncerType) < 0) {
+        Py_DECREF(&SyncerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

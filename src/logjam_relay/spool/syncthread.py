@@ -1,0 +1,103 @@
+"""fdatasync off the event loop, handed back without the GIL: the I/O adapter of the
+group commit's syncs (:meth:`SegmentWriter.sync_async
+<logjam_relay.spool.writer.SegmentWriter.sync_async>`).
+
+:class:`SyncThread` owns a thread of its own (``_syncthread.c``, POSIX, never takes the
+GIL) and an eventfd: :meth:`SyncThread.fdatasync` hands the thread a descriptor, waits on
+the eventfd in trio (``wait_readable``) and raises the thread's errno as ``OSError``.
+With ``trio.to_thread.run_sync`` the worker thread has to take the GIL to report back
+(through ``run_sync_soon``), while a busy relay's ingest holds it; measured at 100k msg/s
+on a 2-core machine (bench/stall_trace.py, ``--fsync batch``): fdatasync took 0.57 ms at
+the median and ``sync_async`` 1.20 ms -- half a round was the hand-back.
+
+One sync at a time: while one is in flight (two tasks sync at once, rare) the second goes
+to a worker thread as before (the writer asks :meth:`SyncThread.busy` first).  The wait is shielded from cancellation, as ``to_thread.run_sync``'s
+is: the descriptor must not be closed while the thread syncs it.
+
+Without the C extension (no compiler at install, ``LOGJAM_RELAY_PURE_PYTHON=1``) or with
+``LOGJAM_RELAY_SYNC_THREAD=0``, :func:`make` returns None and the writer uses
+``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+from .. import _native
+
+_c = _native.load("logjam_relay.spool._syncthread")
+
+#: why the C thread is not used ("" when it is)
+OFF_REASON = ""
+if _c is None:
+    OFF_REASON = ("LOGJAM_RELAY_PURE_PYTHON is set" if _native.PURE_PYTHON
+                  else "the C extension _syncthread is not built")
+elif not hasattr(os, "eventfd"):
+    OFF_REASON = "no eventfd on this system"
+elif os.environ.get("LOGJAM_RELAY_SYNC_THREAD", "").strip().lower() in ("0", "false", "no",
+                                                                       "off"):
+    OFF_REASON = "LOGJAM_RELAY_SYNC_THREAD=0"
+
+
+class SyncThread:
+    """fdatasync in the C thread; see the module text."""
+
+    def __init__(self) -> None:
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            self._c = _c.Syncer(self._efd)
+        except BaseException:
+            os.close(self._efd)
+            raise
+        self.closed = False
+
+    @property
+    def jobs(self) -> int:
+        """Syncs the thread finished."""
+        return self._c.jobs
+
+    def busy(self) -> bool:
+        return self.closed or self._c.busy
+
+    async def fdatasync(self, fd: int) -> None:
+        """fdatasync ``fd`` in the thread (``OSError`` as ``os.fdatasync`` raises it).  The
+        caller checks :meth:`busy` first; ``fd`` stays open until this returns."""
+        c = self._c
+        efd = self._efd
+        c.submit(fd)
+        with trio.CancelScope(shield=True):
+            while True:
+                try:
+                    os.eventfd_read(efd)            # a wake-up left from a former job
+                except BlockingIOError:
+                    pass
+                err = c.result()
+                if err is not None:
+                    break
+                try:
+                    await trio.lowlevel.wait_readable(efd)
+                except trio.ClosedResourceError:
+                    pass            # close() ran meanwhile: it joined the thread, look again
+        if err:
+            raise OSError(err, os.strerror(err))
+
+    def close(self) -> None:
+        """End the thread (after a sync in flight) and close the eventfd."""
+        if self.closed:
+            return
+        self.closed = True
+        self._c.close()
+        try:
+            trio.lowlevel.notify_closing(self._efd)
+        except RuntimeError:
+            pass                                    # not in a trio thread
+        os.close(self._efd)
+
+
+def make() -> SyncThread | None:
+    """A :class:`SyncThread`, or None where it cannot be used (:data:`OFF_REASON`)."""
+    if OFF_REASON:
+        return None
+    return SyncThread()

@@ -1,0 +1,158 @@
+"""The group commit's fdatasync thread in C (spool/syncthread.py, ``_syncthread.c``).
+
+Real descriptors, real fdatasync; the contract it shares with ``trio.to_thread``: the
+call returns once the thread's fdatasync returned (the descriptor stays open until then,
+even when the caller is cancelled), errors come back as ``OSError`` with the errno, one
+job at a time.  The writer uses it on the real file system only; the group commit's own
+contract (no 202 before its sync) runs through it in test_groupcommit.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from conftest import require_native
+from logjam_relay.spool import fs as fs_mod
+from logjam_relay.spool import syncthread
+from logjam_relay.spool.spool import Spool
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def st():
+    require_native(syncthread._c, "logjam_relay.spool._syncthread")
+    before = _threads()
+    t = syncthread.make()
+    assert t is not None, syncthread.OFF_REASON
+    assert _threads() == before + 1           # its own thread
+    yield t
+    t.close()
+    assert _threads() == before               # joined
+
+
+async def test_syncs_a_file_and_counts(st, tmp_path):
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for _ in range(5):
+            os.write(fd, b"x" * 1000)
+            await st.fdatasync(fd)
+        assert st.jobs == 5 and not st.busy()
+    finally:
+        os.close(fd)
+
+
+async def test_errors_come_back_with_their_errno(st, tmp_path):
+    r, w = os.pipe()                  # fdatasync on a pipe: EINVAL
+    try:
+        with pytest.raises(OSError) as e:
+            await st.fdatasync(r)
+        assert e.value.errno == errno.EINVAL
+    finally:
+        os.close(r)
+        os.close(w)
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.close(fd)                      # a closed descriptor: EBADF
+    with pytest.raises(OSError) as e:
+        await st.fdatasync(fd)
+    assert e.value.errno == errno.EBADF
+    assert not st.busy()              # free again after a failure
+
+
+async def test_one_job_at_a_time(st, tmp_path):
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        st._c.submit(fd)
+        assert st.busy()
+        with pytest.raises(RuntimeError, match="in flight"):
+            st._c.submit(fd)
+        while st._c.result() is None:
+            await trio.sleep(0.001)
+        assert not st.busy()
+        with pytest.raises(RuntimeError, match="no sync was submitted"):
+            st._c.result()
+    finally:
+        os.close(fd)
+
+
+async def test_a_cancelled_caller_still_waits_for_the_thread(st, tmp_path):
+    """Cancelled while the thread syncs: the call returns only after the thread's result
+    was taken (the caller closes the descriptor after it), then the cancel is seen."""
+    c = st._c
+    taken = []
+
+    class Slow:
+        """result() says "still running" at first: the caller is inside its shielded
+        wait when the cancel comes."""
+        polls = 0
+
+        def __getattr__(self, name):
+            return getattr(c, name)
+
+        def result(self):
+            Slow.polls += 1
+            if Slow.polls == 1:
+                return None
+            r = c.result()
+            taken.append(r)
+            return r
+
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    st._c = Slow()
+    try:
+        os.write(fd, b"y" * 100)
+        returned = False
+        with trio.move_on_after(0) as scope:
+            await st.fdatasync(fd)        # its wait is shielded: no Cancelled out of it
+            returned = True
+            await trio.sleep(0)           # the cancel is seen at the next checkpoint
+        assert returned and scope.cancelled_caught
+        assert Slow.polls >= 2 and taken and taken[-1] == 0   # the thread's result
+        assert not c.busy
+    finally:
+        st._c = c
+        os.close(fd)
+
+
+async def test_the_writer_uses_it_on_the_real_file_system_only(tmp_path, monkeypatch):
+    require_native(syncthread._c, "logjam_relay.spool._syncthread")
+    sp = Spool(str(tmp_path / "a"), readers=[], fsync="batch")
+    try:
+        sp.defer_batch_sync = True
+        sp.append_batch([[b"app-env", b"logs", b"{}", b"\0" * 24]])
+        await sp.sync_async()
+        st = sp.writer.sync_thread
+        assert st is not None and st.jobs == 1
+        # a test's injected fdatasync: through Filesystem.fdatasync in a worker thread
+        calls = []
+        monkeypatch.setattr(fs_mod, "_fdatasync", lambda fd: calls.append(fd))
+        sp.append_batch([[b"app-env", b"logs", b"{}", b"\0" * 24]])
+        await sp.sync_async()
+        assert len(calls) == 1 and st.jobs == 1
+    finally:
+        sp.close()
+    assert sp.writer.sync_thread.closed
+
+
+def test_switched_off_by_the_environment():
+    code = ("from logjam_relay.spool import syncthread as s; "
+            "print(s.make() is None, s.OFF_REASON)")
+    for value, off in (("0", True), ("off", True), ("1", False)):
+        env = dict(os.environ, LOGJAM_RELAY_SYNC_THREAD=value)
+        env.pop("LOGJAM_RELAY_PURE_PYTHON", None)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        if syncthread._c is None:
+            continue
+        if off:
+            assert out.startswith("True LOGJAM_RELAY_SYNC_THREAD=0"), out
+        else:
+            assert out.startswith("False"), out
