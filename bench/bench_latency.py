@@ -24,7 +24,9 @@ directory, 64 MiB segments, no output: the spool is written and synced as with o
 tree (a before/after in one run; that tree's C extensions must be built in place).
 
 Printed per rate and path: p50/p99/p99.9/max (ms), how many of the messages were
-answered / published, and the ratios: relay p99.9 / zmq.proxy p99.9 (one-way), batch /
+answered / published; for a spool target the relay's own fdatasyncs of the run (from its
+``logjam_relay_spool_fdatasync_seconds`` histogram: the disk's share of a ``batch`` 202);
+and the ratios: relay p99.9 / zmq.proxy p99.9 (one-way), batch /
 no-spool (reply).  Then the ingest rate (DEALER as fast as the socket takes them,
 ``--ingest-messages``, replies per second) of ``batch`` against ``interval``.
 """
@@ -40,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,8 +89,11 @@ class Target:
             return
         in_flag = ["-t", str(self.in_port), "-p", str(BR.free_port())] if path == "dealer" \
             else ["-p", str(self.in_port), "-t", str(BR.free_port())]
+        # a spool target's /metrics: its fdatasync histogram is read before it stops
+        self.metrics_port = BR.free_port() if self.kind in ("interval", "batch") else 0
         argv = [sys.executable, "-m", "logjam_relay", *in_flag, "-P", str(self.out_port),
-                "-s", str(BR.free_port()), "-m", "0", "--bind", "127.0.0.1",
+                "-s", str(BR.free_port()), "-m", str(self.metrics_port), "-M", "127.0.0.1",
+                "--bind", "127.0.0.1",
                 "--state-dir", os.path.join(self.work, "state"), "-q"]
         if self.kind != "none":
             argv += ["--spool-dir", os.path.join(self.work, "spool"),
@@ -99,6 +105,33 @@ class Target:
         if self.src:
             env["PYTHONPATH"] = self.src + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(argv, env=env)
+
+    def fdatasyncs(self) -> str:
+        """The relay's own fdatasyncs of the run (``logjam_relay_spool_fdatasync_seconds``
+        from its /metrics): how many, and the buckets of their p50, p99 and maximum -- the
+        disk's share of the 202's latency under batch.  "" when the tree has no such
+        histogram (a tree from before it) or there is no spool."""
+        if not self.metrics_port or self.proc is None:
+            return ""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                        timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return ""
+        name = "logjam_relay_spool_fdatasync_seconds_bucket"
+        buckets = [(float(le), float(v)) for le, v in
+                   re.findall(name + r'\{[^}]*le="([^"]+)"\} (\S+)', text)]
+        if not buckets or not buckets[-1][1]:
+            return ""
+        n = buckets[-1][1]
+
+        def upto(q: float) -> str:
+            le = next(le for le, v in buckets if v >= q * n)
+            return "> 4 s" if le == float("inf") else f"<= {le * 1000:g} ms"
+        over = n - next(v for le, v in buckets if le >= 0.032)
+        return (f"{int(n):,} fdatasyncs in the relay: p50 {upto(0.5)}, p99 {upto(0.99)}, "
+                f"max {upto(1.0)}; {int(over)} over 32 ms")
 
     def stop(self) -> None:
         if self.proc is None:
@@ -127,12 +160,15 @@ def measure(tool: str, target: Target, path: str, rate: float, seconds: float) -
         r = subprocess.run([tool, f"tcp://127.0.0.1:{target.in_port}", kind, str(rate),
                             str(seconds), f"tcp://127.0.0.1:{target.out_port}"],
                            capture_output=True, text=True, timeout=seconds + 120)
+        disk = target.fdatasyncs() if target.kind != "proxy" else ""
     finally:
         target.stop()
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("result ")), None)
     if line is None:
         raise RuntimeError(f"zmq_latency against {target.name} failed: {r.stderr.strip()}")
-    return {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.]+)", line)}
+    res: dict = {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.]+)", line)}
+    res["disk"] = disk
+    return res
 
 
 def disk_floor(directory: str, seconds: float = 2.0) -> str:
@@ -220,6 +256,8 @@ def main() -> int:
                     print(f"  {t.name:26s} reply   {fmt(res, 'r', n)}{late}", flush=True)
                     late = ""
                 print(f"  {t.name:26s} one-way {fmt(res, 'p', n)}{late}", flush=True)
+                if res["disk"]:
+                    print(f"  {t.name:26s} disk    {res['disk']}", flush=True)
             base = results.get("zmq.proxy")
             for t in targets:
                 res = results[t.name]

@@ -104,6 +104,8 @@ def test_environment_names_that_are_not_settings_are_allowed(tmp_path):
     (tmp_path / "r.toml").write_text("device_id = 4\n")
     s = config.load({}, environ={"LOGJAM_RELAY_CONFIG": str(tmp_path / "r.toml"),
                                  "LOGJAM_RELAY_PURE_PYTHON": "1", "LOGJAM_OTHER": "x",
+                                 "LOGJAM_RELAY_NATIVE_INFLATE": "0",
+                                 "LOGJAM_RELAY_SYNC_THREAD": "0",
                                  "LOGJAM_RELAY_TEST_CACHE": "/tmp"})
     assert s.device_id == 4
 

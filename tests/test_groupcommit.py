@@ -308,3 +308,30 @@ async def test_a_batch_delay_without_batch_says_it_has_no_effect(tmp_path, caplo
         '(here: spool_fsync = "interval")'], said
     assert len(said["nospool"]) == 1 and said["nospool"][0].endswith("(here: no spool_dir)")
     assert said["batch"] == []
+
+
+async def test_the_fdatasync_histogram_counts_every_sync(tmp_path, monkeypatch):
+    """/metrics' logjam_relay_spool_fdatasync_seconds: one observation per fdatasync of the
+    records (here the group commit's, from the C sync thread), cumulative buckets."""
+    import re
+
+    from prometheus_client import generate_latest
+
+    from logjam_relay.health.metrics import make_registry
+    async with batch_relay(tmp_path, monkeypatch) as (relay, c, w):
+        got: list[bytes] = []
+        await load(c.dealer(), 300, got, window=50)
+        registry, _ = make_registry(relay)
+        text = generate_latest(registry).decode()
+        fsyncs = relay.spool.fsyncs
+    assert got == [b"202 Accepted"] * 300
+    name = "logjam_relay_spool_fdatasync_seconds"
+    assert f"# TYPE {name} histogram" in text
+    buckets = [(le, float(v)) for le, v in
+               re.findall(name + r'_bucket\{device="[^"]*",le="([^"]+)"\} (\S+)', text)]
+    count = float(re.search(name + r"_count\{[^}]*\} (\S+)", text).group(1))
+    total = float(re.search(name + r"_sum\{[^}]*\} (\S+)", text).group(1))
+    assert fsyncs >= 1 and count == fsyncs, (count, fsyncs)
+    assert buckets[-1] == ("+Inf", count) and len(buckets) == 15
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)
+    assert 0 < total < 60 * count

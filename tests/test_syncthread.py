@@ -44,7 +44,8 @@ async def test_syncs_a_file_and_counts(st, tmp_path):
     try:
         for _ in range(5):
             os.write(fd, b"x" * 1000)
-            await st.fdatasync(fd)
+            took = await st.fdatasync(fd)
+            assert 0 < took < 30
         assert st.jobs == 5 and not st.busy()
     finally:
         os.close(fd)
@@ -115,7 +116,7 @@ async def test_a_cancelled_caller_still_waits_for_the_thread(st, tmp_path):
             returned = True
             await trio.sleep(0)           # the cancel is seen at the next checkpoint
         assert returned and scope.cancelled_caught
-        assert Slow.polls >= 2 and taken and taken[-1] == 0   # the thread's result
+        assert Slow.polls >= 2 and taken and taken[-1][0] == 0   # the thread's result
         assert not c.busy
     finally:
         st._c = c
@@ -156,3 +157,9 @@ def test_switched_off_by_the_environment():
             assert out.startswith("True LOGJAM_RELAY_SYNC_THREAD=0"), out
         else:
             assert out.startswith("False"), out
+        # the real command: not an unknown setting, and --version says so
+        version = subprocess.run([sys.executable, "-m", "logjam_relay", "--version"], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+        assert ("spool syncs in worker threads (LOGJAM_RELAY_SYNC_THREAD=0)" in version) == off
+        subprocess.run([sys.executable, "-m", "logjam_relay", "--check-config"], env=env,
+                       capture_output=True, text=True, check=True)

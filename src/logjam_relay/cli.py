@@ -124,6 +124,9 @@ def c_parts() -> str:
     if fast is not None:                # the pipeline's zlib bodies (_fastinflate.h)
         text += ("; zlib bodies: libdeflate where zlib agrees" if fast()[0] else
                  "; zlib bodies: zlib alone (no libdeflate found, or LOGJAM_RELAY_NATIVE_INFLATE=0)")
+    from .spool import syncthread
+    if syncthread.BUILT and syncthread.OFF_REASON:
+        text += f"; spool syncs in worker threads ({syncthread.OFF_REASON})"
     return text
 
 

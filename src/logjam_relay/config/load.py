@@ -18,7 +18,10 @@ from .settings import BY_NAME, SETTING_FIELDS, Settings
 
 # LOGJAM_RELAY_* variables that are legitimately not settings (read elsewhere); any other
 # LOGJAM_RELAY_* name is a misspelt setting and stops start-up like an unknown TOML key.
-NON_SETTING_ENV = frozenset({"LOGJAM_RELAY_CONFIG", "LOGJAM_RELAY_PURE_PYTHON"})
+#: the environment's names that are not settings: the config file, and the switches of the
+#: C paths (all C twins; the fast zlib path of the bodies; the spool's sync thread)
+NON_SETTING_ENV = frozenset({"LOGJAM_RELAY_CONFIG", "LOGJAM_RELAY_PURE_PYTHON",
+                             "LOGJAM_RELAY_NATIVE_INFLATE", "LOGJAM_RELAY_SYNC_THREAD"})
 NON_SETTING_ENV_PREFIX = "LOGJAM_RELAY_TEST_"   # the test suite's own knobs
 
 

@@ -15,7 +15,12 @@ import resource
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
@@ -381,6 +386,15 @@ class RelayCollector:
             m = kind(name, doc)
             m.add_metric(dl, st.get(key, 0))
             yield m
+        times = st.get("sync_seconds")
+        if times is not None:
+            h = HistogramMetricFamily(
+                "logjam_relay_spool_fdatasync_seconds",
+                "time of the fdatasyncs of appended records (what a 202 under "
+                "spool_fsync=batch waits for at least)", labels=["device"])
+            h.add_metric(dl, [(repr(le) if le != float("inf") else "+Inf", n)
+                              for le, n in times.buckets()], times.sum)
+            yield h
         yield _one(_counter, "logjam_relay_spool_blocked_seconds", "time ingress was paused because the spool was full",
                    dl, r.spool_blocked_seconds + r.spool.blocked_in_progress())
 

@@ -7,8 +7,8 @@ replies -- to :meth:`GroupCommit.submit` and reads the next batch at once.
 :meth:`GroupCommit.run` (a task in the relay's nursery) works in rounds, back to back
 while anything waits: it appends everything handed in since the last round to the spool
 (``write()``, on the event loop), then runs the spool's
-:meth:`~logjam_relay.spool.spool.Spool.sync_async` (fdatasync in a worker thread; the
-event loop goes on and the ingest keeps handing batches in) and, when it returns, sends
+:meth:`~logjam_relay.spool.spool.Spool.sync_async` (fdatasync in the spool's sync thread,
+``spool/syncthread.py``; the event loop goes on and the ingest keeps handing batches in) and, when it returns, sends
 the replies of everything it covered, all together, in the order they were handed in.  So
 a 202 costs the rest of the round in flight and one more, whatever the rate, and the disk
 does one fdatasync per round, not one per batch.

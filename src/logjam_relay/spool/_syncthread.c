@@ -19,6 +19,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef struct {
@@ -32,6 +33,7 @@ typedef struct {
     int busy;           /* a job was submitted and its result not yet taken */
     int done;           /* its result is there */
     int err;            /* its errno (0: synced) */
+    double seconds;     /* how long its fdatasync took */
     int notify_fd;      /* written once per finished job (8 bytes: eventfd's counter) */
     unsigned long long jobs;
 } Syncer;
@@ -48,11 +50,15 @@ worker(void *arg)
             break;                      /* stopping, nothing left */
         int fd = s->job_fd;
         pthread_mutex_unlock(&s->mu);
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
         int rc = fdatasync(fd);
         int err = rc == 0 ? 0 : errno;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
         pthread_mutex_lock(&s->mu);
         s->job_fd = -1;
         s->err = err;
+        s->seconds = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
         s->done = 1;
         s->jobs++;
         int nfd = s->notify_fd;
@@ -136,7 +142,8 @@ Syncer_submit(Syncer *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* None while the job runs; else its errno (0: synced), and the thread is free again */
+/* None while the job runs; else (errno, seconds): its errno (0: synced) and how long the
+ * fdatasync took; the thread is free again */
 static PyObject *
 Syncer_result(Syncer *self, PyObject *unused)
 {
@@ -151,10 +158,11 @@ Syncer_result(Syncer *self, PyObject *unused)
         Py_RETURN_NONE;
     }
     int err = self->err;
+    double seconds = self->seconds;
     self->busy = 0;
     self->done = 0;
     pthread_mutex_unlock(&self->mu);
-    return PyLong_FromLong(err);
+    return Py_BuildValue("(id)", err, seconds);
 }
 
 static void
@@ -210,7 +218,7 @@ static PyMethodDef Syncer_methods[] = {
     {"submit", (PyCFunction)Syncer_submit, METH_O,
      "submit(fd): fdatasync(fd) in the thread; the fd must stay open until result()"},
     {"result", (PyCFunction)Syncer_result, METH_NOARGS,
-     "None while the job runs, else its errno (0: synced)"},
+     "None while the job runs, else (errno, seconds): 0 = synced, the fdatasync's time"},
     {"close", (PyCFunction)Syncer_close, METH_NOARGS,
      "end the thread (after the job in flight)"},
     {NULL}

@@ -29,6 +29,8 @@ from .. import _native
 
 _c = _native.load("logjam_relay.spool._syncthread")
 
+#: the C extension is there (it may still be switched off: :data:`OFF_REASON`)
+BUILT = _c is not None
 #: why the C thread is not used ("" when it is)
 OFF_REASON = ""
 if _c is None:
@@ -61,9 +63,10 @@ class SyncThread:
     def busy(self) -> bool:
         return self.closed or self._c.busy
 
-    async def fdatasync(self, fd: int) -> None:
-        """fdatasync ``fd`` in the thread (``OSError`` as ``os.fdatasync`` raises it).  The
-        caller checks :meth:`busy` first; ``fd`` stays open until this returns."""
+    async def fdatasync(self, fd: int) -> float:
+        """fdatasync ``fd`` in the thread (``OSError`` as ``os.fdatasync`` raises it);
+        returns the seconds the syscall took.  The caller checks :meth:`busy` first; ``fd``
+        stays open until this returns."""
         c = self._c
         efd = self._efd
         c.submit(fd)
@@ -73,15 +76,17 @@ class SyncThread:
                     os.eventfd_read(efd)            # a wake-up left from a former job
                 except BlockingIOError:
                     pass
-                err = c.result()
-                if err is not None:
+                res = c.result()
+                if res is not None:
                     break
                 try:
                     await trio.lowlevel.wait_readable(efd)
                 except trio.ClosedResourceError:
                     pass            # close() ran meanwhile: it joined the thread, look again
+        err, seconds = res
         if err:
             raise OSError(err, os.strerror(err))
+        return seconds
 
     def close(self) -> None:
         """End the thread (after a sync in flight) and close the eventfd."""

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -126,6 +127,52 @@ class Writeback:
             self._thread.join(timeout)
 
 
+#: upper bounds (seconds) of the buckets of :class:`SyncTimes`, as etcd's WAL fsync histogram
+SYNC_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256,
+                0.512, 1.024, 2.048, 4.096)
+
+
+class SyncTimes:
+    """How long the fdatasyncs of appended records took (the syscall alone: what a 202
+    under ``batch`` waits for at least), as a histogram: counts per bucket of
+    :data:`SYNC_BUCKETS` and above, their sum."""
+
+    __slots__ = ("counts", "sum", "count", "max")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(SYNC_BUCKETS) + 1)
+        self.sum = 0.0
+        self.count = 0
+        self.max = 0.0
+
+    def add(self, seconds: float) -> None:
+        i = 0
+        for le in SYNC_BUCKETS:
+            if seconds <= le:
+                break
+            i += 1
+        self.counts[i] += 1
+        self.sum += seconds
+        self.count += 1
+        if seconds > self.max:
+            self.max = seconds
+
+    def buckets(self) -> list[tuple[float, int]]:
+        """Cumulative ``(upper bound, count)``, the last one ``(inf, count)``."""
+        out, n = [], 0
+        for le, c in zip((*SYNC_BUCKETS, float("inf")), self.counts, strict=True):
+            n += c
+            out.append((le, n))
+        return out
+
+
+def timed_fdatasync(fs: Filesystem, fd: int) -> float:
+    """``fs.fdatasync(fd)`` (in a worker thread); returns the seconds it took."""
+    t0 = time.perf_counter()
+    fs.fdatasync(fd)
+    return time.perf_counter() - t0
+
+
 class Reserve(Protocol):
     """What the writer asks of the space budget."""
 
@@ -184,7 +231,7 @@ class SegmentWriter:
         self.unsynced = False
         self.last_fsync = monotonic()
         # fsync="batch" with defer_batch_sync: appends do not fsync themselves; the owner
-        # awaits sync_async() (fdatasync in a worker thread) before it answers.
+        # awaits sync_async() (fdatasync in the sync thread) before it answers.
         self.defer_batch_sync = False
         # fsync="interval" with defer_interval_sync: neither appends nor tick() fsync; the
         # spool's run() does, every fsync_interval_s, in a worker thread.
@@ -210,6 +257,7 @@ class SegmentWriter:
         self.append_batches = 0
         self.bytes_appended = 0
         self.fsyncs = 0
+        self.sync_times = SyncTimes()           # the records' fdatasyncs (sync, sync_async)
         self.sealed_segments = 0
         self.deferred_seals = 0
 
@@ -398,15 +446,17 @@ class SegmentWriter:
         if not self.unsynced or self.fd is None:
             return
         try:
-            self._fs.fdatasync(self.fd)
+            took = timed_fdatasync(self._fs, self.fd)
         except OSError as e:
             raise self._errors.count(write_error("syncing", self.active.path, e)) from None
+        self.sync_times.add(took)
         self.unsynced = False
         self.last_fsync = self._mono()
         self.fsyncs += 1
 
     async def sync_async(self) -> None:
-        """fdatasync what was appended so far, in a worker thread (the event loop runs on).
+        """fdatasync what was appended so far, in the C sync thread (``syncthread.py``) or
+        a worker thread (the event loop runs on).
 
         Works on a duplicate of the segment's descriptor, so sealing or rolling the segment
         meanwhile is harmless (sealing fsyncs by itself).  Everything appended before the
@@ -448,13 +498,14 @@ class SegmentWriter:
         try:
             st = self._sync_thread()
             if st is not None and not st.busy():
-                await st.fdatasync(fd)
+                took = await st.fdatasync(fd)
             else:
-                await trio.to_thread.run_sync(fs.fdatasync, fd)
+                took = await trio.to_thread.run_sync(timed_fdatasync, fs, fd)
         except OSError as e:
             raise self._errors.count(write_error("syncing", path, e)) from None
         finally:
             fs.close(fd)
+        self.sync_times.add(took)
         self.fsyncs += 1
         self.last_fsync = self._mono()
         if self.bytes_appended == upto:
