@@ -393,7 +393,7 @@ class RelayCollector:
                 "time of the fdatasyncs of appended records (what a 202 under "
                 "spool_fsync=batch waits for at least)", labels=["device"])
             h.add_metric(dl, [(repr(le) if le != float("inf") else "+Inf", n)
-                              for le, n in times.buckets()], times.sum)
+                              for le, n in times["buckets"].items()], times["sum"])
             yield h
         yield _one(_counter, "logjam_relay_spool_blocked_seconds", "time ingress was paused because the spool was full",
                    dl, r.spool_blocked_seconds + r.spool.blocked_in_progress())

@@ -596,7 +596,7 @@ class Spool:
             "append_batches": w.append_batches,
             "bytes_appended": w.bytes_appended,
             "fsyncs": w.fsyncs,
-            "sync_seconds": w.sync_times,
+            "sync_seconds": w.sync_times.stats(),
             "corrupt_tails_cut": self.corrupt_tails_cut,
             "corrupt_bytes_cut": self.corrupt_bytes_cut,
             "corrupt_records": self.damage.corrupt_records,

@@ -157,13 +157,13 @@ class SyncTimes:
         if seconds > self.max:
             self.max = seconds
 
-    def buckets(self) -> list[tuple[float, int]]:
-        """Cumulative ``(upper bound, count)``, the last one ``(inf, count)``."""
-        out, n = [], 0
+    def stats(self) -> dict:
+        """``{"buckets": {upper bound: cumulative count, ..., inf: count}, "sum", "count"}``."""
+        buckets, n = {}, 0
         for le, c in zip((*SYNC_BUCKETS, float("inf")), self.counts, strict=True):
             n += c
-            out.append((le, n))
-        return out
+            buckets[le] = n
+        return {"buckets": buckets, "sum": self.sum, "count": self.count}
 
 
 def timed_fdatasync(fs: Filesystem, fd: int) -> float:
