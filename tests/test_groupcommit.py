@@ -114,6 +114,7 @@ async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, mo
         commits = relay.commits
         st = commits.stats()
         spool_fsyncs = relay.spool.fsyncs
+    appended = relay.spool.appends
     assert all(g == [b"202 Accepted"] * n for g in got)      # every message answered
     assert w.violations == [], w.violations[:5]
     assert w.sent_202 == n * clients
@@ -121,6 +122,15 @@ async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, mo
     # grouped: far fewer syncs than replies (each sync answered many messages)
     assert 1 <= spool_fsyncs <= w.syncs < n * clients
     assert st["largest_group"] > 1, st
+    # the segments hold every record the spool counted, numbered without a gap
+    # (scan_segment checks the numbers inside a segment; here they go on from one segment
+    # to the next)
+    from logjam_relay.spool import segment as fmt
+    segs = sorted(p for p in (tmp_path / "spool").iterdir() if p.suffix in (".seg", ".open"))
+    scans = [fmt.scan_segment(p) for p in segs]
+    assert scans and all(r.error is None and r.cut_bytes == 0 for r in scans), scans
+    assert all(a.next_seq == b.header.first_seq for a, b in zip(scans, scans[1:], strict=False))
+    assert sum(r.records for r in scans) == appended >= n * clients
 
 
 async def test_batch_delay_spaces_the_rounds(tmp_path, monkeypatch):

@@ -91,7 +91,7 @@ async def test_a_cancelled_caller_still_waits_for_the_thread(st, tmp_path):
     taken = []
 
     class Slow:
-        """result() says "still running" at first: the caller is inside its shielded
+        """result() says "still running" at first: the caller is inside its
         wait when the cancel comes."""
         polls = 0
 

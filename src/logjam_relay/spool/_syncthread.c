@@ -137,8 +137,9 @@ Syncer_submit(Syncer *self, PyObject *arg)
     self->busy = 1;
     self->done = 0;
     self->job_fd = (int)fd;
-    pthread_cond_signal(&self->cv);
     pthread_mutex_unlock(&self->mu);
+    /* after the unlock: the woken thread does not block on the mutex still held here */
+    pthread_cond_signal(&self->cv);
     Py_RETURN_NONE;
 }
 
