@@ -123,6 +123,47 @@ async def test_a_cancelled_caller_still_waits_for_the_thread(st, tmp_path):
         os.close(fd)
 
 
+async def test_closed_while_a_caller_waits(st, tmp_path, monkeypatch):
+    """close() while a caller waits on the eventfd: the caller gets the thread's result
+    (close joined the thread) and never reads the closed eventfd's number again (it may
+    be another file's by then)."""
+    c = st._c
+
+    class Held:
+        """result() says "still running" until close() ran: the caller rests on the
+        eventfd with nothing more to come."""
+
+        def __getattr__(self, name):
+            return getattr(c, name)
+
+        def result(self):
+            return c.result() if st.closed else None
+
+    reads = []
+    real_read = os.eventfd_read
+    monkeypatch.setattr(syncthread.os, "eventfd_read",
+                        lambda fd: reads.append(st.closed) or real_read(fd))
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    got = []
+    st._c = Held()
+    try:
+        async def caller():
+            got.append(await st.fdatasync(fd))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            with trio.fail_after(10):
+                while not reads:              # the thread's wake-up was consumed
+                    await trio.sleep(0.001)
+            await trio.sleep(0.01)
+            assert not got                    # still waiting
+            st.close()
+        assert len(got) == 1 and got[0] > 0
+        assert True not in reads              # nothing read after close
+    finally:
+        os.close(fd)
+
+
 async def test_the_writer_uses_it_on_the_real_file_system_only(tmp_path, monkeypatch):
     require_native(syncthread._c, "logjam_relay.spool._syncthread")
     sp = Spool(str(tmp_path / "a"), readers=[], fsync="batch")

@@ -96,11 +96,13 @@ class SyncThread:
             try:
                 await trio.lowlevel.wait_readable(efd)
             except trio.ClosedResourceError:
-                pass                # close() ran meanwhile: it joined the thread, look again
+                # close() ran meanwhile: it joined the thread, so the result is there; the
+                # eventfd's number may already be another file's -- not to be read
+                continue
             try:
                 os.eventfd_read(efd)                # consume the wake-up
-            except OSError:
-                pass                                # EAGAIN: none left; EBADF: closed
+            except BlockingIOError:
+                pass                                # none left (another turn took it)
         return res
 
     def close(self) -> None:
