@@ -85,6 +85,21 @@ async def batch_relay(tmp_path, monkeypatch, inputs=(), delay: float = 0.0, **wa
         ctx.destroy(linger=0)
 
 
+def _thread_syncs(relay) -> int | None:
+    """The syncs the spool's C thread did (syncthread.py), None where it is not in use
+    (not built, switched off); CI builds it, so there it must be in use."""
+    import os
+
+    from logjam_relay.spool import syncthread
+    if syncthread.OFF_REASON:
+        assert not os.environ.get("CI") or syncthread.OFF_REASON.startswith(
+            "LOGJAM_RELAY_"), syncthread.OFF_REASON
+        return None
+    st = relay.spool.writer.sync_thread
+    assert st is not None
+    return st.jobs
+
+
 def request(i: int) -> list[bytes]:
     return [b"", APP, TOPIC, b'{"n":%d,"pad":"%s"}' % (i, b"x" * 200), meta(seq=i + 1)]
 
@@ -114,6 +129,7 @@ async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, mo
         commits = relay.commits
         st = commits.stats()
         spool_fsyncs = relay.spool.fsyncs
+        thread_syncs = _thread_syncs(relay)
     appended = relay.spool.appends
     assert all(g == [b"202 Accepted"] * n for g in got)      # every message answered
     assert w.violations == [], w.violations[:5]
@@ -122,6 +138,7 @@ async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, mo
     # grouped: far fewer syncs than replies (each sync answered many messages)
     assert 1 <= spool_fsyncs <= w.syncs < n * clients
     assert st["largest_group"] > 1, st
+    assert thread_syncs is None or thread_syncs == spool_fsyncs   # all in the C thread
     # the segments hold every record the spool counted, numbered without a gap
     # (scan_segment checks the numbers inside a segment; here they go on from one segment
     # to the next)
@@ -334,6 +351,7 @@ async def test_the_fdatasync_histogram_counts_every_sync(tmp_path, monkeypatch):
         registry, _ = make_registry(relay)
         text = generate_latest(registry).decode()
         fsyncs = relay.spool.fsyncs
+        thread_syncs = _thread_syncs(relay)
     assert got == [b"202 Accepted"] * 300
     name = "logjam_relay_spool_fdatasync_seconds"
     assert f"# TYPE {name} histogram" in text
@@ -341,7 +359,9 @@ async def test_the_fdatasync_histogram_counts_every_sync(tmp_path, monkeypatch):
                re.findall(name + r'_bucket\{device="[^"]*",le="([^"]+)"\} (\S+)', text)]
     count = float(re.search(name + r"_count\{[^}]*\} (\S+)", text).group(1))
     total = float(re.search(name + r"_sum\{[^}]*\} (\S+)", text).group(1))
+    # (no segment was sealed here: every fsync was one of the records')
     assert fsyncs >= 1 and count == fsyncs, (count, fsyncs)
+    assert thread_syncs is None or thread_syncs == count
     assert buckets[-1] == ("+Inf", count) and len(buckets) == 15
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)
     assert 0 < total < 60 * count

@@ -23,20 +23,40 @@ from logjam_relay.spool import syncthread
 from logjam_relay.spool.spool import Spool
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _named(name: str = "spool-fdatasync") -> int:
+    """Threads of this process with that name (the C thread names itself)."""
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                n += f.read().strip() == name
+        except OSError:
+            pass                              # ended meanwhile
+    return n
+
+
+def _eventually(cond, seconds: float = 10.0) -> bool:
+    """cond() true now or within ``seconds`` (a joined thread leaves /proc a little after
+    pthread_join returns)."""
+    import time
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 @pytest.fixture
 def st():
     require_native(syncthread._c, "logjam_relay.spool._syncthread")
-    before = _threads()
+    before = _named()
     t = syncthread.make()
     assert t is not None, syncthread.OFF_REASON
-    assert _threads() == before + 1           # its own thread
+    assert _eventually(lambda: _named() == before + 1)      # its own thread
     yield t
     t.close()
-    assert _threads() == before               # joined
+    assert _eventually(lambda: _named() == before)          # joined
 
 
 async def test_syncs_a_file_and_counts(st, tmp_path):
@@ -60,8 +80,8 @@ async def test_errors_come_back_with_their_errno(st, tmp_path):
     finally:
         os.close(r)
         os.close(w)
-    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
-    os.close(fd)                      # a closed descriptor: EBADF
+    import resource
+    fd = resource.getrlimit(resource.RLIMIT_NOFILE)[1] + 10   # never open: EBADF
     with pytest.raises(OSError) as e:
         await st.fdatasync(fd)
     assert e.value.errno == errno.EBADF
@@ -101,17 +121,19 @@ async def test_a_cancelled_caller_still_waits_for_the_thread(st, tmp_path):
         def result(self):
             Slow.polls += 1
             if Slow.polls == 1:
+                scope.cancel()            # the caller is cancelled while it waits
                 return None
             r = c.result()
             taken.append(r)
             return r
 
+    scope = None
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
     st._c = Slow()
     try:
         os.write(fd, b"y" * 100)
         returned = False
-        with trio.move_on_after(0) as scope:
+        with trio.CancelScope() as scope:
             await st.fdatasync(fd)        # its wait is shielded: no Cancelled out of it
             returned = True
             await trio.sleep(0)           # the cancel is seen at the next checkpoint
@@ -120,6 +142,44 @@ async def test_a_cancelled_caller_still_waits_for_the_thread(st, tmp_path):
         assert not c.busy
     finally:
         st._c = c
+        os.close(fd)
+
+
+async def test_another_exception_still_takes_the_result(st, tmp_path):
+    """Anything but a cancel (KeyboardInterrupt, which trio may raise anywhere) while the
+    caller waits: it goes on, but only once the thread is done with the descriptor, and
+    the thread is free for the next sync."""
+    c = st._c
+
+    class Boom(BaseException):
+        pass
+
+    class Interrupted:
+        polls = 0
+
+        def __getattr__(self, name):
+            return getattr(c, name)
+
+        def result(self):
+            Interrupted.polls += 1
+            if Interrupted.polls == 1:
+                raise Boom
+            return c.result()
+
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    st._c = Interrupted()
+    try:
+        with pytest.raises(Boom):
+            await st.fdatasync(fd)
+        assert Interrupted.polls >= 2 and not c.busy
+    finally:
+        st._c = c
+        os.close(fd)
+    assert not st.busy()
+    fd = os.open(tmp_path / "f", os.O_WRONLY)
+    try:
+        assert await st.fdatasync(fd) >= 0        # the next sync works
+    finally:
         os.close(fd)
 
 
@@ -185,6 +245,7 @@ async def test_the_writer_uses_it_on_the_real_file_system_only(tmp_path, monkeyp
 
 
 def test_switched_off_by_the_environment():
+    require_native(syncthread._c, "logjam_relay.spool._syncthread")
     code = ("from logjam_relay.spool import syncthread as s; "
             "print(s.make() is None, s.OFF_REASON)")
     for value, off in (("0", True), ("off", True), ("1", False)):
@@ -192,8 +253,6 @@ def test_switched_off_by_the_environment():
         env.pop("LOGJAM_RELAY_PURE_PYTHON", None)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True).stdout
-        if syncthread._c is None:
-            continue
         if off:
             assert out.startswith("True LOGJAM_RELAY_SYNC_THREAD=0"), out
         else:

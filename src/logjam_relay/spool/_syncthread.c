@@ -42,6 +42,9 @@ static void *
 worker(void *arg)
 {
     Syncer *s = (Syncer *)arg;
+#ifdef __linux__
+    pthread_setname_np(pthread_self(), "spool-fdatasync");   /* top -H, /proc/.../comm */
+#endif
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (!s->stop && s->job_fd < 0)

@@ -72,16 +72,21 @@ class SyncThread:
         returns the seconds the syscall took.  The caller checks :meth:`busy` first; ``fd``
         stays open until this returns."""
         c = self._c
+        await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
         c.submit(fd)
         try:
             res = await self._result()
-        except trio.Cancelled:
-            # the descriptor is in use until the thread is done with it: wait for it; as
-            # with to_thread.run_sync the result stands (the caller may release what it
-            # made durable) and the cancel is seen at the caller's next checkpoint (trio's
-            # cancellation is level-triggered)
+        except BaseException as e:
+            # the descriptor is in use until the thread is done with it: wait for it.  As
+            # with to_thread.run_sync, a cancel lets the result stand (the caller may
+            # release what it made durable) and is seen at the caller's next checkpoint
+            # (trio's cancellation is level-triggered); anything else (KeyboardInterrupt)
+            # goes on once the thread is done, and its result is taken (the thread is
+            # free for the next sync)
             with trio.CancelScope(shield=True):
                 res = await self._result()
+            if not isinstance(e, trio.Cancelled):
+                raise
         err, seconds = res
         if err:
             raise OSError(err, os.strerror(err))
@@ -96,8 +101,11 @@ class SyncThread:
             try:
                 await trio.lowlevel.wait_readable(efd)
             except trio.ClosedResourceError:
-                # close() ran meanwhile: it joined the thread, so the result is there; the
-                # eventfd's number may already be another file's -- not to be read
+                pass
+            if self.closed:
+                # close() ran meanwhile (before or after the wake-up): it joined the
+                # thread, so the result is there; the eventfd's number may already be
+                # another file's -- not to be read
                 continue
             try:
                 os.eventfd_read(efd)                # consume the wake-up
@@ -106,7 +114,8 @@ class SyncThread:
         return res
 
     def close(self) -> None:
-        """End the thread (after a sync in flight) and close the eventfd."""
+        """End the thread (after a sync in flight) and close the eventfd.  From the trio
+        thread (a caller waiting on the eventfd is woken through ``notify_closing``)."""
         if self.closed:
             return
         self.closed = True
