@@ -233,8 +233,10 @@ async def test_nothing_is_acknowledged_while_the_fdatasync_has_not_returned(tmp_
         stream = await trio.open_tcp_stream("127.0.0.1", lport)
         docs = [b'{"message":"line %d"}' % i for i in range(5)]
         await stream.send_all(ljs.encode_window_v2(docs))
-        with trio.fail_after(30):           # all 15 records handed to the group commit
-            while relay.commits.pending_records < 15:
+        with trio.fail_after(30):           # all 15 records handed to the group commit,
+            # and a round's sync started (held at the gate; on a loaded machine the round
+            # may start after the records are handed in)
+            while relay.commits.pending_records < 15 or w.syncs < 1:
                 await trio.sleep(0.01)
         appended = relay.spool.appends      # (what the held round wrote before its sync)
         assert await nothing_within(dealer, 0.3)

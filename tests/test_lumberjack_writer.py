@@ -192,10 +192,12 @@ async def test_ack_equal_last_seq_accepted(nursery):
 
 
 async def test_keepalives_ignored_and_extend_deadline(nursery):
-    # ack after 0.4 s, keep-alive every 0.05 s, writer timeout 0.25 s: no timeout
-    r = await start_reader(nursery, ack_delay=0.4, keepalive_interval=0.05)
+    # ack after 1.2 s, keep-alive every 0.05 s, writer timeout 0.6 s: no timeout (the ack
+    # comes at twice the timeout; 0.6 s leaves a loaded machine's scheduling room: with
+    # 0.25 s one run beside two busy loops saw a keep-alive gap over it)
+    r = await start_reader(nursery, ack_delay=1.2, keepalive_interval=0.05)
     src = make_source(6)
-    out = await deliver_all(nursery, src, config(r.port, window=3, timeout=0.25, pipeline=1))
+    out = await deliver_all(nursery, src, config(r.port, window=3, timeout=0.6, pipeline=1))
     st = out.stats()
     assert st["keepalives"] > 0 and st["disconnects"] == {} and st["events_resent"] == 0
     assert len(r.events) == 6
