@@ -68,6 +68,15 @@ SPARK_FILES = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
 # its outputs' backoff) moves the split to about 555 / 549 s.
 BALANCE_FILES = {"test_output_outage.py"}
 
+#: the JIT of the JVMs the tests start for themselves (the in-process sessions, a Connect
+#: server, a standalone cluster's master, workers and executors, streaming drivers): C1
+#: only.  They are short-lived and handle a few thousand records; on two cores C2's
+#: compiler threads cost more CPU than they save (a local session's start and first job:
+#: 21 s of CPU with C2, 13-14 s without, measured on the CI machine).  What the JVM
+#: computes is the same; the command's own choice for a local batch run is
+#: pipeline/cli.py local_batch_jvm_options.
+TEST_JIT = "-XX:TieredStopAtLevel=1"
+
 
 # A worker that dies of a signal (a segfault, an abort() in libzmq) is reported by xdist
 # as "crashed" and its fault handler's traceback is lost among the other output.  Each

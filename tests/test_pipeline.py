@@ -18,6 +18,7 @@ import pytest
 
 pa = pytest.importorskip("pyarrow")
 
+from conftest import TEST_JIT  # noqa: E402
 from logjam_relay.protocols.logjam import COMPRESSION_NAMES, LogjamError, decompress  # noqa: E402
 from logjam_relay.spool import segment as fmt  # noqa: E402
 
@@ -104,7 +105,8 @@ def archive(tmp_path_factory, messages):
 def spark():
     from logjam_relay.pipeline.cli import make_session
     s = make_session("local[2]", "logjam-relay-tests",
-                     {"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2"})
+                     {"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
+                      "spark.driver.extraJavaOptions": TEST_JIT})
     yield s
     s.stop()
 
@@ -222,7 +224,8 @@ def test_stream_killed_and_restarted_is_exactly_once(spark, archive, messages, t
     cmd = [sys.executable, "-m", "logjam_relay.pipeline.cli", "stats", "--input", archive,
            "--output", str(out), "--stream", "--checkpoint", str(ckpt),
            "--master", "local[1]", "--max-records-per-trigger", "1500",
-           "--trigger-interval", "0.2s", "-q"]
+           "--trigger-interval", "0.2s", "-q",
+           "--conf", f"spark.driver.extraJavaOptions={TEST_JIT}"]
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1")
     log = open(tmp_path / "stream.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)

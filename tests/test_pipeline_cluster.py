@@ -27,7 +27,7 @@ pyspark = pytest.importorskip("pyspark")
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from conftest import free_port  # noqa: E402
+from conftest import TEST_JIT, free_port  # noqa: E402
 from logjam_relay.pipeline import sample, stats  # noqa: E402
 from logjam_relay.pipeline.java import ensure_java  # noqa: E402
 
@@ -185,7 +185,7 @@ def cluster(tmp_path_factory):
     spark_class = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-class")
     env = base_env(SPARK_HOME=os.path.dirname(pyspark.__file__), SPARK_DAEMON_MEMORY="256m",
                    SPARK_LOG_DIR=str(d / "logs"), SPARK_WORKER_DIR=str(d / "work"),
-                   SPARK_NO_DAEMONIZE="1")
+                   SPARK_NO_DAEMONIZE="1", SPARK_DAEMON_JAVA_OPTS=TEST_JIT)
     port, ui = free_port(), free_port()
     procs = []
     logs = []
@@ -237,7 +237,8 @@ def cluster(tmp_path_factory):
 
 def cluster_args(cluster):
     return ["--master", cluster["url"], "--conf", "spark.executor.memory=512m",
-            "--conf", "spark.cores.max=2", "--conf", "spark.sql.shuffle.partitions=4"]
+            "--conf", "spark.cores.max=2", "--conf", "spark.sql.shuffle.partitions=4",
+            "--conf", f"spark.executor.extraJavaOptions={TEST_JIT}"]
 
 
 def test_batch_on_standalone_cluster(cluster, archive, want, messages, tmp_path):
@@ -262,7 +263,8 @@ def test_stream_on_cluster_killed_and_restarted_exactly_once(cluster, archive, w
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     args = command("--input", archive, "--output", str(out), "--stream", "--checkpoint",
                    str(ckpt), "--max-records-per-trigger", "700", "--trigger-interval",
-                   "0.2s", *cluster_args(cluster))
+                   "0.2s", *cluster_args(cluster),
+                   "--conf", f"spark.driver.extraJavaOptions={TEST_JIT}")
     log = open(tmp_path / "stream.log", "wb")
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -293,7 +295,8 @@ from pyspark.sql import functions as F
 from logjam_relay.pipeline.cli import make_session
 from logjam_relay.pipeline.jvmreader import loaded
 spark = make_session(sys.argv[1], "jvm-reader-on-cluster", ship=False,
-                     extra_conf={"spark.executor.memory": "512m", "spark.cores.max": "2"})
+                     extra_conf={"spark.executor.memory": "512m", "spark.cores.max": "2",
+                                 "spark.executor.extraJavaOptions": sys.argv[3]})
 df = spark.read.format("logjam").load(sys.argv[2])
 plan = df._jdf.queryExecution().executedPlan().toString()
 a = df.agg(F.count("*").alias("rows"), F.sum("sequence").alias("seq"),
@@ -313,7 +316,7 @@ def test_jvm_reader_on_cluster_without_the_package(cluster, archive, tmp_path):
     script = tmp_path / "scan.py"
     script.write_text(SCAN)
     env = base_env(PYSPARK_PYTHON=cluster["python"], XDG_CACHE_HOME=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, str(script), cluster["url"], archive], env=env,
+    r = subprocess.run([sys.executable, str(script), cluster["url"], archive, TEST_JIT], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

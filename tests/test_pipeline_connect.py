@@ -41,7 +41,7 @@ except ImportError:
     pytest.skip("the connect extra is not installed (pip install -e '.[spark]')",
                 allow_module_level=True)
 
-from conftest import free_port  # noqa: E402
+from conftest import TEST_JIT, free_port  # noqa: E402
 from logjam_relay.pipeline import sample  # noqa: E402
 from test_pipeline_cluster import HIDE, SRC_DIR, assert_same, base_env, reference, tables  # noqa: E402
 
@@ -116,7 +116,8 @@ def server(tmp_path_factory, messages):
          "--master", "local[2]", "--driver-memory", "1g", "--jars", jar,
          "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
          "--conf", f"spark.connect.grpc.binding.port={port}",
-         "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4"],
+         "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
+         "--conf", f"spark.driver.extraJavaOptions={TEST_JIT}"],
         cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
