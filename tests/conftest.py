@@ -46,7 +46,7 @@ _HANDED_OUT: set[int] = set()
 _rng = random.Random(os.getpid() ^ time.monotonic_ns())
 _PORT_RANGE = (20000, 32767)  # below Linux's ephemeral range (32768-60999): outgoing
                               # connections never take these behind a test's back
-# The suite runs in two pytest-xdist workers (pyproject.toml: -n 2): each worker hands out
+# The suite runs in pytest-xdist workers (pyproject.toml: -n 3): each worker hands out
 # ports from its own part of the range, so two workers never pick the same port.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw"):
@@ -55,18 +55,24 @@ if _WORKER.startswith("gw"):
     _lo = _PORT_RANGE[0] + int(_WORKER[2:]) * _part
     _PORT_RANGE = (_lo, _lo + _part - 1)
 
-# With -n 2 --dist loadgroup the suite is two work units, one per worker: every Spark test
-# file in one ("spark": their JVMs would slow each other down on two cores, and each
-# module starts its Spark session or Connect server once), every other test in the other
-# ("relay"), so the tests that share something outside their process (the RabbitMQ broker,
-# which test_samwise_rabbitmq.py stops and starts; logjam-device's default ports
-# 9604-9606; the container image) run one after the other too.
+# With -n 3 --dist loadgroup the suite is three work units, one per worker (pyproject.toml):
+# * "relay": the tests that share something outside their process (the RabbitMQ broker,
+#   which test_samwise_rabbitmq.py stops and starts; logjam-device's default ports
+#   9604-9606; the container image) and the rest of the relay's files, one after the other;
+# * "spark": the Spark test files with a session in the test process (each module starts
+#   its session once), and relay files that share nothing outside their process;
+# * "spark-cli": the Spark files that start their own JVMs (a standalone cluster, a Connect
+#   server, the command), and such relay files.
+# Two Spark units run at once: on two cores a third worker takes the time the other two
+# spend waiting (outages, timeouts, JVMs starting): measured on a 2-core machine
+# (2026-11-28) the suite took 883 s in two units; the split below evens the three out
+# (measured per file in that run: about 500, 540 and 560 s).
 SPARK_FILES = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
-# ... and, to even the two units out, relay test files that share nothing outside their
-# process and mostly wait (receivers down, backoff): measured alone on a 2-core machine
-# (2026-11-28), the Spark files took 515 s and the rest 589 s; test_output_outage.py (40 s,
-# its outputs' backoff) moves the split to about 555 / 549 s.
-BALANCE_FILES = {"test_output_outage.py"}
+SPARK_CLI_FILES = {"test_pipeline_cluster.py", "test_pipeline_jvmcache.py",
+                   "test_pipeline_report.py", "test_pipeline_connect.py"}
+# ... and, to even the units out, relay test files that share nothing outside their process
+BALANCE_FILES = {"test_output_outage.py": "spark", "test_loss_accounting.py": "spark",
+                 "test_inputs_memory.py": "spark", "test_powerloss.py": "spark-cli"}
 
 #: the JIT of the JVMs the tests start for themselves (the in-process sessions, a Connect
 #: server, a standalone cluster's master, workers and executors, streaming drivers): C1
@@ -150,8 +156,13 @@ def pytest_collection_modifyitems(config, items):
     import fnmatch
     for item in items:
         name = item.path.name
-        spark = any(fnmatch.fnmatch(name, p) for p in SPARK_FILES) or name in BALANCE_FILES
-        item.add_marker(pytest.mark.xdist_group("spark" if spark else "relay"))
+        if name in SPARK_CLI_FILES:
+            group = "spark-cli"
+        elif any(fnmatch.fnmatch(name, p) for p in SPARK_FILES):
+            group = "spark"
+        else:
+            group = BALANCE_FILES.get(name, "relay")
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def free_port() -> int:
