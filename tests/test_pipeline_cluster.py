@@ -377,7 +377,10 @@ def test_spark_submit_documented_forms(archive, want, messages, tmp_path):
     hide = tmp_path / "python-without-logjam-relay"
     hide.write_text(HIDE.format(python=sys.executable, src=os.path.realpath(SRC_DIR)))
     hide.chmod(0o755)
-    env.update(PYSPARK_PYTHON=str(hide), SPARK_HOME=os.path.dirname(pyspark.__file__))
+    # the driver's JIT (conftest.TEST_JIT) through spark-submit's own environment variable:
+    # the command lines stay the documented ones
+    env.update(PYSPARK_PYTHON=str(hide), SPARK_HOME=os.path.dirname(pyspark.__file__),
+               SPARK_SUBMIT_OPTS=TEST_JIT)
     spark_submit = [os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit"),
                     "--master", "local[2]", "--py-files", zip_path]
     out = run([*spark_submit, submit.__file__, "stats", "--input", archive,
