@@ -65,8 +65,8 @@ if _WORKER.startswith("gw"):
 #   server, the command), and such relay files.
 # Two Spark units run at once: on two cores a third worker takes the time the other two
 # spend waiting (outages, timeouts, JVMs starting): measured on a 2-core machine
-# (2026-11-28) the suite took 883 s in two units; the split below evens the three out
-# (measured per file in that run: about 500, 540 and 560 s).
+# (2026-11-28) the suite took 883 s in two units, 808 s and 681 s in these three (their
+# tests' times summed in the first: 717, 758 and 765 s).
 SPARK_FILES = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
 SPARK_CLI_FILES = {"test_pipeline_cluster.py", "test_pipeline_jvmcache.py",
                    "test_pipeline_report.py", "test_pipeline_connect.py"}
