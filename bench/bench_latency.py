@@ -28,7 +28,10 @@ answered / published; for a spool target the relay's own fdatasyncs of the run (
 ``logjam_relay_spool_fdatasync_seconds`` histogram: the disk's share of a ``batch`` 202);
 and the ratios: relay p99.9 / zmq.proxy p99.9 (one-way), batch /
 no-spool (reply).  Then the ingest rate (DEALER as fast as the socket takes them,
-``--ingest-messages``, replies per second) of ``batch`` against ``interval``.
+``--ingest-messages``, replies per second) of ``batch`` against ``interval``: one run of
+each swings by +-20 % on a shared 2-core host (the load tool and the relay share the
+cores), so ``--ingest-repeat`` rounds run with the targets interleaved and the medians are
+compared.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -215,6 +219,9 @@ def main() -> int:
     ap.add_argument("--targets", default="proxy,none,interval,batch")
     ap.add_argument("--ingest-messages", type=int, default=1_000_000,
                     help="messages of the ingest-rate comparison (0: skip it)")
+    ap.add_argument("--ingest-repeat", type=int, default=7,
+                    help="rounds of the ingest-rate comparison, targets interleaved; "
+                         "medians are compared")
     ap.add_argument("--relay-src", action="append", default=[], metavar="NAME=SRC_DIR",
                     help="also run the relay targets from this source tree, named NAME")
     ap.add_argument("--batch-delay", default="", metavar="DURATION",
@@ -274,23 +281,31 @@ def main() -> int:
                 if bits:
                     print(f"  {t.name:26s} ratios: {'; '.join(bits)}")
     if args.ingest_messages:
-        n = args.ingest_messages
+        n, k = args.ingest_messages, args.ingest_repeat
         print(f"\ningest: {n:,} messages DEALER -> ROUTER as fast as the socket takes them, "
-              "replies per second:")
-        rates = {}
-        for t in targets:
-            if t.kind not in ("interval", "batch"):
-                continue
-            res = measure(tool, t, "dealer", 0, n)
-            rates[t.name] = res["r_rate"]
-            print(f"  {t.name:26s} {res['r_rate']:>9,.0f} replies/s "
-                  f"(answered {int(res['replies']):,}/{n:,})", flush=True)
-        for t in targets:
+              f"replies per second; {k} rounds, the targets interleaved in each (one run "
+              "alone swings +-20 % on a shared host), median:")
+        spool = [t for t in targets if t.kind in ("interval", "batch")]
+        rates: dict[str, list[float]] = {t.name: [] for t in spool}
+        for i in range(k):
+            for t in (spool if i % 2 == 0 else spool[::-1]):
+                res = measure(tool, t, "dealer", 0, n)
+                if int(res["replies"]) != n:
+                    print(f"  {t.name:26s} answered only {int(res['replies']):,}/{n:,}")
+                rates[t.name].append(res["r_rate"])
+        for t in spool:
+            got = sorted(rates[t.name])
+            print(f"  {t.name:26s} {statistics.median(got):>9,.0f} replies/s (median; runs "
+                  f"{', '.join(f'{r / 1000:.0f}k' for r in got)})", flush=True)
+        for t in spool:
             if t.kind == "batch":
-                iv = next((u for u in targets if u.kind == "interval" and u.src == t.src), None)
+                iv = next((u for u in spool if u.kind == "interval" and u.src == t.src), None)
                 if iv is not None:
-                    print(f"  {t.name:26s} ingest {ratio(rates[t.name], rates[iv.name])} "
-                          f"the interval rate")
+                    pairs = sorted(b / a for a, b in zip(rates[iv.name], rates[t.name], strict=True))
+                    print(f"  {t.name:26s} ingest "
+                          f"{ratio(statistics.median(rates[t.name]), statistics.median(rates[iv.name]))} "
+                          f"the interval rate (medians; the rounds' own ratios "
+                          f"{pairs[0]:.2f}-{pairs[-1]:.2f}, median {statistics.median(pairs):.2f})")
     print(disk_floor(tempfile.gettempdir()))
     return 0
 
