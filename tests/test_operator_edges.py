@@ -282,6 +282,30 @@ def test_check_config_prints_effective_values(tmp_path):
     assert values["outputs"] == "lumberjack://h:5044?tls=off  (flag --output)"
 
 
+def test_check_config_warns_of_a_setting_that_does_nothing(tmp_path):
+    """A valid setting that does nothing in this configuration (spool_fsync_batch_delay
+    without a spool or without spool_fsync = "batch") is the same one-line warning in
+    --check-config (stderr, status 0, the values as usual) as at the relay's start."""
+    env = _env()
+    env["LOGJAM_RELAY_SPOOL_FSYNC_BATCH_DELAY"] = "2ms"
+    r = _run("--check-config", "--state-dir", str(tmp_path / "st"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "spool_fsync_batch_delay = 2 ms  (env LOGJAM_RELAY_SPOOL_FSYNC_BATCH_DELAY)" \
+        in r.stdout.splitlines()
+    assert r.stderr.splitlines() == [
+        "logjam-relay: warning: spool_fsync_batch_delay (env "
+        "LOGJAM_RELAY_SPOOL_FSYNC_BATCH_DELAY) = 0.002s has no effect: it spaces the group "
+        "commit's rounds, which run only with a spool and spool_fsync = \"batch\" (here: "
+        "no spool_dir)"], r.stderr
+    r = _run("--check-config", "--spool-dir", str(tmp_path / "sp"), "--spool-fsync",
+             "interval", env=env)
+    assert r.returncode == 0 and r.stderr.strip().endswith(
+        '(here: spool_fsync = "interval")'), r.stderr
+    r = _run("--check-config", "--spool-dir", str(tmp_path / "sp"), "--spool-fsync", "batch",
+             env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_client_bytes_cannot_forge_relay_log_lines(tmp_path):
     """A client-chosen stream name with a newline, a fake log line and terminal escapes
     reaches the relay's log escaped, on the line of the record that quotes it."""

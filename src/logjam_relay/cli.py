@@ -16,7 +16,14 @@ import sys
 import time
 
 from . import __version__
-from .config import ConfigError, StartupError, add_arguments, find_exception, logformat
+from .config import (
+    ConfigError,
+    StartupError,
+    add_arguments,
+    find_exception,
+    ineffective,
+    logformat,
+)
 from .config.helptext import display_value, effective_values
 from .ratelimit import escape_controls
 from .redact import redact_setting, redact_text
@@ -187,6 +194,8 @@ def cmd_run(argv: list[str]) -> int:
             if red != v:
                 shown = display_value(k, red)
             print(f"{k} = {shown}  ({source})")
+        for line in ineffective(settings):
+            print(f"logjam-relay: warning: {line}", file=sys.stderr)
         return 0
     setup_logging(settings.verbose, settings.quiet, settings.log_format)
     root = logging.getLogger()

@@ -43,6 +43,7 @@ from .load import (  # noqa: F401
     NON_SETTING_ENV,
     NON_SETTING_ENV_PREFIX,
     add_arguments,
+    ineffective,
     load,
 )
 from .settings import (  # noqa: F401

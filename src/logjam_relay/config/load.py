@@ -141,6 +141,22 @@ def _read_brokers_file(s: Settings) -> None:
         s.sources["amqp_brokers"] = s.amqp_brokers_file
 
 
+def ineffective(s: Settings) -> list[str]:
+    """Settings that are valid but do nothing in this configuration, one line each: the
+    relay logs them as warnings at start and ``--check-config`` prints them (a value an
+    operator set and that does nothing should not pass unnoticed)."""
+    out = []
+    if s.spool_fsync_batch_delay > 0 and not (
+            s.resolved_spool_dir() is not None and s.spool_fsync == "batch"):
+        out.append(f"spool_fsync_batch_delay ({s.source_label('spool_fsync_batch_delay')}) "
+                   f"= {s.spool_fsync_batch_delay:g}s has no effect: it spaces the group "
+                   "commit's rounds, which run only with a spool and spool_fsync = "
+                   "\"batch\" (here: "
+                   + (f"spool_fsync = \"{s.spool_fsync}\"" if s.resolved_spool_dir() is not None
+                      else "no spool_dir") + ")")
+    return out
+
+
 def _check(s: Settings) -> None:
     ports = {n: getattr(s, n) for n in ("pull_port", "router_port", "pub_port", "stats_port",
                                         "metrics_port", "cmdp_port")}

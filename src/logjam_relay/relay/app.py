@@ -10,7 +10,7 @@ import time
 import trio
 import zmq
 
-from ..config import Settings
+from ..config import Settings, ineffective
 from ..health.cmdp import LoopLag
 from ..io import xpubthread, zmq_fast, zmq_trio
 from ..io.peers import set_domain as set_zap_domain
@@ -203,14 +203,8 @@ class Relay:
                             on_error=self.spool_writes.failed,
                             min_round=s.spool_fsync_batch_delay)
                         nursery.start_soon(self.commits.run)
-                if s.spool_fsync_batch_delay > 0 and self.commits is None:
-                    log.warning("spool_fsync_batch_delay (%s) = %gs has no effect: it spaces "
-                                "the group commit's rounds, which run only with a spool and "
-                                "spool_fsync = \"batch\" (here: %s)",
-                                s.source_label("spool_fsync_batch_delay"),
-                                s.spool_fsync_batch_delay,
-                                f"spool_fsync = \"{s.spool_fsync}\"" if self.spool is not None
-                                else "no spool_dir")
+                for line in ineffective(s):
+                    log.warning("%s", line)
                 self.ticker = self._make_ticker()
                 nursery.start_soon(self.ticker.run)
                 if isinstance(self.pub, zmq_trio.PubSocket):
