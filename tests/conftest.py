@@ -84,6 +84,15 @@ BALANCE_FILES = {"test_output_outage.py": "spark", "test_loss_accounting.py": "s
 TEST_JIT = "-XX:TieredStopAtLevel=1"
 
 
+def local_spark_session(app_name: str):
+    """The in-process SparkSession of a test module (test_pipeline, _jvm, _sql): the
+    command's own ``make_session`` on ``local[2]``, small shuffles, a C1-only driver."""
+    from logjam_relay.pipeline.cli import make_session
+    return make_session("local[2]", app_name,
+                        {"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
+                         "spark.driver.extraJavaOptions": TEST_JIT})
+
+
 # A worker that dies of a signal (a segfault, an abort() in libzmq) is reported by xdist
 # as "crashed" and its fault handler's traceback is lost among the other output.  Each
 # worker's fault handler writes into a file of the run's own directory instead, and the

@@ -18,7 +18,7 @@ import pytest
 
 pa = pytest.importorskip("pyarrow")
 
-from conftest import TEST_JIT  # noqa: E402
+from conftest import TEST_JIT, local_spark_session  # noqa: E402
 from logjam_relay.protocols.logjam import COMPRESSION_NAMES, LogjamError, decompress  # noqa: E402
 from logjam_relay.spool import segment as fmt  # noqa: E402
 
@@ -103,10 +103,7 @@ def archive(tmp_path_factory, messages):
 
 @pytest.fixture(scope="module")
 def spark():
-    from logjam_relay.pipeline.cli import make_session
-    s = make_session("local[2]", "logjam-relay-tests",
-                     {"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
-                      "spark.driver.extraJavaOptions": TEST_JIT})
+    s = local_spark_session("logjam-relay-tests")
     yield s
     s.stop()
 

@@ -24,7 +24,7 @@ pa = pytest.importorskip("pyarrow")
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 pytest.importorskip("pyspark")
 
-from conftest import TEST_JIT  # noqa: E402
+from conftest import local_spark_session  # noqa: E402
 from logjam_relay.pipeline import datasource as ds  # noqa: E402
 from logjam_relay.pipeline import decode as dec  # noqa: E402
 from logjam_relay.pipeline import jvmreader, sample  # noqa: E402
@@ -173,10 +173,7 @@ def plan(df) -> str:
 
 @pytest.fixture(scope="module")
 def spark():
-    from logjam_relay.pipeline.cli import make_session
-    s = make_session("local[2]", "logjam-relay-jvm-tests",
-                     {"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
-                      "spark.driver.extraJavaOptions": TEST_JIT})
+    s = local_spark_session("logjam-relay-jvm-tests")
     yield s
     s.stop()
 

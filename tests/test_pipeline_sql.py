@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark")
 
-from conftest import TEST_JIT  # noqa: E402
+from conftest import local_spark_session  # noqa: E402
 from logjam_relay.pipeline import jvmreader, sample, stats  # noqa: E402
 from logjam_relay.pipeline.decode import list_segments  # noqa: E402
 from logjam_relay.pipeline.partial import PARTIAL_DDL  # noqa: E402
@@ -113,10 +113,7 @@ TRICKY = [
 
 @pytest.fixture(scope="module")
 def spark():
-    from logjam_relay.pipeline.cli import make_session
-    s = make_session("local[2]", "logjam-relay-sql-tests",
-                     {"spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2",
-                      "spark.driver.extraJavaOptions": TEST_JIT})
+    s = local_spark_session("logjam-relay-sql-tests")
     if not jvmreader.loaded(s):
         s.stop()
         pytest.fail("the JVM reader did not load: the sql engine cannot be tested")
