@@ -261,6 +261,46 @@ def test_report_time_range(data, tables, tmp_path):
     assert f'data-requests="{want}"' in path.read_text(encoding="utf-8")
 
 
+def test_report_last_is_not_moved_by_a_record_from_year_9999(data, tables, tmp_path):
+    """A time anyone may write (a producer's clock far off, in range: 9999-12-30) is read
+    as written (Spark's INT96, which pyarrow reads as nanoseconds by default: year 9999
+    wrapped to 1816 and the report failed) and does not make `--last`'s window: it ends at the latest minute not more than a day ahead of the
+    clock, and the far-future rows stay out of it; when every minute is that far ahead, the
+    window ends at the latest one (as before)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from logjam_relay.pipeline import report_data
+    from logjam_relay.pipeline.minutes import MAX_MS
+    far = MAX_MS - 59_999                              # 9999-12-30, the last minute
+    out = tmp_path / "out"
+    shutil.copytree(data["out"], out)
+    for name in ("request_stats", "exceptions", "loss", "topics"):
+        row = pq.read_table(next((out / name).rglob("*.parquet")),
+                            coerce_int96_timestamp_unit="ms").slice(0, 1)
+        i = row.schema.get_field_index("minute")
+        row = row.set_column(i, "minute", pa.array([far], type=pa.timestamp("ms")))
+        if name == "request_stats":
+            i = row.schema.get_field_index("count")
+            row = row.set_column(i, "count", pa.array([777], type=row.schema.field(i).type))
+        (out / name / "date=9999-12-30").mkdir()
+        # as Spark writes it (INT96), which pyarrow reads as nanoseconds unless told
+        pq.write_table(row, out / name / "date=9999-12-30" / "part-far.parquet",
+                       use_deprecated_int96_timestamps=True)
+    last = max(x["minute_ms"] for t in tables.values() for x in t)
+    want = sum(x["count"] for x in tables["request_stats"] if x["minute_ms"] > last - 180_000)
+    got = report_data.collect(str(out), last_ms=180_000)["summary"]
+    assert (got["requests"], got["last_minute_ms"]) == (want, last)
+    # every minute far ahead of the clock (here: the clock at 1970): the latest one
+    got = report_data.collect(str(out), last_ms=180_000, now_ms=0)["summary"]
+    assert (got["requests"], got["last_minute_ms"]) == (777, far)
+    r = subprocess.run(CMD + ["report", "--tables", str(out), "--last", "3m",
+                              str(tmp_path / "r.html")], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    assert f'data-requests="{want}"' in (tmp_path / "r.html").read_text(encoding="utf-8")
+
+
 def test_stats_progress_on_a_terminal(data, tmp_path):
     rc, out, term = run_on_terminal(stats_cmd(data["archive"], tmp_path / "out"),
                                     timeout=900)

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import time
 
 TABLES = ("request_stats", "exceptions", "loss", "topics")
 #: how many (app-env, action) series the latency/apdex chart offers (the busiest)
 SERIES = 20
 #: rows of the worst-minutes table
 WORST = 10
+#: ``--last``: minutes later than this beyond the present are a producer's clock far off
+#: (a time anyone may write, docs/pipeline.md "Times out of range"), not the latest data
+FUTURE_SLACK_MS = 86_400_000
 
 
 def minute_label(ms: int) -> str:
@@ -53,8 +57,12 @@ def read_table(tables_dir: str, name: str, start_ms: int | None = None,
     path = os.path.join(tables_dir, name)
     if not os.path.isdir(path):
         return None
-    d = ds.dataset(path, format="parquet", partitioning="hive",
-                   ignore_prefixes=[".", "_"])
+    # INT96 read as milliseconds: pyarrow's default (nanoseconds) wraps a time after 2262
+    # round (a minute in year 9999, which the tables hold for a producer's clock far off:
+    # docs/pipeline.md "Times out of range") and the cast below then fails
+    fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
+        coerce_int96_timestamp_unit="ms"))
+    d = ds.dataset(path, format=fmt, partitioning="hive", ignore_prefixes=[".", "_"])
     t = d.to_table()
     if "minute" not in t.column_names:          # no data file at all (an empty write)
         return None
@@ -133,9 +141,12 @@ def loss_state_of(tables_dir: str, archive: str | None):
 
 def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = None,
             last_ms: int | None = None, archive: str | None = None,
-            series: int = SERIES, worst: int = WORST) -> dict:
+            series: int = SERIES, worst: int = WORST, now_ms: int | None = None) -> dict:
     """Everything the report shows, as plain rows.  ``last_ms``: only the last ``last_ms``
-    of the tables' time range (ending at their latest minute)."""
+    of the tables' time range, ending at their latest minute that is not more than
+    :data:`FUTURE_SLACK_MS` after ``now_ms`` (default: the clock), so that one record
+    dated in year 9999 does not make the window; when every minute is that far ahead, at
+    the latest minute."""
     import pyarrow.compute as pc
     missing_tables = [n for n in TABLES if not os.path.isdir(os.path.join(tables_dir, n))]
     if len(missing_tables) == len(TABLES):
@@ -143,10 +154,16 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
                                 "loss, topics); run `logjam-relay pipeline stats` first")
     tables = [read_table(tables_dir, n, start_ms, end_ms) for n in TABLES]
     if last_ms is not None:
-        ends = [pc.max(t["minute_ms"]).as_py() for t in tables if t is not None and t.num_rows]
+        horizon = (int(time.time() * 1000) if now_ms is None else now_ms) + FUTURE_SLACK_MS
+        present = [t["minute_ms"] for t in tables if t is not None and t.num_rows]
+        ends = [m for m in (pc.max(c.filter(pc.less_equal(c, horizon))).as_py()
+                            for c in present) if m is not None] \
+            or [pc.max(c).as_py() for c in present]
         if ends:
-            start_ms = max(start_ms or 0, max(ends) + 60_000 - last_ms)
-            tables = [t.filter(pc.greater_equal(t["minute_ms"], start_ms))
+            end = max(ends) + 60_000
+            start_ms = max(start_ms or 0, end - last_ms)
+            tables = [t.filter(pc.and_(pc.greater_equal(t["minute_ms"], start_ms),
+                                       pc.less(t["minute_ms"], end)))
                       if t is not None else None for t in tables]
     req, exc, loss, top = tables
 
