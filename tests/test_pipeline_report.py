@@ -264,7 +264,8 @@ def test_report_time_range(data, tables, tmp_path):
 def test_report_last_is_not_moved_by_a_record_from_year_9999(data, tables, tmp_path):
     """A time anyone may write (a producer's clock far off, in range: 9999-12-30) is read
     as written (Spark's INT96, which pyarrow reads as nanoseconds by default: year 9999
-    wrapped to 1816 and the report failed) and does not make `--last`'s window: it ends at the latest minute not more than a day ahead of the
+    wrapped to 1816 and the report failed), stays off the time axis as minute 0 does
+    (counted in the summary), and does not make `--last`'s window: it ends at the latest minute not more than a day ahead of the
     clock, and the far-future rows stay out of it; when every minute is that far ahead, the
     window ends at the latest one (as before)."""
     import shutil
@@ -289,6 +290,22 @@ def test_report_last_is_not_moved_by_a_record_from_year_9999(data, tables, tmp_p
         pq.write_table(row, out / name / "date=9999-12-30" / "part-far.parquet",
                        use_deprecated_int96_timestamps=True)
     last = max(x["minute_ms"] for t in tables.values() for x in t)
+    # the whole report: the time range and the charts are those without the far rows, the
+    # totals keep them, and the summary says so in one line
+    from logjam_relay.pipeline import report as rep
+    before = report_data.collect(str(data["out"]))
+    after = report_data.collect(str(out))
+    sb, sa = before["summary"], after["summary"]
+    assert (sa["first_minute_ms"], sa["last_minute_ms"], sa["minutes"]) == \
+        (sb["first_minute_ms"], sb["last_minute_ms"], sb["minutes"])
+    assert sa["requests"] == sb["requests"] + 777 and sa["ahead"]["requests"] == 777
+    assert sa["ahead_until_ms"] == far and not any(sb["ahead"].values())
+    assert after["series"] == before["series"]
+    assert rep.chart_specs(after)[1] == rep.chart_specs(before)[1]
+    html = rep.summary_html(after)
+    assert 'id="ahead"' in html and "up to 9999-12-30 23:59 UTC" in html and \
+        "777 requests" in html and 'id="ahead"' not in rep.summary_html(before)
+    # --last
     want = sum(x["count"] for x in tables["request_stats"] if x["minute_ms"] > last - 180_000)
     got = report_data.collect(str(out), last_ms=180_000)["summary"]
     assert (got["requests"], got["last_minute_ms"]) == (want, last)

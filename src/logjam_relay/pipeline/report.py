@@ -112,8 +112,10 @@ def chart_specs(d: dict) -> tuple[dict[str, dict], dict[str, list[dict]]]:
     specs, data = {}, {}
     legend = {"orient": "top", "title": None, "labelLimit": 320}
     s = d["summary"]
-    if any(s["undated"].values()):      # minute 0 is not on the time axis (the summary says)
-        d = {**d, **{k: [r for r in d[k] if r["minute_ms"] != 0]
+    if any(s["undated"].values()) or any(s["ahead"].values()):
+        # minute 0 and minutes far ahead are not on the time axis (the summary says)
+        lo, hi = s["first_minute_ms"], s["last_minute_ms"]
+        d = {**d, **{k: [r for r in d[k] if lo <= r["minute_ms"] <= hi]
                      for k in ("requests", "latency", "exceptions", "gap_minutes")}}
     long = s["first_minute_ms"] is not None and \
         s["last_minute_ms"] - s["first_minute_ms"] >= 86_400_000
@@ -268,6 +270,14 @@ def summary_html(d: dict) -> str:
             f'not in the charts): {u["requests"]:,} requests, {u["topic_messages"]:,} '
             f'messages of other topics, {u["received"]:,} sequence numbers received'
             f'{missing}</span>')
+    u = s["ahead"]
+    if any(u.values()):
+        missing = f', {u["missing"]:,} missing' if u["missing"] else ""
+        more.append(
+            '<span class="bad" id="ahead">dated more than a day ahead of the clock (up to '
+            f'{_e(minute_label(s["ahead_until_ms"]))} UTC, not in the charts): '
+            f'{u["requests"]:,} requests, {u["topic_messages"]:,} messages of other topics, '
+            f'{u["received"]:,} sequence numbers received{missing}</span>')
     return (f'<section id="summary" {a}><p class="headline">{head}</p>'
             f'<p class="more">{" · ".join(more)}</p></section>')
 

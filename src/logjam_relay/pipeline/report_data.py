@@ -153,8 +153,8 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
         raise FileNotFoundError(f"{tables_dir}: no stats tables (request_stats, exceptions, "
                                 "loss, topics); run `logjam-relay pipeline stats` first")
     tables = [read_table(tables_dir, n, start_ms, end_ms) for n in TABLES]
+    horizon = (int(time.time() * 1000) if now_ms is None else now_ms) + FUTURE_SLACK_MS
     if last_ms is not None:
-        horizon = (int(time.time() * 1000) if now_ms is None else now_ms) + FUTURE_SLACK_MS
         present = [t["minute_ms"] for t in tables if t is not None and t.num_rows]
         ends = [m for m in (pc.max(c.filter(pc.less_equal(c, horizon))).as_py()
                             for c in present) if m is not None] \
@@ -168,22 +168,35 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
     req, exc, loss, top = tables
 
     # minute 0 (1970-01-01 00:00 UTC) holds the records with no usable time (a clock never
-    # set, a time out of range: docs/pipeline.md, "Times out of range"): when other minutes
-    # exist, the time range and the charts leave it out (one such record would stretch the
-    # time axis over fifty years) and the summary counts it; the tables keep it
+    # set, a time out of range: docs/pipeline.md, "Times out of range"), and minutes more
+    # than a day ahead of the clock (up to 9999-12-30) those of a producer's clock far off:
+    # when other minutes exist, the time range and the charts leave both out (one such
+    # record would stretch the time axis over fifty years, or eight thousand) and the
+    # summary counts them; the tables keep them
     present = [t for t in (req, exc, loss, top) if t is not None and t.num_rows]
-    dated = [t.filter(pc.not_equal(t["minute_ms"], 0)) for t in present]
+    dated = [t.filter(pc.and_(pc.not_equal(t["minute_ms"], 0),
+                              pc.less_equal(t["minute_ms"], horizon))) for t in present]
     minutes = [pc.min_max(t["minute_ms"]).as_py() for t in (dated if any(
         t.num_rows for t in dated) else present) if t.num_rows]
     first = min(m["min"] for m in minutes) if minutes else None
     last = max(m["max"] for m in minutes) if minutes else None
 
-    def at_zero(t, col):
-        if first is None or first == 0 or t is None or t.num_rows == 0:
+    def off_axis(t, col, cond):
+        if t is None or t.num_rows == 0:
             return 0
-        return _sum(t.filter(pc.equal(t["minute_ms"], 0)), col)
-    undated = {"requests": at_zero(req, "count"), "topic_messages": at_zero(top, "count"),
-               "received": at_zero(loss, "received"), "missing": at_zero(loss, "missing")}
+        return _sum(t.filter(cond(t["minute_ms"])), col)
+
+    def counts(cond) -> dict:
+        return {"requests": off_axis(req, "count", cond),
+                "topic_messages": off_axis(top, "count", cond),
+                "received": off_axis(loss, "received", cond),
+                "missing": off_axis(loss, "missing", cond)}
+    zero = {"requests": 0, "topic_messages": 0, "received": 0, "missing": 0}
+    undated = counts(lambda m: pc.equal(m, 0)) if first not in (None, 0) else zero
+    ahead = counts(lambda m: pc.greater(m, horizon)) \
+        if last is not None and last <= horizon else zero
+    ahead_until = max((pc.max(t["minute_ms"]).as_py() for t in present), default=None) \
+        if any(ahead.values()) else None
 
     # requests and HTTP errors per minute and app-env (exact sums)
     per_app = _group(req, ["minute_ms", "app", "env"],
@@ -194,10 +207,10 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
                 for r in per_app]
 
     # the busiest (app, env, action) series, with their per-minute percentiles and apdex;
-    # when minute 0 is off the time axis, neither counted nor offered (its chart would be
-    # empty)
-    charted = req.filter(pc.not_equal(req["minute_ms"], 0)) \
-        if req is not None and first not in (None, 0) else req
+    # what is off the time axis is neither counted nor offered (its chart would be empty)
+    charted = req.filter(pc.and_(pc.greater_equal(req["minute_ms"], first),
+                                 pc.less_equal(req["minute_ms"], last))) \
+        if req is not None and first is not None else req
     totals = _group(charted, ["app", "env", "action"], [("count", "sum")],
                     [("count_sum", "descending"), ("app", "ascending"), ("env", "ascending"),
                      ("action", "ascending")])[:series]
@@ -290,7 +303,7 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
         "devices_with_loss": sum(1 for d in devices if d["missing"]),
         "duplicates": sum(d["duplicates"] for d in devices),
         "out_of_order": sum(d["out_of_order"] for d in devices),
-        "undated": undated,
+        "undated": undated, "ahead": ahead, "ahead_until_ms": ahead_until,
     }
     return {"tables_dir": os.path.abspath(tables_dir), "missing_tables": missing_tables,
             "summary": summary, "requests": requests, "series": series_names,
