@@ -262,22 +262,18 @@ def summary_html(d: dict) -> str:
                     "sequence numbers")
     if s["topic_messages"]:
         more.append(f'{s["topic_messages"]:,} messages of other topics')
-    u = s["undated"]
-    if any(u.values()):
-        missing = f', {u["missing"]:,} missing' if u["missing"] else ""
-        more.append(
-            '<span class="bad" id="undated">no usable time (counted at 1970-01-01 00:00 UTC, '
-            f'not in the charts): {u["requests"]:,} requests, {u["topic_messages"]:,} '
-            f'messages of other topics, {u["received"]:,} sequence numbers received'
-            f'{missing}</span>')
-    u = s["ahead"]
-    if any(u.values()):
-        missing = f', {u["missing"]:,} missing' if u["missing"] else ""
-        more.append(
-            '<span class="bad" id="ahead">dated more than a day ahead of the clock (up to '
-            f'{_e(minute_label(s["ahead_until_ms"]))} UTC, not in the charts): '
-            f'{u["requests"]:,} requests, {u["topic_messages"]:,} messages of other topics, '
-            f'{u["received"]:,} sequence numbers received{missing}</span>')
+    # what is off the time axis (minute 0; minutes far ahead of the clock), one line each
+    for key, what in (("undated", "no usable time (counted at 1970-01-01 00:00 UTC"),
+                      ("ahead", "dated more than a day ahead of the clock (up to "
+                       f'{minute_label(s["ahead_until_ms"]) if s["ahead_until_ms"] else ""} '
+                       "UTC")):
+        u = s[key]
+        if any(u.values()):
+            missing = f', {u["missing"]:,} missing' if u["missing"] else ""
+            more.append(
+                f'<span class="bad" id="{key}">{_e(what)}, not in the charts): '
+                f'{u["requests"]:,} requests, {u["topic_messages"]:,} messages of other '
+                f'topics, {u["received"]:,} sequence numbers received{missing}</span>')
     return (f'<section id="summary" {a}><p class="headline">{head}</p>'
             f'<p class="more">{" · ".join(more)}</p></section>')
 
