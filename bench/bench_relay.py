@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -319,7 +320,7 @@ def main() -> int:
         if args.repeat > 1:
             ratios.sort()
             print(f"{label:32s} median ratio of {args.repeat} proxy/relay pairs "
-                  f"{ratios[len(ratios) // 2]:.2f} (min {ratios[0]:.2f}, max {ratios[-1]:.2f})")
+                  f"{statistics.median(ratios):.2f} (min {ratios[0]:.2f}, max {ratios[-1]:.2f})")
         if args.pure_python:
             pure = run_path("relay", kind, n, extra, tool, {"LOGJAM_RELAY_PURE_PYTHON": "1"})
             print(f"{'  same, pyzmq loops only':32s} {'':>34s} | relay {pure['rate']:>9,.0f} "

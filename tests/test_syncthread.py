@@ -224,6 +224,29 @@ async def test_closed_while_a_caller_waits(st, tmp_path, monkeypatch):
         os.close(fd)
 
 
+async def test_dropped_without_close_ends_its_thread_and_closes_its_eventfd(tmp_path):
+    """An owner that never calls close(): when the object goes, its thread is joined and
+    its eventfd closed (nothing else would)."""
+    import gc
+    require_native(syncthread._c, "logjam_relay.spool._syncthread")
+    before = _named()
+    t = syncthread.make()
+    assert t is not None, syncthread.OFF_REASON
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"x")
+        await t.fdatasync(fd)
+    finally:
+        os.close(fd)
+    efd = t._efd
+    assert os.readlink(f"/proc/self/fd/{efd}") == "anon_inode:[eventfd]"
+    del t
+    gc.collect()
+    assert _eventually(lambda: _named() == before)
+    assert not os.path.lexists(f"/proc/self/fd/{efd}") or \
+        os.readlink(f"/proc/self/fd/{efd}") != "anon_inode:[eventfd]"
+
+
 async def test_the_writer_uses_it_on_the_real_file_system_only(tmp_path, monkeypatch):
     require_native(syncthread._c, "logjam_relay.spool._syncthread")
     sp = Spool(str(tmp_path / "a"), readers=[], fsync="batch")

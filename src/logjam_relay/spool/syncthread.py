@@ -127,6 +127,19 @@ class SyncThread:
         os.close(self._efd)
 
 
+    def __del__(self) -> None:
+        # dropped without close() (an owner that never closed it): the thread first (it
+        # may still write to the eventfd), then the eventfd -- nothing else closes it
+        if getattr(self, "closed", True):
+            return
+        self.closed = True
+        self._c.close()
+        try:
+            os.close(self._efd)
+        except OSError:
+            pass
+
+
 def make() -> SyncThread | None:
     """A :class:`SyncThread`, or None where it cannot be used (:data:`OFF_REASON`)."""
     if OFF_REASON:
