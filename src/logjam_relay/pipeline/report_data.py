@@ -28,8 +28,9 @@ TABLES = ("request_stats", "exceptions", "loss", "topics")
 SERIES = 20
 #: rows of the worst-minutes table
 WORST = 10
-#: ``--last``: minutes later than this beyond the present are a producer's clock far off
-#: (a time anyone may write, docs/pipeline.md "Times out of range"), not the latest data
+#: minutes later than this beyond the present are a producer's clock far off (a time anyone
+#: may write, docs/pipeline.md "Times out of range"): off the time axis, counted in the
+#: summary, and not where ``--last``'s window ends
 FUTURE_SLACK_MS = 86_400_000
 
 
