@@ -1,9 +1,10 @@
 """Group commit under ``spool_fsync = batch`` (relay/groupcommit.py, issue 25 §2).
 
 A real relay (in-process, trio), real ZeroMQ DEALERs on loopback and a real spool on
-disk.  The spool's ``sync_async`` is watched on the instance: a 202 may leave only once a
-sync that *started after* its record was appended has *returned* (the contract of
-``sync_async``: everything appended before the call started is durable when it returns).
+disk.  The spool's ``sync_async`` and ``sync_begin``/``sync_end`` are watched on the
+instance: a 202 may leave only once a sync that *started after* its record was appended
+has *returned* (their contract: everything appended before the call started is durable
+when it returns).
 Every reply the relay sends is checked against that, at the moment it is sent.  The
 end-to-end check against a file system that drops unsynced writes is test_powerloss.py.
 """
@@ -51,6 +52,25 @@ class Watch:
             self.durable = max(self.durable, before)
 
         spool.sync_async = sync_async
+        real_begin, real_end = spool.sync_begin, spool.sync_end
+        begun: dict[int, int] = {}         # id(job) -> appended before it started
+
+        def sync_begin():
+            if gate is not None or fail_always or fail_first:
+                return None                  # through sync_async above: it can wait, fail
+            before = spool.appends
+            job = real_begin()
+            if job is not None:
+                self.syncs += 1
+                begun[id(job)] = before
+            return job
+
+        async def sync_end(job):
+            before = begun.pop(id(job))
+            await real_end(job)
+            self.durable = max(self.durable, before)
+
+        spool.sync_begin, spool.sync_end = sync_begin, sync_end
         real_send = zmq_trio.send_replies
 
         def send_replies(sock, replies):
@@ -278,6 +298,7 @@ async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
         await gate.wait()
         await real_sync()
     sp.sync_async = held_sync
+    sp.sync_begin = lambda: None                    # every round through held_sync
     sent: list = []
     gc = GroupCommit(sp, lambda sock, replies: sent.extend(replies))
     results: list = []
@@ -367,3 +388,66 @@ async def test_the_fdatasync_histogram_counts_every_sync(tmp_path, monkeypatch):
     assert buckets[-1] == ("+Inf", count) and len(buckets) == 15
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)
     assert 0 < total < 60 * count
+
+
+async def test_a_rounds_replies_leave_while_the_next_sync_runs_and_despite_its_failure(
+        tmp_path):
+    """The replies of a round whose sync returned while more was handed in leave after the
+    next round's sync started (``sync_begin``), before it returns; when that next round
+    cannot start (here ``sync_begin`` fails) they still leave -- they are on disk --, and
+    the next round's 202s only once a retried sync covers them."""
+    from logjam_relay.relay.groupcommit import GroupCommit
+    from logjam_relay.spool.spool import Spool
+
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch")
+    sp.defer_batch_sync = True
+    real_begin, real_end = sp.sync_begin, sp.sync_end
+    log: list = []
+    hold: list[trio.Event] = []              # while set: the next sync_end waits for it
+    fail_next_begin = [False]
+
+    def sync_begin():
+        if fail_next_begin[0]:
+            fail_next_begin[0] = False
+            log.append("begin failed")
+            raise SpoolWriteError("eio", "injected: no descriptor for the sync")
+        log.append(("begin", sp.appends))
+        return real_begin()
+
+    async def sync_end(job):
+        if hold:
+            await hold.pop().wait()
+        await real_end(job)
+        log.append(("end", sp.appends))
+
+    async def until(item):
+        with trio.fail_after(10):
+            while item not in log:
+                await trio.sleep(0.005)
+
+    sp.sync_begin, sp.sync_end = sync_begin, sync_end
+    gc = GroupCommit(sp, lambda sock, replies: log.extend(r[-1] for r in replies))
+    rec = [[APP, TOPIC, b'{"n":1}', meta()]]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gc.run)
+        for n, (first, second) in enumerate([(b"202 one", b"202 two"),
+                                             (b"202 three", b"202 four")]):
+            gate = trio.Event()
+            hold.append(gate)
+            gc.submit("s", [["id", first]], records=rec)
+            await until(("begin", 2 * n + 1))             # its sync runs, held
+            gc.submit("s", [["id", second]], records=rec)  # waits for the next round
+            if n == 1:
+                fail_next_begin[0] = True                 # the next round cannot start
+            gate.set()
+            await until(second)
+        nursery.cancel_scope.cancel()
+    # round 2 began before round 1's reply left, and that left before round 2 ended
+    assert log[:4] == [("begin", 1), ("end", 1), ("begin", 2), b"202 one"], log
+    assert log.index(b"202 one") < log.index(("end", 2)) < log.index(b"202 two"), log
+    # round 4's begin failed: round 3's reply left all the same, round 4's after the retry
+    assert log[log.index(("end", 3)):][:2] == [("end", 3), "begin failed"], log
+    assert log.index(b"202 three") < log.index(("begin", 4)), log
+    assert log.index(("end", 4)) < log.index(b"202 four"), log
+    assert gc.sync_failures == 1 and gc.withheld == 0
+    sp.close()

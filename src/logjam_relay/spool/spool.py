@@ -44,7 +44,7 @@ from .recovery import (  # noqa: F401  (re-exported)
     recover,
 )
 from .space import RESERVE_BYTES, RESERVE_FILE, SpaceBudget  # noqa: F401
-from .writer import SegmentWriter
+from .writer import SegmentWriter, SyncJob
 
 log = logging.getLogger("logjam_relay.spool")
 
@@ -273,6 +273,15 @@ class Spool:
         everything appended before the call is durable when it returns
         (:meth:`SegmentWriter.sync_async`); raises :class:`SpoolWriteError` otherwise."""
         await self.writer.sync_async()
+
+    def sync_begin(self) -> SyncJob | None:
+        """:meth:`sync_async` started without waiting, or None where it must be awaited
+        (:meth:`SegmentWriter.sync_begin <logjam_relay.spool.writer.SegmentWriter.sync_begin>`);
+        ``await sync_end(job)`` then returns as ``sync_async`` does."""
+        return self.writer.sync_begin()
+
+    async def sync_end(self, job: SyncJob) -> None:
+        await self.writer.sync_end(job)
 
     @property
     def defer_batch_sync(self) -> bool:

@@ -71,9 +71,18 @@ class SyncThread:
         """fdatasync ``fd`` in the thread (``OSError`` as ``os.fdatasync`` raises it);
         returns the seconds the syscall took.  The caller checks :meth:`busy` first; ``fd``
         stays open until this returns."""
-        c = self._c
         await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
-        c.submit(fd)
+        self.start(fd)
+        return await self.finish()
+
+    def start(self, fd: int) -> None:
+        """Hand ``fd`` to the thread (its fdatasync starts now); :meth:`finish` waits for
+        it.  The caller checks :meth:`busy` first and keeps ``fd`` open until
+        :meth:`finish` returned or raised."""
+        self._c.submit(fd)
+
+    async def finish(self) -> float:
+        """Wait for the sync :meth:`start` handed over; as :meth:`fdatasync` returns."""
         try:
             res = await self._result()
         except BaseException as e:

@@ -209,6 +209,18 @@ class SealJob:
         ev.set()
 
 
+class SyncJob:
+    """An fdatasync :meth:`SegmentWriter.sync_begin` started: the duplicated descriptor
+    (-1: nothing was to sync), what it covers (``bytes_appended`` at the start), the
+    segment's path for an error."""
+    __slots__ = ("fd", "upto", "path")
+
+    def __init__(self, fd: int, upto: int, path: str):
+        self.fd = fd
+        self.upto = upto
+        self.path = path
+
+
 class SegmentWriter:
     def __init__(self, directory: str, fs: Filesystem, ledger: Ledger, errors: WriteErrors,
                  budget: Reserve, *, fsync: str, fsync_interval_s: float,
@@ -487,24 +499,76 @@ class SegmentWriter:
             self.dir_synced = max(self.dir_synced, gen)
         if not self.unsynced or self.fd is None:
             return
+        await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
+        started = self._start_sync()                    # in the C thread, when it is free
+        if started is not None:
+            await self.sync_end(started)
+            return
         fs = self._fs
         upto = self.bytes_appended
-        seg = self.active
-        path = seg.path if seg else "?"
+        path = self._active_path()
         try:
             fd = fs.dup(self.fd)
         except OSError as e:
             raise self._errors.count(write_error("syncing", path, e)) from None
         try:
-            st = self._sync_thread()
-            if st is not None and not st.busy():
-                took = await st.fdatasync(fd)
-            else:
-                took = await trio.to_thread.run_sync(timed_fdatasync, fs, fd)
+            took = await trio.to_thread.run_sync(timed_fdatasync, fs, fd)
         except OSError as e:
             raise self._errors.count(write_error("syncing", path, e)) from None
         finally:
             fs.close(fd)
+        self._synced(took, upto)
+
+    def sync_begin(self) -> SyncJob | None:
+        """:meth:`sync_async` without waiting, where that needs no wait before the
+        fdatasync: it starts in the C sync thread now, and ``await sync_end(job)`` returns
+        as ``sync_async`` would have (everything appended before this call is durable then).
+        None where it cannot start so (a seal or a directory sync is owed first, no C
+        thread, or it is busy): the caller awaits :meth:`sync_async` instead.  Lets the owner
+        do other work on the loop while the disk syncs (the group commit sends the previous
+        round's replies).  Raises :class:`SpoolWriteError` when the descriptor cannot be
+        duplicated."""
+        if self.sealing or self.dir_synced < self.dir_gen:
+            return None
+        if not self.unsynced or self.fd is None:
+            return SyncJob(-1, self.bytes_appended, "")     # nothing to sync
+        return self._start_sync()
+
+    def _start_sync(self) -> SyncJob | None:
+        st = self._sync_thread()
+        if st is None or st.busy():
+            return None
+        path = self._active_path()
+        try:
+            fd = self._fs.dup(self.fd)
+        except OSError as e:
+            raise self._errors.count(write_error("syncing", path, e)) from None
+        try:
+            st.start(fd)
+        except BaseException:
+            self._fs.close(fd)
+            raise
+        return SyncJob(fd, self.bytes_appended, path)
+
+    async def sync_end(self, job: SyncJob) -> None:
+        """Wait for the fdatasync :meth:`sync_begin` started (see there)."""
+        if job.fd < 0:
+            return
+        st = self.sync_thread
+        assert st is not None
+        try:
+            took = await st.finish()
+        except OSError as e:
+            raise self._errors.count(write_error("syncing", job.path, e)) from None
+        finally:
+            self._fs.close(job.fd)
+        self._synced(took, job.upto)
+
+    def _active_path(self) -> str:
+        seg = self.active
+        return seg.path if seg else "?"
+
+    def _synced(self, took: float, upto: int) -> None:
         self.sync_times.add(took)
         self.fsyncs += 1
         self.last_fsync = self._mono()
