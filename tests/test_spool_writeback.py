@@ -106,3 +106,19 @@ def test_a_stuck_writeback_skips_ranges_and_leaks_no_descriptor(tmp_path):
         sp.close()
     assert wb.started + wb.skipped >= 19
     assert len(os.listdir("/proc/self/fd")) <= fds0
+
+
+def test_sync_times_buckets_take_their_upper_bound_inclusively():
+    """The fdatasync histogram (Prometheus ``le``): a time equal to a bound counts in that
+    bound's bucket, one just above it in the next, one above the last in +Inf."""
+    from logjam_relay.spool.writer import SYNC_BUCKETS, SyncTimes
+
+    t = SyncTimes()
+    for s in (0.0, SYNC_BUCKETS[0], SYNC_BUCKETS[0] * 1.001, SYNC_BUCKETS[-1],
+              SYNC_BUCKETS[-1] * 2):
+        t.add(s)
+    st = t.stats()
+    assert st["count"] == 5 and t.max == SYNC_BUCKETS[-1] * 2
+    b = st["buckets"]
+    assert b[SYNC_BUCKETS[0]] == 2 and b[SYNC_BUCKETS[1]] == 3
+    assert b[SYNC_BUCKETS[-2]] == 3 and b[SYNC_BUCKETS[-1]] == 4 and b[float("inf")] == 5

@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -146,12 +147,7 @@ class SyncTimes:
         self.max = 0.0
 
     def add(self, seconds: float) -> None:
-        i = 0
-        for le in SYNC_BUCKETS:
-            if seconds <= le:
-                break
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect_left(SYNC_BUCKETS, seconds)] += 1   # the first bound >= it
         self.sum += seconds
         self.count += 1
         if seconds > self.max:
