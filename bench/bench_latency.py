@@ -25,7 +25,8 @@ tree (a before/after in one run; that tree's C extensions must be built in place
 
 Printed per rate and path: p50/p99/p99.9/max (ms), how many of the messages were
 answered / published; for a spool target the relay's own fdatasyncs of the run (from its
-``logjam_relay_spool_fdatasync_seconds`` histogram: the disk's share of a ``batch`` 202);
+``logjam_relay_spool_fdatasync_seconds`` histogram: the disk's share of a ``batch`` 202;
+and for ``batch`` the replies' wait in the group commit, ``logjam_relay_group_commit_wait_seconds``);
 and the ratios: relay p99.9 / zmq.proxy p99.9 (one-way), batch /
 no-spool (reply).  Then the ingest rate (DEALER as fast as the socket takes them,
 ``--ingest-messages``, replies per second) of ``batch`` against ``interval``: one run of
@@ -113,8 +114,10 @@ class Target:
     def fdatasyncs(self) -> str:
         """The relay's own fdatasyncs of the run (``logjam_relay_spool_fdatasync_seconds``
         from its /metrics): how many, and the buckets of their p50, p99 and maximum -- the
-        disk's share of the 202's latency under batch.  "" when the tree has no such
-        histogram (a tree from before it) or there is no spool."""
+        disk's share of the 202's latency under batch --, and under batch how long the
+        replies waited in the group commit (``logjam_relay_group_commit_wait_seconds``:
+        the group commit's share).  "" when the tree has no such histogram (a tree from
+        before it) or there is no spool."""
         if not self.metrics_port or self.proc is None:
             return ""
         try:
@@ -123,19 +126,19 @@ class Target:
                 text = resp.read().decode()
         except OSError:
             return ""
-        name = "logjam_relay_spool_fdatasync_seconds_bucket"
-        buckets = [(float(le), float(v)) for le, v in
-                   re.findall(name + r'\{[^}]*le="([^"]+)"\} (\S+)', text)]
-        if not buckets or not buckets[-1][1]:
+        syncs = histogram(text, "logjam_relay_spool_fdatasync_seconds")
+        if syncs is None:
             return ""
-        n = buckets[-1][1]
-
-        def upto(q: float) -> str:
-            le = next(le for le, v in buckets if v >= q * n)
-            return "> 4 s" if le == float("inf") else f"<= {le * 1000:g} ms"
-        over = n - next(v for le, v in buckets if le >= 0.032)
-        return (f"{int(n):,} fdatasyncs in the relay: p50 {upto(0.5)}, p99 {upto(0.99)}, "
-                f"max {upto(1.0)}; {int(over)} over 32 ms")
+        n, upto = syncs
+        over = n - next(v for le, v in upto.buckets if le >= 0.032)
+        out = (f"{int(n):,} fdatasyncs in the relay: p50 {upto(0.5)}, p99 {upto(0.99)}, "
+               f"max {upto(1.0)}; {int(over)} over 32 ms")
+        waits = histogram(text, "logjam_relay_group_commit_wait_seconds")
+        if waits is not None:
+            n, upto = waits
+            out += (f"\n  {'':26s} held    {int(n):,} batches' replies waited in the group "
+                    f"commit: p50 {upto(0.5)}, p99 {upto(0.99)}, max {upto(1.0)}")
+        return out
 
     def stop(self) -> None:
         if self.proc is None:
@@ -153,6 +156,28 @@ class Target:
         self.proc = None
         shutil.rmtree(self.work, ignore_errors=True)
         self.work = tempfile.mkdtemp(prefix="bench-latency-")
+
+
+class _Quantile:
+    """A histogram's cumulative buckets: ``q(0.99)`` names the bucket of that quantile."""
+
+    def __init__(self, buckets: list[tuple[float, float]]):
+        self.buckets = buckets
+
+    def __call__(self, q: float) -> str:
+        n = self.buckets[-1][1]
+        le = next(le for le, v in self.buckets if v >= q * n)
+        return "> 4 s" if le == float("inf") else f"<= {le * 1000:g} ms"
+
+
+def histogram(text: str, name: str) -> tuple[float, _Quantile] | None:
+    """``(count, quantile)`` of histogram ``name`` in a /metrics text; None when it is not
+    there or empty."""
+    buckets = [(float(le), float(v)) for le, v in
+               re.findall(name + r'_bucket\{[^}]*le="([^"]+)"\} (\S+)', text)]
+    if not buckets or not buckets[-1][1]:
+        return None
+    return buckets[-1][1], _Quantile(buckets)
 
 
 def measure(tool: str, target: Target, path: str, rate: float, seconds: float) -> dict:

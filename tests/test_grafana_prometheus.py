@@ -3,7 +3,8 @@
 Relay A runs as a subprocess (real CPU/RSS) with a Lumberjack output to the in-repo reader,
 a second output whose receiver is down, a Lumberjack input, a samwise endpoint publishing
 to the local RabbitMQ, and small limits; relay B (device 1) has CURVE on, a 16 KiB spool
-with ``spool_policy=block`` and only a dead receiver.  A real ``prometheus`` (the Debian
+with ``spool_policy=block`` and ``spool_fsync=batch`` (the group commit) and only a dead
+receiver.  A real ``prometheus`` (the Debian
 package, see ``.ci/install-prometheus.sh``) scrapes both every second while a load of
 valid, invalid and ping messages goes through A's PULL and ROUTER ports and the faults
 behind the "Faults & limits" and "Inputs" rows are driven cheaply: oversize messages,
@@ -528,7 +529,7 @@ async def test_every_panel_has_data_in_real_prometheus(tmp_path, prometheus_bina
                 lambda: start_process(settings_b, [
                     "--output", down + "&name=down",
                     "--spool-policy", "block", "--spool-max-bytes", "16KiB",
-                    "--spool-segment-bytes", "4KiB",
+                    "--spool-segment-bytes", "4KiB", "--spool-fsync", "batch",
                     "--curve-secret-key", relay_secret,
                     "--curve-allow-dir", str(tmp_path / "b-allow")],
                     log_path=tmp_path / "relay-b.log"))

@@ -451,3 +451,56 @@ async def test_a_rounds_replies_leave_while_the_next_sync_runs_and_despite_its_f
     assert log.index(("end", 4)) < log.index(b"202 four"), log
     assert gc.sync_failures == 1 and gc.withheld == 0
     sp.close()
+
+
+async def test_the_group_commit_on_metrics(tmp_path, monkeypatch):
+    """/metrics under spool_fsync=batch: rounds, the replies sent after their fdatasync,
+    none waiting at the end, and the wait histogram with one observation per batch of
+    replies (between 1 and 300 of them here), each no longer than the test itself."""
+    import re
+
+    from prometheus_client import generate_latest
+
+    from logjam_relay.health.metrics import make_registry
+    async with batch_relay(tmp_path, monkeypatch) as (relay, c, w):
+        got: list[bytes] = []
+        t0 = trio.current_time()
+        await load(c.dealer(), 300, got, window=50)
+        took = trio.current_time() - t0
+        text = generate_latest(make_registry(relay)[0]).decode()
+        rounds = relay.commits.rounds
+    assert got == [b"202 Accepted"] * 300 and w.violations == []
+
+    def value(name: str) -> float:
+        return float(re.search(name + r'\{device="[^"]*"\} (\S+)', text).group(1))
+    assert value("logjam_relay_group_commit_replies_total") == 300
+    assert 1 <= value("logjam_relay_group_commit_rounds_total") == rounds <= 300
+    assert value("logjam_relay_group_commit_waiting_replies") == 0
+    assert value("logjam_relay_group_commit_waiting_records") == 0
+    assert value("logjam_relay_group_commit_failures_total") == 0
+    assert value("logjam_relay_group_commit_withheld_total") == 0
+    name = "logjam_relay_group_commit_wait_seconds"
+    assert f"# TYPE {name} histogram" in text
+    count = value(name + "_count")
+    assert rounds <= count <= 300
+    assert 0 < value(name + "_sum") <= count * took
+    inf = float(re.search(name + r'_bucket\{device="[^"]*",le="\+Inf"\} (\S+)', text).group(1))
+    assert inf == count
+
+
+async def test_no_group_commit_metrics_without_batch(tmp_path):
+    """Without spool_fsync=batch there is no group commit, and /metrics says nothing of it."""
+    from prometheus_client import generate_latest
+
+    from logjam_relay.health.metrics import make_registry
+    settings = relay_settings(tmp_path, spool_dir=str(tmp_path / "spool"),
+                              spool_fsync="interval", metrics_port=0)
+    relay = build(settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.run)
+        text = generate_latest(make_registry(relay)[0]).decode()
+        relay.shutdown()
+        with trio.fail_after(30):
+            await relay.stopped.wait()
+    assert "logjam_relay_spool_fdatasync_seconds" in text
+    assert "group_commit" not in text

@@ -1,7 +1,7 @@
 """The metrics docs tell the truth: docs/operations.md's "Metrics" tables against /metrics.
 
-Two relays run as the real command: one with a spool, a Lumberjack output (its receiver
-down), a Lumberjack input and a samwise endpoint, after a little traffic (valid, invalid,
+Two relays run as the real command: one with a spool (``spool_fsync=batch``: the group
+commit's families), a Lumberjack output (its receiver down), a Lumberjack input and a samwise endpoint, after a little traffic (valid, invalid,
 broken-meta messages, pings, a malformed samwise request, garbage on the input) so the
 labelled families have samples; one with CURVE on (its families only exist then).  Then:
 
@@ -246,7 +246,8 @@ def exposed(tmp_path_factory) -> dict[str, dict]:
             "--output", f"lumberjack://127.0.0.1:{free_port()}?tls=off&name=out",
             "--input", f"lumberjack://127.0.0.1:{input_port}?tls=off&name=lj",
             "--samwise", f"tcp://127.0.0.1:{samwise_port}",
-            "--amqp-broker", f"main=amqp://guest:guest@127.0.0.1:{free_port()}/%2F"],
+            "--amqp-broker", f"main=amqp://guest:guest@127.0.0.1:{free_port()}/%2F",
+            "--spool-fsync", "batch"],
             log_path=tmp / "main.log"))
         procs.append(start_process(curve, [
             "--curve-secret-key", secret, "--curve-allow-dir", str(tmp / "allow")],

@@ -42,6 +42,14 @@ def _one(kind, name: str, doc: str, labels: list[str], value):
     return m
 
 
+def _histogram(name: str, doc: str, labels: list[str], st: dict) -> HistogramMetricFamily:
+    """A histogram from ``{"buckets": {upper bound: cumulative count}, "sum": s}``."""
+    h = HistogramMetricFamily(name, doc, labels=["device"])
+    h.add_metric(labels, [(repr(le) if le != float("inf") else "+Inf", n)
+                          for le, n in st["buckets"].items()], st["sum"])
+    return h
+
+
 def rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as fh:
@@ -388,15 +396,39 @@ class RelayCollector:
             yield m
         times = st.get("sync_seconds")
         if times is not None:
-            h = HistogramMetricFamily(
-                "logjam_relay_spool_fdatasync_seconds",
-                "time of the fdatasyncs of appended records (what a 202 under "
-                "spool_fsync=batch waits for at least)", labels=["device"])
-            h.add_metric(dl, [(repr(le) if le != float("inf") else "+Inf", n)
-                              for le, n in times["buckets"].items()], times["sum"])
-            yield h
+            yield _histogram("logjam_relay_spool_fdatasync_seconds",
+                             "time of the fdatasyncs of appended records (what a 202 under "
+                             "spool_fsync=batch waits for at least)", dl, times)
         yield _one(_counter, "logjam_relay_spool_blocked_seconds", "time ingress was paused because the spool was full",
                    dl, r.spool_blocked_seconds + r.spool.blocked_in_progress())
+        commits = getattr(r, "commits", None)
+        if commits is not None:
+            yield from self._group_commit(dl, commits.stats())
+
+    @staticmethod
+    def _group_commit(dl: list[str], gc: dict):
+        """spool_fsync=batch: the group commit's rounds, waiting replies and their wait."""
+        for name, key, doc, kind in (
+                ("logjam_relay_group_commit_rounds", "rounds",
+                 "fdatasyncs after which replies were sent (spool_fsync=batch)", _counter),
+                ("logjam_relay_group_commit_replies", "released",
+                 "replies sent after the fdatasync that covers their records", _counter),
+                ("logjam_relay_group_commit_waiting_replies", "pending",
+                 "replies waiting for an fdatasync", _gauge),
+                ("logjam_relay_group_commit_waiting_records", "pending_records",
+                 "records handed to the group commit, not yet on disk", _gauge),
+                ("logjam_relay_group_commit_failures", "sync_failures",
+                 "failed writes or fdatasyncs of the rounds (retried; replies held)", _counter),
+                ("logjam_relay_group_commit_withheld", "withheld",
+                 "202s never sent: their records were not on disk when the relay stopped",
+                 _counter)):
+            m = kind(name, doc)
+            m.add_metric(dl, gc.get(key, 0))
+            yield m
+        yield _histogram("logjam_relay_group_commit_wait_seconds",
+                         "how long a batch's replies waited in the group commit for the "
+                         "fdatasync that covers them (handed in -> sent)", dl,
+                         gc["wait_seconds"])
 
 
     @staticmethod

@@ -58,12 +58,14 @@ against a file system that drops what was not synced.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
 import trio
 
 from ..spool.errors import SpoolWriteError
+from ..spool.writer import SyncTimes
 
 log = logging.getLogger("logjam_relay.relay")
 
@@ -82,7 +84,7 @@ def max_pending(batch_size: int) -> int:
 class _Entry:
     """One batch handed in: records to append (or the C pass's encoded ones, or nothing),
     the replies to send once they are on disk, an input waiting for them."""
-    __slots__ = ("records", "encoded", "n", "nbytes", "sock", "replies", "done", "mark")
+    __slots__ = ("records", "encoded", "n", "nbytes", "sock", "replies", "done", "mark", "t")
 
     def __init__(self, records, encoded, n, nbytes, sock, replies, done):
         self.records = records
@@ -93,6 +95,7 @@ class _Entry:
         self.replies = replies
         self.done = done            # [trio.Event, result] of commit()/durable(), or None
         self.mark = -1              # spool.bytes_appended once appended (-1: not yet)
+        self.t = 0.0                # handed in (time.perf_counter()), for the wait histogram
 
 
 class GroupCommit:
@@ -136,6 +139,9 @@ class GroupCommit:
         self.largest_group = 0
         self.sync_failures = 0                    # failed writes and syncs
         self.withheld = 0                         # 202s never sent (stopping, spool failed)
+        # how long the batches' replies waited here, handed in -> sent (what the group
+        # commit adds to a 202; /metrics: logjam_relay_group_commit_wait_seconds)
+        self.waits = SyncTimes()
 
     # ---------------------------------------------------------------- the ingest side
     @property
@@ -160,7 +166,9 @@ class GroupCommit:
         if not n and not self._entries and done is None:
             if replies:
                 if self.ended or self.spool.bytes_appended > self._durable:
-                    self._entries.append(_Entry(None, None, 0, 0, sock, replies, None))
+                    e = _Entry(None, None, 0, 0, sock, replies, None)
+                    e.t = time.perf_counter()
+                    self._entries.append(e)
                     self.pending += len(replies)
                     self._unwritten += 1
                     self._kick()
@@ -168,6 +176,8 @@ class GroupCommit:
                     self._send(sock, replies)       # nothing to wait for
             return
         e = _Entry(records, encoded, n, nbytes, sock, replies, done)
+        if replies:
+            e.t = time.perf_counter()
         self._entries.append(e)
         self._unwritten += 1
         self._unwritten_records += n
@@ -312,6 +322,7 @@ class GroupCommit:
     def _release(self, upto: int) -> None:
         entries = self._entries
         n = 0
+        now = 0.0
         while entries and 0 <= entries[0].mark <= upto:
             e = entries.popleft()
             self.pending_records -= e.n
@@ -319,6 +330,9 @@ class GroupCommit:
             if e.replies:
                 n += len(e.replies)
                 self._send(e.sock, e.replies)
+                if not now:
+                    now = time.perf_counter()
+                self.waits.add(now - e.t)
             if e.done is not None:
                 e.done[1] = True
                 e.done[0].set()
@@ -371,4 +385,5 @@ class GroupCommit:
     def stats(self) -> dict:
         return {"rounds": self.rounds, "released": self.released, "pending": self.pending,
                 "pending_records": self.pending_records, "largest_group": self.largest_group,
-                "sync_failures": self.sync_failures, "withheld": self.withheld}
+                "sync_failures": self.sync_failures, "withheld": self.withheld,
+                "wait_seconds": self.waits.stats()}
