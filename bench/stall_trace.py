@@ -221,7 +221,8 @@ async def run(args, tool: str, tracer: Tracer) -> None:
         print(r.stdout.decode().strip())
         print(f"relay loop_lag_max {relay.loop_lag_max * 1000:.1f} ms", end="")
         if getattr(relay, "commits", None) is not None:
-            print(f"; group commit {relay.commits.stats()}", end="")
+            st = {k: v for k, v in relay.commits.stats().items() if k != "wait_seconds"}
+            print(f"; group commit {st}", end="")
         print()
         if held:
             held.sort()

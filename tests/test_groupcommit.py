@@ -504,3 +504,35 @@ async def test_no_group_commit_metrics_without_batch(tmp_path):
             await relay.stopped.wait()
     assert "logjam_relay_spool_fdatasync_seconds" in text
     assert "group_commit" not in text
+
+
+async def test_a_finished_sync_is_seen_before_its_round_takes_it(tmp_path):
+    """``sync_ready``/``round_ready`` (the C thread's ``done``): false while the
+    fdatasync runs or when nothing is in flight, true once it is done and until the round
+    takes the result; ``yield_to_round`` never holds the ingest longer than about 2 ms."""
+    from logjam_relay.relay.groupcommit import GroupCommit
+    from logjam_relay.spool import syncthread
+    from logjam_relay.spool.spool import Spool
+
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch")
+    sp.defer_batch_sync = True
+    gc = GroupCommit(sp, lambda sock, replies: None)
+    assert not gc.round_ready()
+    t0 = trio.current_time()
+    with trio.fail_after(5):
+        await gc.yield_to_round()               # no round: back after its 2 ms at most
+    assert trio.current_time() - t0 < 1.0
+    sp.append_batch([[APP, TOPIC, b'{"n":1}', meta()]])
+    job = sp.sync_begin()
+    if syncthread.OFF_REASON:                   # no C thread: sync_async does it all
+        assert job is None
+        sp.close()
+        return
+    assert job is not None and job.fd >= 0
+    with trio.fail_after(10):
+        while not sp.sync_ready(job):
+            await trio.sleep(0.001)
+    assert sp.sync_ready(job)                   # stays so until taken
+    await sp.sync_end(job)
+    assert not sp.writer.sync_thread.done() and sp.writer.unsynced is False
+    sp.close()

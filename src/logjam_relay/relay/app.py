@@ -401,7 +401,10 @@ class Relay:
                         await self._fast_pass_finish(sock, is_router, r)
                 elif r.replies:
                     self.reply_drops += zmq_trio.send_replies(sock, r.replies)
-                await trio.lowlevel.checkpoint()
+                if commits is not None and commits.round_ready():
+                    await commits.yield_to_round()
+                else:
+                    await trio.lowlevel.checkpoint()
                 continue
             batch, _, biggest = drain(sock, limit, max_bytes)
             if not batch:
@@ -411,7 +414,10 @@ class Relay:
             with trio.CancelScope(shield=True):
                 await self._process(sock, batch, is_router, biggest > max_event)
             batch = None
-            await trio.lowlevel.checkpoint()
+            if commits is not None and commits.round_ready():
+                await commits.yield_to_round()
+            else:
+                await trio.lowlevel.checkpoint()
 
     async def _process(self, sock: zmq.Socket, batch: list[list[bytes]], is_router: bool,
                        oversize: bool = False) -> None:

@@ -201,6 +201,15 @@ Syncer_get_busy(Syncer *self, void *closure)
 }
 
 static PyObject *
+Syncer_get_done(Syncer *self, void *closure)
+{
+    pthread_mutex_lock(&self->mu);
+    int done = self->busy && self->done;
+    pthread_mutex_unlock(&self->mu);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *
 Syncer_get_jobs(Syncer *self, void *closure)
 {
     pthread_mutex_lock(&self->mu);
@@ -230,6 +239,7 @@ static PyMethodDef Syncer_methods[] = {
 
 static PyGetSetDef Syncer_getset[] = {
     {"busy", (getter)Syncer_get_busy, NULL, "a job was submitted, its result not taken", NULL},
+    {"done", (getter)Syncer_get_done, NULL, "the job's result is there, not yet taken", NULL},
     {"jobs", (getter)Syncer_get_jobs, NULL, "jobs finished", NULL},
     {NULL}
 };

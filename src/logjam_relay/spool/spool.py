@@ -283,6 +283,10 @@ class Spool:
     async def sync_end(self, job: SyncJob) -> None:
         await self.writer.sync_end(job)
 
+    def sync_ready(self, job: SyncJob) -> bool:
+        """``sync_end(job)`` would return without waiting."""
+        return self.writer.sync_ready(job)
+
     @property
     def defer_batch_sync(self) -> bool:
         """fsync="batch": appends do not fsync themselves; the owner awaits

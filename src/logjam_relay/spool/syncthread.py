@@ -67,6 +67,11 @@ class SyncThread:
     def busy(self) -> bool:
         return self.closed or self._c.busy
 
+    def done(self) -> bool:
+        """The sync handed over is done and its result not yet taken (:meth:`finish`
+        returns without waiting)."""
+        return not self.closed and self._c.done
+
     async def fdatasync(self, fd: int) -> float:
         """fdatasync ``fd`` in the thread (``OSError`` as ``os.fdatasync`` raises it);
         returns the seconds the syscall took.  The caller checks :meth:`busy` first; ``fd``

@@ -560,6 +560,11 @@ class SegmentWriter:
             self._fs.close(job.fd)
         self._synced(took, job.upto)
 
+    def sync_ready(self, job: SyncJob) -> bool:
+        """The fdatasync of ``job`` is done: ``sync_end(job)`` returns without waiting."""
+        st = self.sync_thread
+        return job.fd < 0 or (st is not None and st.done())
+
     def _active_path(self) -> str:
         seg = self.active
         return seg.path if seg else "?"
