@@ -536,3 +536,37 @@ async def test_a_finished_sync_is_seen_before_its_round_takes_it(tmp_path):
     await sp.sync_end(job)
     assert not sp.writer.sync_thread.done() and sp.writer.unsynced is False
     sp.close()
+
+
+async def test_a_round_that_fills_the_spool_pauses_ingress_at_once(tmp_path, monkeypatch):
+    """``spool_policy=block`` under ``batch``: the group commit appends after the ingest
+    handed the batch in, so the ingest's own "spool full?" check came too early; the round
+    that fills the spool now wakes the resting ingest, which pauses (the warning, the
+    paused time counted) without waiting for another message -- as without the group
+    commit.  One message bigger than the 16 KiB spool, one batch, nothing after it."""
+    settings = relay_settings(tmp_path, spool_dir=str(tmp_path / "spool"),
+                              spool_fsync="batch", spool_policy="block",
+                              spool_max_bytes=16 << 10, spool_segment_bytes=4 << 10,
+                              heartbeat_interval=3600, metrics_port=0,
+                              outputs=["lumberjack://127.0.0.1:1?tls=off&name=down"])
+    relay = build(settings)
+    Watch(relay, monkeypatch)
+    ctx = zmq.Context()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            push = Clients(ctx, settings).push()
+            await zmq_trio.send_multipart(
+                push, [APP, TOPIC, b'{"pad":"%s"}' % (b"x" * (20 << 10)), meta(seq=1)])
+            with trio.fail_after(20):
+                while relay.spool.appends < 1:
+                    await trio.sleep(0.01)
+                while relay.spool.blocked_in_progress() <= 0.2:
+                    await trio.sleep(0.01)
+            assert relay.spool.would_block()
+            relay.shutdown()
+            with trio.fail_after(30):
+                await relay.stopped.wait()
+    finally:
+        ctx.destroy(linger=0)
+    assert relay.spool_writes.blocked_seconds > 0.2

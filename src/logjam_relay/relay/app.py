@@ -200,7 +200,8 @@ class Relay:
                             self.spool, self._send_released,
                             max_pending=max_pending(s.batch_size),
                             max_bytes=s.ingest_max_bytes,
-                            on_error=self.spool_writes.failed,
+                            on_error=self._commit_failed,
+                            on_written=self._wake_if_blocked,
                             min_round=s.spool_fsync_batch_delay)
                         nursery.start_soon(self.commits.run)
                 for line in ineffective(s):
@@ -488,6 +489,20 @@ class Relay:
         scope = self._in_wait.get(sock)
         if scope is not None and sock.get(zmq.EVENTS) & zmq.POLLIN:
             scope.cancel()
+
+    def _wake_if_blocked(self) -> None:
+        """The group commit appended a round (or failed): if that filled the spool
+        (``block``) or the disk, or the group commit now holds ingress back, the ingest
+        tasks resting on their sockets go round and pause now (logged, counted in
+        ``spool_blocked_seconds``), as they do when they append themselves, instead of
+        only when the next message comes."""
+        if self._in_wait and (self.spool.would_block() or self.commits.would_block()):
+            for scope in self._in_wait.values():
+                scope.cancel()
+
+    def _commit_failed(self, err) -> None:
+        self.spool_writes.failed(err)
+        self._wake_if_blocked()
 
     async def _drain_commits(self) -> None:
         """Shutdown: the group commit's last rounds (a failing write or sync is not retried

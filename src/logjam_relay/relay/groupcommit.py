@@ -108,7 +108,9 @@ class GroupCommit:
 
     ``send(sock, replies)`` sends replies without blocking (the relay's
     ``zmq_trio.send_replies`` and its drop count); ``on_error(err)`` is told of every
-    failed write or sync (counted and logged by the relay); ``min_round``
+    failed write or sync (counted and logged by the relay); ``on_written()`` after each
+    round's write that appended something (the relay checks whether the spool is full
+    now); ``min_round
     (``spool_fsync_batch_delay``): a round starts at most once per that many seconds
     (0: back to back).
     """
@@ -116,11 +118,13 @@ class GroupCommit:
     def __init__(self, spool, send: Callable[[object, list], None], *,
                  max_pending: int = 100_000, max_bytes: int = 32 << 20,
                  on_error: Callable[[SpoolWriteError], None] | None = None,
+                 on_written: Callable[[], None] | None = None,
                  min_round: float = 0.0):
         self.spool = spool
         self.min_round = max(0.0, min_round)      # spool_fsync_batch_delay
         self._send = send
         self._on_error = on_error
+        self._on_written = on_written
         self.max_pending = max(1, max_pending)
         self.max_bytes = max(1, max_bytes)
         self._entries: deque[_Entry] = deque()    # handed in, in order
@@ -282,8 +286,11 @@ class GroupCommit:
                 last = trio.current_time()
             try:
                 try:
+                    before = spool.bytes_appended
                     self._write()                 # no sync runs now
                     upto = spool.bytes_appended
+                    if upto != before and self._on_written is not None:
+                        self._on_written()
                     job = spool.sync_begin()      # the fdatasync starts (None: not yet)
                 finally:
                     if owed:
