@@ -187,15 +187,13 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
             return 0
         return _sum(t.filter(cond(t["minute_ms"])), col)
 
-    def counts(cond) -> dict:
-        return {"requests": off_axis(req, "count", cond),
-                "topic_messages": off_axis(top, "count", cond),
-                "received": off_axis(loss, "received", cond),
-                "missing": off_axis(loss, "missing", cond)}
-    zero = {"requests": 0, "topic_messages": 0, "received": 0, "missing": 0}
-    undated = counts(lambda m: pc.equal(m, 0)) if first not in (None, 0) else zero
-    ahead = counts(lambda m: pc.greater(m, horizon)) \
-        if last is not None and last <= horizon else zero
+    def counts(cond, applies: bool) -> dict:
+        """The off-axis rows' sums (all 0 where nothing is left off the axis)."""
+        return {k: off_axis(t, col, cond) if applies else 0
+                for k, t, col in (("requests", req, "count"), ("topic_messages", top, "count"),
+                                  ("received", loss, "received"), ("missing", loss, "missing"))}
+    undated = counts(lambda m: pc.equal(m, 0), first not in (None, 0))
+    ahead = counts(lambda m: pc.greater(m, horizon), last is not None and last <= horizon)
     ahead_until = max((pc.max(t["minute_ms"]).as_py() for t in present), default=None) \
         if any(ahead.values()) else None
 
