@@ -500,20 +500,8 @@ class SegmentWriter:
         if started is not None:
             await self.sync_end(started)
             return
-        fs = self._fs
-        upto = self.bytes_appended
-        path = self._active_path()
-        try:
-            fd = fs.dup(self.fd)
-        except OSError as e:
-            raise self._errors.count(write_error("syncing", path, e)) from None
-        try:
-            took = await trio.to_thread.run_sync(timed_fdatasync, fs, fd)
-        except OSError as e:
-            raise self._errors.count(write_error("syncing", path, e)) from None
-        finally:
-            fs.close(fd)
-        self._synced(took, upto)
+        job = self._sync_job()
+        await self._end(job, trio.to_thread.run_sync(timed_fdatasync, self._fs, job.fd))
 
     def sync_begin(self) -> SyncJob | None:
         """:meth:`sync_async` without waiting, where that needs no wait before the
@@ -534,16 +522,22 @@ class SegmentWriter:
         st = self._sync_thread()
         if st is None or st.busy():
             return None
-        path = self._active_path()
+        job = self._sync_job()
+        try:
+            st.start(job.fd)
+        except BaseException:
+            self._fs.close(job.fd)
+            raise
+        return job
+
+    def _sync_job(self) -> SyncJob:
+        """A duplicate of the segment's descriptor to fdatasync, and what it covers."""
+        seg = self.active
+        path = seg.path if seg else "?"
         try:
             fd = self._fs.dup(self.fd)
         except OSError as e:
             raise self._errors.count(write_error("syncing", path, e)) from None
-        try:
-            st.start(fd)
-        except BaseException:
-            self._fs.close(fd)
-            raise
         return SyncJob(fd, self.bytes_appended, path)
 
     async def sync_end(self, job: SyncJob) -> None:
@@ -552,29 +546,26 @@ class SegmentWriter:
             return
         st = self.sync_thread
         assert st is not None
+        await self._end(job, st.finish())
+
+    async def _end(self, job: SyncJob, syncing: Awaitable[float]) -> None:
+        """Await ``job``'s fdatasync (its seconds), close the duplicate, count it."""
         try:
-            took = await st.finish()
+            took = await syncing
         except OSError as e:
             raise self._errors.count(write_error("syncing", job.path, e)) from None
         finally:
             self._fs.close(job.fd)
-        self._synced(took, job.upto)
+        self.sync_times.add(took)
+        self.fsyncs += 1
+        self.last_fsync = self._mono()
+        if self.bytes_appended == job.upto:
+            self.unsynced = False
 
     def sync_ready(self, job: SyncJob) -> bool:
         """The fdatasync of ``job`` is done: ``sync_end(job)`` returns without waiting."""
         st = self.sync_thread
         return job.fd < 0 or (st is not None and st.done())
-
-    def _active_path(self) -> str:
-        seg = self.active
-        return seg.path if seg else "?"
-
-    def _synced(self, took: float, upto: int) -> None:
-        self.sync_times.add(took)
-        self.fsyncs += 1
-        self.last_fsync = self._mono()
-        if self.bytes_appended == upto:
-            self.unsynced = False
 
     def interval_sync_due(self) -> bool:
         return self.fsync == "interval" and self.unsynced and \
