@@ -131,6 +131,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                               **extra)
     relay = build(settings)
     syncs: list[float] = []
+    roll_syncs: list[float] = []        # the sync_async calls made while a seal was queued
     raw_syncs: list[float] = []
     writes: list[tuple[float, float]] = []
     rolls: list[tuple[str, float]] = []
@@ -138,9 +139,12 @@ async def run(args, tool: str, tracer: Tracer) -> None:
         real_sync = relay.spool.sync_async
 
         async def timed_sync():
+            rolled = bool(relay.spool.writer.sealing)     # a seal is queued: after a roll
             t0 = time.perf_counter()
             await real_sync()
             syncs.append(time.perf_counter() - t0)
+            if rolled:
+                roll_syncs.append(syncs[-1])
         relay.spool.sync_async = timed_sync
         from logjam_relay.spool import fs as spool_mod  # the seam's os calls
         real_write = spool_mod._write
@@ -234,6 +238,11 @@ async def run(args, tool: str, tracer: Tracer) -> None:
             print(f"sync_async (fdatasync in a thread, back on the loop): {len(syncs)} calls, "
                   f"p50 {syncs[len(syncs) // 2] * 1000:.2f} ms, p99 "
                   f"{syncs[int(len(syncs) * 0.99)] * 1000:.2f} ms, max {syncs[-1] * 1000:.2f} ms")
+        if roll_syncs:
+            d = sorted(roll_syncs)
+            print(f"  of them after a roll (a seal queued): {len(d)} calls, p50 "
+                  f"{d[len(d) // 2] * 1000:.2f} ms, p90 {d[int(len(d) * 0.9)] * 1000:.2f} ms, "
+                  f"max {d[-1] * 1000:.2f} ms")
         if raw_syncs:
             d = sorted(raw_syncs)
             print(f"fdatasync syscall alone: {len(d)} calls, p50 {d[len(d) // 2] * 1000:.2f} "

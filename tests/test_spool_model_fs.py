@@ -233,7 +233,13 @@ async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
         assert sp.writer.spare_fd is None        # the new segment is the spare, renamed
         assert sealed == []                       # announced only once sealed
         await sp.sync_async()
-        assert job.stage == job.DONE and sealed == [job.seg.segno]
+        # the closed segment's records are synced (its seal record's fsync): the seal's
+        # rename, directory fsync and state file need not be done yet
+        assert job.stage != job.WRITE
+        with trio.fail_after(5):
+            while job.stage != job.DONE:
+                await trio.sleep(0.001)
+        assert sealed == [job.seg.segno]
         crashed = fs.crash()
         nursery.cancel_scope.cancel()
     assert not sp.writer.defer_seals
@@ -244,6 +250,56 @@ async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
     sp2.close()
     sp.close()
     assert SPARE_FILE not in fs.listdir(d)
+
+
+class HeldStateFS(ModelFS):
+    """The seal's state file (``*.seal.tmp``) is fsynced only once ``release`` is set: the
+    seal stays in its last stage (DIRSYNC) as long as the test wants."""
+
+    def __init__(self) -> None:
+        import threading
+        super().__init__()
+        self.release = threading.Event()
+
+    def fsync(self, fd: int) -> None:
+        if self.handles[fd].path.endswith(".seal.tmp"):
+            self.release.wait(10)
+        super().fsync(fd)
+
+    fdatasync = fsync
+
+
+async def test_sync_async_after_a_roll_does_not_wait_for_the_whole_seal(tmp_path):
+    """A round after a roll waits for the closed segment's records (the seal record's
+    fsync) and the new segment's name and records, not for the seal's state file: what
+    it returned for survives a power loss while the seal has not finished."""
+    import trio
+    import trio.testing
+    fs = HeldStateFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs, fsync="batch")
+    sp.defer_batch_sync = True
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sp.run)
+            await trio.testing.wait_all_tasks_blocked()
+            assert sp.writer.defer_seals
+            n, job = roll_deferred(sp, 0)
+            sp.append_batch([msg(j) for j in range(n, n + 3)])   # into the new segment
+            with trio.fail_after(5):              # before: it waited for the state file
+                await sp.sync_async()
+            assert job.stage == job.DIRSYNC and not job.seg.sealed
+            crashed = fs.crash()
+            fs.release.set()
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.release.set()
+    sp2 = open_spool(d, crashed, fsync="batch")
+    assert bodies(sp2) == [msg(j)[2] for j in range(n + 3)]
+    assert sp2.stats()["lost"] == 0 and sp2.corrupt_tails_cut == 0
+    assert sp2.ledger.segs[job.seg.segno].sealed
+    sp2.close()
+    sp.close()
 
 
 def test_a_closed_segment_is_deleted_only_once_sealed(tmp_path):

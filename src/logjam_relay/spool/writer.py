@@ -24,8 +24,10 @@ rename, directory fsync (which also makes the new segment's name durable), state
 runs as a :class:`SealJob`, its waits in worker threads, so the event loop never waits
 for the disk at a roll.  The segment is *sealed* (deletable, announced to the seal
 listeners) only once all of it is durable.  :meth:`SegmentWriter.sync_async` and
-:meth:`SegmentWriter.sync` return only once the seals queued before them are done (their
-records are then on disk) and a new segment's name is durable.  A crash in the middle
+:meth:`SegmentWriter.sync` return only once the records of the segments closed before
+them are on disk (:meth:`~SegmentWriter.sync` finishes the seals; ``sync_async`` waits for
+their seal-record fsyncs only, beside its own fdatasync and the directory fsync) and a new
+segment's name is durable.  A crash in the middle
 leaves an ``.open`` segment that is not the newest (sealed by the recovery), or one with
 its seal record (renamed by the recovery), or a sealed ``.seg``.  The next segment's file
 is created ahead by :meth:`SegmentWriter.run_seals` (:data:`SPARE_FILE`, in a worker
@@ -470,29 +472,31 @@ class SegmentWriter:
         meanwhile is harmless (sealing fsyncs by itself).  Everything appended before the
         call started is durable when it returns; raises :class:`SpoolWriteError` otherwise.
         The duplicate comes from the fd reserve when the process is out of descriptors.
-        Waits first for the seals queued before the call (the records of the segments
-        they close are durable then) and makes a new segment's name durable.
+        After a roll it also waits for the records of the segments closed before the call
+        (their seal record's fsync: the rename, directory fsync and state file of the seal
+        may still run) and makes a new segment's name durable.  Those waits run beside the
+        active segment's fdatasync (started first, in the C thread when it is free), so a
+        round after a roll costs about one disk flush, not the seal's four in a row.
         """
         gen = self.dir_gen
-        if self.sealing:
-            # every segment that existed at the call may hold records appended before it,
-            # also one a roll closes while this waits
-            below = self._ledger.next_segno
-            while True:
-                job = next((j for j in self.sealing
-                            if j.seg.segno < below and j.stage != SealJob.DONE), None)
-                if job is None:
-                    break
-                if job.error is not None:
-                    raise job.error
-                await job.changed.wait()
-        if self.dir_synced < gen:
-            try:
-                await trio.to_thread.run_sync(self._fs.sync_dir, self.directory)
-            except OSError as e:
-                raise self._errors.count(write_error("syncing directory", self.directory,
-                                                     e)) from None
-            self.dir_synced = max(self.dir_synced, gen)
+        below = self._ledger.next_segno
+        started = None
+        if self.unsynced and self.fd is not None and (self.sealing or self.dir_synced < gen):
+            await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
+            started = self._start_sync()                    # beside the waits below
+        try:
+            await self._owed_before_sync(gen, below)
+        except BaseException:
+            if started is not None:
+                with trio.CancelScope(shield=True):         # the thread's result is taken
+                    try:
+                        await self.sync_end(started)
+                    except SpoolWriteError:
+                        pass                                # counted; the first error wins
+            raise
+        if started is not None:
+            await self.sync_end(started)
+            return
         if not self.unsynced or self.fd is None:
             return
         await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
@@ -503,17 +507,42 @@ class SegmentWriter:
         job = self._sync_job()
         await self._end(job, trio.to_thread.run_sync(timed_fdatasync, self._fs, job.fd))
 
+    async def _owed_before_sync(self, gen: int, below: int) -> None:
+        """(sync_async) The directory fsync a new segment's name is owed (``dir_gen`` as
+        of the call), and the seal-record fsyncs of the segments numbered below ``below``
+        whose seals are queued: every segment that existed at the call may hold records
+        appended before it, also one a roll closes while this waits.  The seal's later
+        stages (rename, directory fsync, state file) are not waited for: a crash before
+        them leaves an ``.open`` segment with its seal record that is not the newest,
+        which the recovery seals (docs/spool-format.md)."""
+        if self.dir_synced < gen:
+            try:
+                await trio.to_thread.run_sync(self._fs.sync_dir, self.directory)
+            except OSError as e:
+                raise self._errors.count(write_error("syncing directory", self.directory,
+                                                     e)) from None
+            self.dir_synced = max(self.dir_synced, gen)
+        while self.sealing:
+            job = next((j for j in self.sealing
+                        if j.seg.segno < below and j.stage == SealJob.WRITE), None)
+            if job is None:
+                break
+            if job.error is not None:
+                raise job.error
+            await job.changed.wait()
+
     def sync_begin(self) -> SyncJob | None:
         """:meth:`sync_async` without waiting, where that needs no wait before the
         fdatasync: it starts in the C sync thread now, and ``await sync_end(job)`` returns
         as ``sync_async`` would have (everything appended before this call is durable then).
-        None where it cannot start so (a seal or a directory sync is owed first, no C
-        thread, or it is busy): the caller awaits :meth:`sync_async` instead.  Lets the owner
+        None where it cannot start so (a seal record's fsync or a directory sync is owed
+        first, no C thread, or it is busy): the caller awaits :meth:`sync_async` instead.  Lets the owner
         do other work on the loop while the disk syncs (the group commit sends the previous
         round's replies).  Raises :class:`SpoolWriteError` when the descriptor cannot be
         duplicated."""
-        if self.sealing or self.dir_synced < self.dir_gen:
-            return None
+        if self.dir_synced < self.dir_gen or any(
+                j.stage == SealJob.WRITE for j in self.sealing):
+            return None                     # sync_async waits for these first
         if not self.unsynced or self.fd is None:
             return SyncJob(-1, self.bytes_appended, "")     # nothing to sync
         return self._start_sync()
