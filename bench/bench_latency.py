@@ -246,7 +246,7 @@ def main() -> int:
                     help="messages of the ingest-rate comparison (0: skip it)")
     ap.add_argument("--ingest-repeat", type=int, default=7,
                     help="rounds of the ingest-rate comparison, targets interleaved; "
-                         "medians are compared")
+                         "medians are compared (0: no ingest comparison)")
     ap.add_argument("--relay-src", action="append", default=[], metavar="NAME=SRC_DIR",
                     help="also run the relay targets from this source tree, named NAME")
     ap.add_argument("--batch-delay", default="", metavar="DURATION",
@@ -305,7 +305,7 @@ def main() -> int:
                                 f"relay's")
                 if bits:
                     print(f"  {t.name:26s} ratios: {'; '.join(bits)}")
-    if args.ingest_messages:
+    if args.ingest_messages and args.ingest_repeat > 0:   # (--ingest-repeat 0: none)
         n, k = args.ingest_messages, args.ingest_repeat
         print(f"\ningest: {n:,} messages DEALER -> ROUTER as fast as the socket takes them, "
               f"replies per second; {k} rounds, the targets interleaved in each (one run "

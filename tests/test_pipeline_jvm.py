@@ -505,6 +505,27 @@ def test_app_env_and_topic_with_encoded_surrogates(spark, tmp_path):
     assert ("x", "\ufffd" * 3) in {(r[0], r[1]) for r in jvm}
 
 
+def test_utf8_check_at_every_offset_of_the_8_byte_runs(spark, tmp_path):
+    """The UTF-8 check reads ASCII 8 bytes at a time (Bodies.utf8): one non-ASCII
+    sequence, valid or not, at every offset of bodies of 1-27 bytes, in the middle of the
+    decompressed buffer and at its end -- every row as Python's strict decode has it (a
+    body, or error "utf8")."""
+    seqs = [b"\xc3\xa9", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80", b"\x80", b"\xc3", b"\xe2\x82",
+            b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf", b"\xff"]
+    recs = []
+    for n in range(1, 28):
+        for at in range(n + 1):                 # q at offset at, n - at bytes after it
+            for q in seqs:
+                body = b"a" * at + q + b"b" * (n - at)
+                comp = LZ4 if (n + at) % 2 else NONE
+                data = compress(body, comp) if comp else body
+                recs.append((0, [b"a-b", b"logs.x", data, meta(comp=comp, seq=len(recs))]))
+    write_segment(tmp_path, 3, recs)
+    jvm = check_against_python(spark, tmp_path)
+    errors = collections.Counter(by(jvm, "error"))
+    assert len(jvm) == len(recs) and errors["utf8"] > 1000 and errors[None] > 1000
+
+
 def test_size_limit(spark, tmp_path):
     """Bodies inflating to exactly MAX_DECOMPRESSED bytes decode, one byte more does not."""
     recs = []

@@ -234,14 +234,20 @@ final class Bodies {
         }
     }
 
+    private static final long BASE = org.apache.spark.unsafe.Platform.BYTE_ARRAY_OFFSET;
+    private static final long HIGH = 0x8080808080808080L;
+
     /** Strict UTF-8 (what Python's bytes.decode("utf-8") accepts). */
     static boolean utf8(byte[] s, int off, int n) {
+        if (off < 0 || n < 0 || off > s.length - n)
+            throw new ArrayIndexOutOfBoundsException(off + "+" + n + " of " + s.length);
         int i = off;
         int end = off + n;
         while (i < end) {
-            // ASCII runs 8 bytes at a time (no branch per byte)
-            while (i + 8 <= end && (s[i] | s[i + 1] | s[i + 2] | s[i + 3] | s[i + 4] | s[i + 5]
-                    | s[i + 6] | s[i + 7]) >= 0)
+            // ASCII runs 8 bytes at a time: one 8-byte read (Spark's Platform: Unsafe, within
+            // [off, off+n), checked above) and one test of the 8 high bits
+            while (i + 8 <= end
+                    && (org.apache.spark.unsafe.Platform.getLong(s, BASE + i) & HIGH) == 0)
                 i += 8;
             if (i >= end) break;
             int c = s[i];
