@@ -536,9 +536,9 @@ class SegmentWriter:
         fdatasync: it starts in the C sync thread now, and ``await sync_end(job)`` returns
         as ``sync_async`` would have (everything appended before this call is durable then).
         None where it cannot start so (a seal record's fsync or a directory sync is owed
-        first, no C thread, or it is busy): the caller awaits :meth:`sync_async` instead.  Lets the owner
-        do other work on the loop while the disk syncs (the group commit sends the previous
-        round's replies).  Raises :class:`SpoolWriteError` when the descriptor cannot be
+        first, no C thread, or it is busy): the caller awaits :meth:`sync_async` instead.
+        Lets the owner do other work on the loop while the disk syncs (the group commit
+        sends the previous round's replies).  Raises :class:`SpoolWriteError` when the descriptor cannot be
         duplicated."""
         if self.dir_synced < self.dir_gen or any(
                 j.stage == SealJob.WRITE for j in self.sealing):
