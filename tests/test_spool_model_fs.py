@@ -181,6 +181,34 @@ def test_a_power_loss_during_a_background_seal(tmp_path, stage):
     sp2.close()
 
 
+def test_a_power_loss_after_the_seal_record_with_the_next_segment_synced(tmp_path):
+    """The state a sync after a roll may return in: the closed segment's seal record is
+    synced but the segment not yet renamed, the next segment's name and records are
+    durable.  After a power loss the closed segment comes back sealed and every record of
+    both is there."""
+    fs = ModelFS()
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs)
+    w = sp.writer
+    sp.append_batch([msg(j) for j in range(10)])
+    sp.sync()
+    w.defer_seals = True
+    n, job = roll_deferred(sp, 10)
+    sp.append_batch([msg(j) for j in range(n, n + 4)])          # into the next segment
+    w._seal_written(job, w._seal_write(job))                     # the seal record's fsync
+    assert job.stage == job.RENAME and job.seg.path.endswith(".open")
+    w.sync_dir()                                                 # the next segment's name
+    fs.fsync(w.fd)                                               # and its records
+    sp2 = open_spool(d, fs.crash())
+    assert bodies(sp2) == [msg(j)[2] for j in range(n + 4)]
+    assert sp2.stats()["lost"] == 0 and sp2.corrupt_tails_cut == 0
+    seg = sp2.ledger.segs[job.seg.segno]
+    assert seg.sealed and seg.path.endswith(".seg") and seg.count == job.seg.count
+    sp2.append_batch([msg(999)])
+    assert bodies(sp2)[-1] == msg(999)[2]
+    sp2.close()
+
+
 def test_sync_waits_for_the_queued_seal_and_the_new_segments_name(tmp_path):
     fs = ModelFS()
     d = str(tmp_path / "spool")
