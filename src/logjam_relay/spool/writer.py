@@ -481,9 +481,9 @@ class SegmentWriter:
         gen = self.dir_gen
         below = self._ledger.next_segno
         started = None
-        if self.unsynced and self.fd is not None and (self.sealing or self.dir_synced < gen):
+        if self.unsynced and self.fd is not None:
             await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
-            started = self._start_sync()                    # beside the waits below
+            started = self._start_sync()    # in the C thread when free, beside the waits
         try:
             await self._owed_before_sync(gen, below)
         except BaseException:
@@ -500,11 +500,7 @@ class SegmentWriter:
         if not self.unsynced or self.fd is None:
             return
         await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
-        started = self._start_sync()                    # in the C thread, when it is free
-        if started is not None:
-            await self.sync_end(started)
-            return
-        job = self._sync_job()
+        job = self._sync_job()                          # no C thread (or busy): a worker
         await self._end(job, trio.to_thread.run_sync(timed_fdatasync, self._fs, job.fd))
 
     async def _owed_before_sync(self, gen: int, below: int) -> None:
@@ -522,14 +518,16 @@ class SegmentWriter:
                 raise self._errors.count(write_error("syncing directory", self.directory,
                                                      e)) from None
             self.dir_synced = max(self.dir_synced, gen)
-        while self.sealing:
-            job = next((j for j in self.sealing
-                        if j.seg.segno < below and j.stage == SealJob.WRITE), None)
-            if job is None:
-                break
+        while (job := self._seal_record_owed(below)) is not None:
             if job.error is not None:
                 raise job.error
             await job.changed.wait()
+
+    def _seal_record_owed(self, below: int) -> SealJob | None:
+        """The first queued seal of a segment numbered below ``below`` whose seal record
+        is not synced yet (its records may not be durable), or None."""
+        return next((j for j in self.sealing
+                     if j.seg.segno < below and j.stage == SealJob.WRITE), None)
 
     def sync_begin(self) -> SyncJob | None:
         """:meth:`sync_async` without waiting, where that needs no wait before the
@@ -538,10 +536,10 @@ class SegmentWriter:
         None where it cannot start so (a seal record's fsync or a directory sync is owed
         first, no C thread, or it is busy): the caller awaits :meth:`sync_async` instead.
         Lets the owner do other work on the loop while the disk syncs (the group commit
-        sends the previous round's replies).  Raises :class:`SpoolWriteError` when the descriptor cannot be
-        duplicated."""
-        if self.dir_synced < self.dir_gen or any(
-                j.stage == SealJob.WRITE for j in self.sealing):
+        sends the previous round's replies).  Raises :class:`SpoolWriteError` when the
+        descriptor cannot be duplicated."""
+        if self.dir_synced < self.dir_gen or \
+                self._seal_record_owed(self._ledger.next_segno) is not None:
             return None                     # sync_async waits for these first
         if not self.unsynced or self.fd is None:
             return SyncJob(-1, self.bytes_appended, "")     # nothing to sync
