@@ -4,6 +4,7 @@ peers; the C fast path and the pyzmq path must behave the same (real sockets).""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import zmq
@@ -269,6 +270,71 @@ def test_xpub_refuses_a_topic_longer_than_max_topic_bytes(ctx):
     pub.guard.poll()
     assert list(pub.subscriptions) == [b"y" * zmq_trio.MAX_TOPIC_BYTES]
     pub.close()
+
+
+_SUB_PEER = """
+import sys, time, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.SUB)
+s.setsockopt(zmq.SUBSCRIBE, bytes.fromhex(sys.argv[2]))
+s.connect(sys.argv[1])
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def _sub_peer(endpoint: str, topic: bytes, seconds: float):
+    """A SUB in a process of its own (no descriptor of this process is taken for it but
+    the connection XPUB accepts)."""
+    import subprocess
+    return subprocess.Popen([sys.executable, "-c", _SUB_PEER, endpoint, topic.hex(),
+                             str(seconds)])
+
+
+def test_xpub_subscription_on_a_reused_descriptor_is_not_dropped(ctx):
+    """A connection ends and the next one gets its descriptor number; its subscription is
+    read while the monitor's ACCEPTED for it is queued but not taken yet (found beside two
+    busy loops: the good subscriber's subscription was dropped as the dead connection's).
+    The guard looks at the monitor first: the subscription is forwarded."""
+    import time
+    xpub = ctx.socket(zmq.XPUB)
+    for opt, v in zmq_trio.xpub_options().items():
+        xpub.setsockopt(opt, v)
+    xpub.setsockopt(zmq.LINGER, 0)
+    xpub.bind("tcp://127.0.0.1:*")
+    ep = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+    pub = zmq_trio.PubSocket(xpub, max_subscriptions=10)
+    guard = pub.guard
+    # a peer whose subscription is too long: libzmq ends its connection
+    bad = _sub_peer(ep, b"x" * (zmq_trio.MAX_TOPIC_BYTES + 2), 0.3)
+    bad.wait(timeout=30)
+    time.sleep(0.3)
+    guard.poll()                                  # its ACCEPTED and DISCONNECTED taken
+    ok_topic = b"y" * zmq_trio.MAX_TOPIC_BYTES
+    real = guard.sock
+    peers = []
+
+    class Late:
+        """The XPUB, but the good peer connects during the guard's first read, after
+        the guard has looked at the monitor."""
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def recv(self, *a, **k):
+            if not peers:
+                peers.append(_sub_peer(ep, ok_topic, 30))
+                real.poll(20_000, zmq.POLLIN)     # its subscription is there
+            return real.recv(*a, **k)
+
+    guard.sock = Late()
+    try:
+        _poll_until(guard, lambda: guard.entries == 1)
+        assert list(pub.subscriptions) == [ok_topic]
+    finally:
+        guard.sock = real
+        for p in peers:
+            p.kill()
+            p.wait()
+        pub.close()
 
 
 def _rss() -> int:

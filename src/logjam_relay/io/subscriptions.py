@@ -356,6 +356,11 @@ class SubscriptionGuard:
                 self._freed += 1
             return
         if fd in self._dead:
+            # a new connection may have the number of one that ended: the monitor's
+            # ACCEPTED (sent before libzmq reads the connection) is then queued but not
+            # taken yet -- look before dropping a good subscriber's subscription
+            self._poll_monitor(out)
+        if fd in self._dead:
             # still queued from a connection that is gone: libzmq reports its
             # unsubscription too; nothing to forward, nothing held for long
             if m[0] == 1:
