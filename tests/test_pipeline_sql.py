@@ -482,8 +482,8 @@ LOSS_COLS = ("received", "missing", "duplicates", "out_of_order", "first_sequenc
 
 
 def test_jvm_engine_loss_from_the_scans_runs(spark, tmp_path, caplog):
-    """The jvm engine's loss table comes from the runs its scan gathered (LossRuns.java),
-    without a second read of the archive, and equals the loss walk's over damaged
+    """The jvm engine's loss table (from the origin walk, pipeline/origin.py) and the runs
+    a scan gathers with option lossKey (LossRuns.java) equal the loss walk's over damaged
     segments (torn, a flipped bit, a bad header), duplicates, numbers out of order and
     five devices; a segment whose records make too many runs, and slices that stop short
     of a segment's end, are read again by the walk, with the same result."""
@@ -515,8 +515,13 @@ def test_jvm_engine_loss_from_the_scans_runs(spark, tmp_path, caplog):
         assert _loss_rows(t["loss"]) == want
     finally:
         agg.unpersist()
-    assert f"loss table: {len(segs)} segments from the scan's runs, 0 read again" \
-        in caplog.text
+    key = "test-whole"
+    spark.read.format("logjam").schema(PARTIAL_DDL).option("aggregate", "requests") \
+        .option("lossKey", key).load(str(arch)).write.format("noop").mode("overwrite").save()
+    st = LossState()
+    assert st.add_archive_runs(str(arch), stats.take_loss_runs(spark, key)) == \
+        {"segments": len(segs), "walked": 0}
+    assert _loss_rows(st) == want
 
     # slices (recordsPerPartition): the last slice of a segment stops at its record
     # count, short of the seal, so those segments are read again; the rest join up
@@ -547,4 +552,10 @@ def test_jvm_engine_loss_from_the_scans_runs(spark, tmp_path, caplog):
         assert _loss_rows(walk2)[(7, CREATED - CREATED % 60000)][1] > 10_000   # missing
     finally:
         agg.unpersist()
-    assert "loss table: 0 segments from the scan's runs, 1 read again" in caplog.text
+    key = "test-gaps"
+    spark.read.format("logjam").schema(PARTIAL_DDL).option("aggregate", "requests") \
+        .option("lossKey", key).load(str(arch2)).write.format("noop").mode("overwrite").save()
+    st = LossState()
+    assert st.add_archive_runs(str(arch2), stats.take_loss_runs(spark, key)) == \
+        {"segments": 0, "walked": 1}
+    assert _loss_rows(st) == _loss_rows(walk2)

@@ -72,6 +72,7 @@ from .decode import (  # noqa: F401  (re-exported: the decoder's public names)
     record_count,
 )
 from .extract import EXTRACT_DDL  # noqa: F401
+from .origin import ORIGIN_DDL, keep_mask, parse_exclusions
 
 NAME = "logjam"
 PYTHON_NAME = "logjam_python"        # when the JVM reader is "logjam" (jvmreader.py)
@@ -84,12 +85,30 @@ class LateSegment(RuntimeError):
 #: column -> Spark type (simpleString) of every column the reader can produce
 _SPARK_TYPES = dict(
     (c.split()[0], c.split()[1].replace("long", "bigint"))
-    for c in (SCHEMA_DDL + ", " + EXTRACT_DDL).split(", "))
+    for c in (SCHEMA_DDL + ", " + EXTRACT_DDL + ", " + ORIGIN_DDL).split(", "))
 
 
 def _read_partition(part: SegmentSlice, batch_rows: int,
                     columns=None) -> Iterator[pa.RecordBatch]:
-    return decode_slice(part.path, part.segno, part.start, part.stop, batch_rows, columns)
+    if part.exclude is None or not len(part.exclude):
+        return decode_slice(part.path, part.segno, part.start, part.stop, batch_rows, columns)
+    return _without(part, batch_rows, columns)
+
+
+def _without(part: SegmentSlice, batch_rows: int, columns) -> Iterator[pa.RecordBatch]:
+    """The slice's batches without the records of ``part.exclude`` (option ``exclude``:
+    the copies of an event that arrived more than once, :mod:`.origin`)."""
+    cols = tuple(columns) if columns is not None else BASE_COLUMNS
+    need = cols if "record" in cols else cols + ("record",)
+    for b in decode_slice(part.path, part.segno, part.start, part.stop, batch_rows, need):
+        keep = keep_mask(b.column(need.index("record")).to_numpy(zero_copy_only=False),
+                         part.exclude)
+        if keep is not None:
+            b = b.filter(pa.array(keep))
+        if need is not cols:
+            b = b.select(list(cols))
+        if b.num_rows:
+            yield b
 
 
 def _schema_columns(schema) -> tuple[str, ...] | None:
@@ -121,6 +140,8 @@ class SegmentSlice(InputPartition):
     segno: int
     start: int = 0
     stop: int | None = None
+    #: record indices of this segment left out (option ``exclude``), or None
+    exclude: object = None
 
     def __post_init__(self):
         InputPartition.__init__(self, (self.segno, self.start))
@@ -165,7 +186,9 @@ class LogjamDataSource(DataSource):
     """``spark.read.format("logjam").load(dir)`` / ``spark.readStream...``.
 
     Options: ``recordsPerPartition`` (0 = one partition per segment), ``batchRows``
-    (records per Arrow batch, default 32768), streaming: ``maxRecordsPerTrigger``,
+    (records per Arrow batch, default 32768), ``exclude`` (batch: records to leave out,
+    ``SEGNO:A-B,C;...``, what :meth:`.origin.OriginIndex.exclusions_of` gives for the
+    directory), streaming: ``maxRecordsPerTrigger``,
     ``maxSegmentsPerTrigger``, ``startingOffsets`` (``earliest`` default, or ``latest``).
     """
 
@@ -190,6 +213,7 @@ class LogjamBatchReader(DataSourceReader):
         self.per = _int_opt(options, "recordsPerPartition", 0)
         self.batch_rows = _int_opt(options, "batchRows", DEFAULT_BATCH_ROWS) or \
             DEFAULT_BATCH_ROWS
+        self.exclude = parse_exclusions(options.get("exclude"))
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"logjam data source: {self.path} is not a directory")
 
@@ -200,6 +224,10 @@ class LogjamBatchReader(DataSourceReader):
                 parts.extend(_slices(p, segno, 0, record_count(p), self.per))
             else:
                 parts.append(SegmentSlice(p, segno))
+        for part in parts:
+            ex = self.exclude.get(part.segno)
+            if ex is not None:
+                part.exclude = ex
         return parts
 
     def read(self, partition):

@@ -28,6 +28,7 @@ from ..spool import segment as fmt
 from .bodies import BATCH_BODIES_IN_C, batch_bodies, string_array
 from .bodies import decompress_body as _decompress_body
 from .extract import EXTRACT_FIELDS, extract_fields
+from .origin import ORIGIN_FIELDS, ORIGIN_NAMES, origin_columns
 
 log = logging.getLogger("logjam_relay.pipeline.decode")
 
@@ -46,7 +47,8 @@ ARROW_SCHEMA = pa.schema([
 BASE_COLUMNS = tuple(ARROW_SCHEMA.names)
 #: every column the reader can produce: the default schema plus the request fields
 #: extracted from ``logs`` bodies (only built when a query's schema asks for them)
-ALL_FIELDS = {f.name: f for f in ARROW_SCHEMA} | {f.name: f for f in EXTRACT_FIELDS}
+ALL_FIELDS = {f.name: f for f in ARROW_SCHEMA} | {f.name: f for f in EXTRACT_FIELDS} | \
+    {f.name: f for f in ORIGIN_FIELDS}
 _NEED_BODIES = {"body", "error"} | {f.name for f in EXTRACT_FIELDS}
 _META_COLS = {"device", "sequence", "created_ms", "compression"}
 _EXTRACTED = {f.name for f in EXTRACT_FIELDS}
@@ -128,9 +130,24 @@ def decode_segment(path: str, segno: int, start: int = 0, stop: int | None = Non
     only when ``body``, ``error`` or an extracted field is asked for.
     Uses the C record walk (``spool/_segscan.c``) when it is built, else
     :func:`decode_segment_py`; both give the same batches."""
+    if columns is not None and not set(ORIGIN_NAMES).isdisjoint(columns):
+        return _with_origins(path, segno, start, stop, batch_rows, stats, _columns(columns))
     if _segscan is None:
         return decode_segment_py(path, segno, start, stop, batch_rows, stats, columns)
     return _decode_segment_c(path, segno, start, stop, batch_rows, stats, columns)
+
+
+def _with_origins(path, segno, start, stop, batch_rows, stats, columns):
+    """:func:`decode_segment` of a selection with origin columns (:mod:`.origin`): they
+    are made from the app, env and body columns, which are dropped unless asked for."""
+    base = tuple(c for c in columns if c not in ORIGIN_NAMES)
+    need = base + tuple(c for c in ("app", "env", "body") if c not in base)
+    for b in decode_segment(path, segno, start, stop, batch_rows, stats, need):
+        o = origin_columns(b.column(need.index("app")), b.column(need.index("env")),
+                           b.column(need.index("body")))
+        yield pa.RecordBatch.from_arrays(
+            [o[c] if c in o else b.column(need.index(c)) for c in columns],
+            schema=arrow_schema(columns))
 
 
 def decode_slice(path: str, segno: int, start: int = 0, stop: int | None = None,

@@ -10,7 +10,8 @@ device, records in arrival order ``(segment, record)``; rows per minute of ``cre
 ``received``; ``duplicates`` (number seen before); ``out_of_order`` (first arrival of a
 number below one seen before); ``missing`` (numbers absent between consecutive distinct
 numbers, counted at the minute of the first arrival of the lower one); ``first_sequence``,
-``last_sequence``.
+``last_sequence``; ``skipped`` (numbers a relay declared it never used: the restart marker
+after a crash, :meth:`DeviceLoss.declare`; they are neither received nor missing).
 
 State per device: the distinct numbers seen, as sorted disjoint runs ``[lo, hi]`` with the
 first-arrival minute of ``hi`` (the only one a gap is ever counted at), so it grows with the
@@ -24,14 +25,16 @@ import pyarrow as pa
 
 from .minutes import minutes_of
 
-ROW_FIELDS = ("received", "duplicates", "out_of_order", "first_sequence", "last_sequence")
+ROW_FIELDS = ("received", "duplicates", "out_of_order", "first_sequence", "last_sequence",
+              "skipped")
 OUT_SCHEMA = pa.schema([
     ("device", pa.int64()), ("minute_ms", pa.int64()), ("received", pa.int64()),
     ("missing", pa.int64()), ("duplicates", pa.int64()), ("out_of_order", pa.int64()),
-    ("first_sequence", pa.int64()), ("last_sequence", pa.int64()),
+    ("first_sequence", pa.int64()), ("last_sequence", pa.int64()), ("skipped", pa.int64()),
 ])
 OUT_DDL = ("device long, minute_ms long, received long, missing long, duplicates long, "
-           "out_of_order long, first_sequence long, last_sequence long")
+           "out_of_order long, first_sequence long, last_sequence long, skipped long")
+_NONE = np.iinfo(np.int64).max
 _E = np.empty(0, dtype=np.int64)
 
 
@@ -40,7 +43,8 @@ class DeviceLoss:
 
     def __init__(self):
         self.lo = self.hi = self.hm = _E          # runs of distinct numbers
-        self.rows: dict[int, list[int]] = {}      # minute -> received, dup, ooo, first, last
+        self.rows: dict[int, list[int]] = {}      # minute -> received, dup, ooo, first,
+        #                                           last, skipped
 
     def missing(self) -> dict[int, int]:
         """minute -> numbers missing after the runs ending in that minute."""
@@ -52,9 +56,60 @@ class DeviceLoss:
             out[m] = out.get(m, 0) + g
         return out
 
-    def update(self, seq: np.ndarray, minute: np.ndarray, track: bool = True) -> set[int]:
+    def gaps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The missing numbers as ranges: ``(first, last, minute)`` int64 arrays, one entry
+        per gap between the runs seen (``minute``: where :meth:`missing` counts it)."""
+        if len(self.lo) < 2:
+            return _E, _E, _E
+        return self.hi[:-1] + 1, self.lo[1:] - 1, self.hm[:-1].copy()
+
+    def declare(self, lo: int, hi: int, minute: int) -> int:
+        """Numbers ``lo .. hi`` that the relay declared it never used (its restart marker
+        after a crash, ``docs/fleet.md``): they join the runs seen, so they are not missing,
+        and the part not seen before is counted as ``skipped`` at ``minute``.  Returns that
+        count."""
+        if hi < lo:
+            return 0
+        # the pieces of [lo, hi] that no run covers yet
+        pieces_lo, pieces_hi = [], []
+        at = lo
+        if len(self.lo):
+            k = int(np.searchsorted(self.hi, lo, side="left"))
+            while at <= hi and k < len(self.lo):
+                a, b = int(self.lo[k]), int(self.hi[k])
+                if a > hi:
+                    break
+                if a > at:
+                    pieces_lo.append(at)
+                    pieces_hi.append(a - 1)
+                at = max(at, b + 1)
+                k += 1
+        if at <= hi:
+            pieces_lo.append(at)
+            pieces_hi.append(hi)
+        if not pieces_lo:
+            return 0
+        plo = np.array(pieces_lo, dtype=np.int64)
+        phi = np.array(pieces_hi, dtype=np.int64)
+        lo_all = np.concatenate([self.lo, plo])
+        hi_all = np.concatenate([self.hi, phi])
+        hm_all = np.concatenate([self.hm, np.full(len(plo), minute, dtype=np.int64)])
+        o = np.argsort(lo_all, kind="stable")
+        self._join_runs(lo_all[o], hi_all[o], hm_all[o])
+        n = int((phi - plo + 1).sum())
+        r = self.rows.get(minute)
+        if r is None:
+            self.rows[minute] = [0, 0, 0, _NONE, -_NONE - 1, n]
+        else:
+            r[5] += n
+        return n
+
+    def update(self, seq: np.ndarray, minute: np.ndarray, track: bool = True,
+               dups: list | None = None) -> set[int]:
         """Add records (arrays in arrival order); return the minutes whose row changed
-        (with ``track``; else only the minutes of the records)."""
+        (with ``track``; else only the minutes of the records).  ``dups``: a list that gets
+        the boolean mask of the records whose number was seen before (the copies that
+        :mod:`.origin` leaves out of the tables)."""
         n = len(seq)
         if n == 0:
             return set()
@@ -77,6 +132,8 @@ class DeviceLoss:
         first_in_batch = np.zeros(n, dtype=bool)
         first_in_batch[by[first]] = True
         dup = in_old | ~first_in_batch
+        if dups is not None:
+            dups.append(dup)
         # out of order: a new number below the highest seen before it
         runmax = np.maximum.accumulate(seq)
         prev = np.empty(n, dtype=np.int64)
@@ -157,7 +214,7 @@ class DeviceLoss:
                                      lst.tolist(), strict=True):
             r = rows.get(m)
             if r is None:
-                rows[m] = [c, d, q, f, la]
+                rows[m] = [c, d, q, f, la, 0]
             else:
                 r[0] += c
                 r[1] += d
@@ -178,8 +235,9 @@ class DeviceLoss:
             out["missing"].append(miss.get(m, 0))
             out["duplicates"].append(r[1])
             out["out_of_order"].append(r[2])
-            out["first_sequence"].append(r[3])
-            out["last_sequence"].append(r[4])
+            out["first_sequence"].append(r[3] if r[0] else None)
+            out["last_sequence"].append(r[4] if r[0] else None)
+            out["skipped"].append(r[5])
         return out
 
 
@@ -352,7 +410,7 @@ class LossState:
         arrays = {"batch": np.array([batch], dtype=np.int64)}
         for dev, d in self.devices.items():
             rows = np.array([[m, *r] for m, r in sorted(d.rows.items())],
-                            dtype=np.int64).reshape(-1, 6)
+                            dtype=np.int64).reshape(-1, 1 + len(ROW_FIELDS))
             arrays[f"{dev}_runs"] = np.stack([d.lo, d.hi, d.hm]) if len(d.lo) else \
                 np.empty((3, 0), dtype=np.int64)
             arrays[f"{dev}_rows"] = rows
@@ -380,6 +438,8 @@ class LossState:
                 d = DeviceLoss()
                 runs = z[key]
                 d.lo, d.hi, d.hm = (runs[0].copy(), runs[1].copy(), runs[2].copy())
-                d.rows = {int(r[0]): [int(x) for x in r[1:]] for r in z[f"{dev}_rows"]}
+                # (a state saved before ``skipped`` existed has one column less)
+                d.rows = {int(r[0]): ([int(x) for x in r[1:]] + [0])[:len(ROW_FIELDS)]
+                          for r in z[f"{dev}_rows"]}
                 st.devices[dev] = d
         return st, batch

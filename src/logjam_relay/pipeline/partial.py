@@ -203,9 +203,13 @@ def plan_slices(input_dir: str, parallelism: int, min_records: int = 65536) -> l
     """The archive's sealed segments cut into slices of about equal record counts (from the
     seal records: no scan), about four per core, so that the cores finish together; a
     segment without a seal is one slice (its reader reports what is wrong with it)."""
+    return cut_slices(plan_segments(input_dir), parallelism, min_records)
+
+
+def plan_segments(input_dir: str) -> list[tuple[str, int, int]]:
+    """``(path, segno, records)`` of the archive's sealed segments (:func:`cut_slices`)."""
     from .decode import list_segments, record_count
-    return cut_slices([(p, s, record_count(p)) for s, p in list_segments(input_dir)],
-                      parallelism, min_records)
+    return [(p, s, record_count(p)) for s, p in list_segments(input_dir)]
 
 
 def cut_slices(segs, parallelism: int, min_records: int = 65536) -> list[Slice]:
@@ -225,10 +229,30 @@ def cut_slices(segs, parallelism: int, min_records: int = 65536) -> list[Slice]:
 
 
 def read_slices(slices: list[Slice], ids, apdex_ms: float,
-                batch_rows: int | None = None) -> Iterator[pa.RecordBatch]:
-    """Partial rows of the slices numbered ``ids`` (what one Spark task reads)."""
+                batch_rows: int | None = None, exclude: dict | None = None
+                ) -> Iterator[pa.RecordBatch]:
+    """Partial rows of the slices numbered ``ids`` (what one Spark task reads);
+    ``exclude``: segment path -> record indices left out (:mod:`.origin`)."""
     from .decode import DEFAULT_BATCH_ROWS, decode_slice
     for i in ids:
         path, segno, a, z = slices[i]
-        yield from partial_batches(decode_slice(path, segno, a, z, batch_rows or
-                                                DEFAULT_BATCH_ROWS, SCAN_COLUMNS), apdex_ms)
+        skip = exclude.get(path) if exclude else None
+        if skip is None or not len(skip):
+            yield from partial_batches(decode_slice(path, segno, a, z, batch_rows or
+                                                    DEFAULT_BATCH_ROWS, SCAN_COLUMNS),
+                                       apdex_ms)
+            continue
+        yield from partial_batches(_without(decode_slice(
+            path, segno, a, z, batch_rows or DEFAULT_BATCH_ROWS, SCAN_COLUMNS + ("record",)),
+            skip), apdex_ms)
+
+
+def _without(batches, skip) -> Iterator[pa.RecordBatch]:
+    """Batches (whose last column is ``record``) without the records of ``skip``, and
+    without that column."""
+    from .origin import keep_mask
+    for b in batches:
+        keep = keep_mask(b.column(b.num_columns - 1).to_numpy(zero_copy_only=False), skip)
+        if keep is not None:
+            b = b.filter(pa.array(keep))
+        yield b.drop_columns(["record"])

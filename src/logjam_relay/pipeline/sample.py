@@ -135,3 +135,52 @@ def write_archive(spool_dir, archive_dir, messages: list[Msg], *, segment_bytes:
     finally:
         sp.close()
     return archive
+
+
+def heartbeat(device: int, created_ms: int, sequence: int, host: str = "edge",
+              body: bytes = b"{}") -> Msg:
+    """A relay's heartbeat record (``protocols/logjam.py`` ``heartbeat_frames``); ``body``:
+    ``{}``, or a restart marker's ``{"restart":{"skipped_from":A,"skipped_to":B}}``."""
+    return Msg(b"heartbeat", f"tcp://{host}:9606".encode(), body, 0, body, device,
+               created_ms, sequence)
+
+
+def restart_marker(device: int, created_ms: int, sequence: int, skipped_from: int,
+                   skipped_to: int, host: str = "edge") -> Msg:
+    """The record a relay spools first after a crash (``docs/fleet.md``)."""
+    return heartbeat(device, created_ms, sequence, host,
+                     b'{"restart":{"skipped_from":%d,"skipped_to":%d}}'
+                     % (skipped_from, skipped_to))
+
+
+def forwarded(m: Msg, host: str, device: int, sequence: int, input_name: str = "lj",
+              comp: int = 0) -> Msg:
+    """``m`` as a relay with an input archives it after an edge relay on ``host`` forwarded
+    it (``inputs/mapping.py``): the decompressed body with the edge's origin as first key,
+    stamped with the central relay's ``device`` and ``sequence`` (``comp``: its ``-x``)."""
+    from ..inputs.mapping import splice_origin
+    head = b'{"logjam_origin":{"device":%d,"sequence":%d,"created_ms":%d,"host":%s,' \
+           b'"input":%s}' % (m.device, m.sequence, m.created_ms, json.dumps(host).encode(),
+                             json.dumps(input_name).encode())
+    body = splice_origin(m.payload, head)
+    return Msg(m.app_env, m.topic, body, comp, compress(body, comp), device, m.created_ms,
+               sequence)
+
+
+def edge_stream(n: int, device: int, *, host: str, seed: int = 1, heartbeat_every: int = 50,
+                base_ms: int = 1_700_006_220_000, first: int = 1) -> list[Msg]:
+    """What an edge relay spools: ``n`` messages of :func:`make_messages` (no malformed
+    bodies, no injected gaps) numbered from ``first`` with a heartbeat after every
+    ``heartbeat_every`` of them (heartbeats share the numbers, as logjam-device's)."""
+    msgs = make_messages(n, seed=seed, devices=(device,), base_ms=base_ms, malformed=False,
+                         gaps=False, compressions=(0,))
+    out: list[Msg] = []
+    seq = first - 1
+    for i, m in enumerate(msgs):
+        seq += 1
+        m.sequence = seq
+        out.append(m)
+        if heartbeat_every and (i + 1) % heartbeat_every == 0:
+            seq += 1
+            out.append(heartbeat(device, m.created_ms, seq, host))
+    return out

@@ -6,6 +6,13 @@
 * ``exceptions`` -- per date, minute, app, env, action, exception: count
 * ``loss`` -- per date, minute, device: received, missing, duplicates, out_of_order
 * ``topics`` -- per date, minute, app, env, topic for the non-``logs`` topics: count
+* ``origin_loss`` -- per date, minute, origin host, origin device (events that came through
+  relays: :mod:`.origin`): received, missing, duplicates, out_of_order, skipped
+* ``gaps`` -- the missing sequence numbers as ranges, per origin device and per last-hop
+  device (``hop``)
+
+Every event counts once: a copy of an event seen before (the same origin host, device and
+sequence, :mod:`.origin`) is left out of request_stats, exceptions and topics.
 
 Definitions (identical in the DataFrame code and in :func:`reference_tables`, the plain
 Python implementation the tests compare against) are in ``docs/pipeline.md``.
@@ -22,7 +29,7 @@ from urllib.parse import unquote, urlsplit
 
 from .minutes import minute_col, minutes_of, request_time_col
 
-TABLES = ("request_stats", "exceptions", "loss", "topics")
+TABLES = ("request_stats", "exceptions", "loss", "topics", "origin_loss", "gaps")
 RECORDS_DIR = "_records"
 DEFAULT_APDEX_MS = 500.0
 
@@ -145,13 +152,34 @@ def split(agg) -> dict:
 
 
 LOSS_COLUMNS = ["date", "minute", "device", "received", "missing", "duplicates",
-                "out_of_order", "first_sequence", "last_sequence"]
+                "out_of_order", "first_sequence", "last_sequence", "skipped"]
+ORIGIN_LOSS_COLUMNS = ["date", "minute", "host", "device", "received", "missing",
+                       "duplicates", "out_of_order", "first_sequence", "last_sequence",
+                       "skipped"]
+GAPS_COLUMNS = ["date", "minute", "hop", "host", "device", "first_missing", "last_missing",
+                "count"]
+
+
+def _frame(spark, table, columns):
+    """A small DataFrame of an Arrow table with ``minute_ms`` (an empty one keeps its
+    schema: createDataFrame of an empty Arrow table infers none)."""
+    if table.num_rows == 0:
+        from pyspark.sql.pandas.types import from_arrow_schema
+        df = spark.createDataFrame([], from_arrow_schema(table.schema))
+    else:
+        df = spark.createDataFrame(table)
+    return _with_minute(df, "minute_ms").select(*columns)
 
 
 def loss_table(spark, state, minutes_by_device=None):
     """The loss table (a small DataFrame) from a :class:`.loss.LossState`."""
-    t = state.table(minutes_by_device)
-    return _with_minute(spark.createDataFrame(t), "minute_ms").select(*LOSS_COLUMNS)
+    return _frame(spark, state.table(minutes_by_device), LOSS_COLUMNS)
+
+
+def origin_tables(spark, index) -> dict:
+    """The origin_loss and gaps tables from an :class:`.origin.OriginIndex`."""
+    return {"origin_loss": _frame(spark, index.origin_table(), ORIGIN_LOSS_COLUMNS),
+            "gaps": _frame(spark, index.gaps_table(), GAPS_COLUMNS)}
 
 
 PCT_QS = (0.5, 0.95, 0.99)
@@ -241,17 +269,26 @@ def summary_of_merged(agg, undecided: bool = False) -> dict:
     return out
 
 
-def partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+def _dirs(input_dir) -> list[str]:
+    """The archive directories of ``input_dir``: one path, or a list of them (the archives
+    of several relays, read as one: a fleet's central relays, ``docs/fleet.md``)."""
+    return [input_dir] if isinstance(input_dir, (str, os.PathLike)) else list(input_dir)
+
+
+def partial_frame(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, index=None):
     """The reader's partial aggregates (:mod:`.partial`) of an archive as a DataFrame: one
     Spark task per few slices of the segments, each decoding its slices in a Python worker
-    (``mapInArrow``) and grouping every batch before anything goes to the JVM."""
-    from .partial import partial_schema, plan_slices, read_slices
-    slices = plan_slices(input_dir, spark.sparkContext.defaultParallelism)
+    (``mapInArrow``) and grouping every batch before anything goes to the JVM.
+    ``index``: an :class:`.origin.OriginIndex` whose copies are left out."""
+    from .partial import cut_slices, partial_schema, plan_segments, read_slices
+    slices = cut_slices([s for d in _dirs(input_dir) for s in plan_segments(d)],
+                        spark.sparkContext.defaultParallelism)
+    exclude = dict(index.exclude) if index is not None and index.excluded else None
     t = float(apdex_ms)
 
     def read(batches):
         for b in batches:
-            yield from read_slices(slices, b.column(0).to_pylist(), t)
+            yield from read_slices(slices, b.column(0).to_pylist(), t, exclude=exclude)
 
     n = max(1, len(slices))
     return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, partial_schema())
@@ -269,7 +306,7 @@ class EngineUnavailable(ValueError):
         self.engine, self.why = engine, why
 
 
-def choose_engine(spark, input_dir: str) -> tuple[str, str]:
+def choose_engine(spark, input_dir) -> tuple[str, str]:
     """(engine, why) of a batch run -- the one place that picks it.
 
     * ``jvm`` (the default when the reader loads): the JVM reader (:mod:`.jvmreader`)
@@ -285,9 +322,10 @@ def choose_engine(spark, input_dir: str) -> tuple[str, str]:
     from .jvmreader import loaded
     if not loaded(spark):
         return "python", "the JVM reader is not loaded in this session"
-    big = too_big_for_the_jvm(input_dir)
-    if big:
-        return "python", f"{big} is too big for the JVM reader"
+    for d in _dirs(input_dir):
+        big = too_big_for_the_jvm(d)
+        if big:
+            return "python", f"{big} is too big for the JVM reader"
     return "jvm", "JVM reader"
 
 
@@ -305,57 +343,90 @@ def too_big_for_the_jvm(input_dir: str) -> str | None:
     return None
 
 
-def _loss_walk(input_dir: str):
-    """Start the driver thread that walks the segments' meta frames in number order (no
-    decompression) for the loss table; returns (state, join): ``join()`` waits for it and
-    gives what it raised (or None)."""
+def _origin_walk(input_dirs: list[str]):
+    """Start the driver thread that walks the archives in arrival order (:mod:`.origin`:
+    the origin of every record, the copies to leave out, the loss state of every origin and
+    of the last hop); returns (index, join): ``join()`` waits for it and gives what it
+    raised (or None)."""
     import threading
 
-    from .loss import LossState
-    state = LossState()
+    from .origin import OriginIndex
+    index = OriginIndex()
     failed: list[BaseException] = []
 
     def walk():
         try:
-            state.add_archive(input_dir)
+            index.add_archives(input_dirs)
         except BaseException as e:      # re-raised in the caller
             failed.append(e)
 
-    th = threading.Thread(target=walk, name="loss-walk", daemon=True)
+    th = threading.Thread(target=walk, name="origin-walk", daemon=True)
     th.start()
 
     def join() -> BaseException | None:
         th.join()
         return failed[0] if failed else None
-    return state, join
+    return index, join
 
 
-def _finish(spark, tables: dict, summary: dict, state) -> None:
-    tables["loss"] = loss_table(spark, state)
-    summary["counts"]["loss"] = sum(len(d.rows) for d in state.devices.values())
+def _finish(spark, tables: dict, summary: dict, index) -> None:
+    tables["loss"] = loss_table(spark, index.last)
+    tables.update(origin_tables(spark, index))
+    summary["counts"]["loss"] = sum(len(d.rows) for d in index.last.devices.values())
+    summary["counts"]["origin_loss"] = sum(len(d.rows) for d in index.origin.values())
+    summary["duplicates_left_out"] = index.excluded
+    summary["origins"] = len(index.origin)
+    summary["collisions"] = index.collisions
+    summary["shared_devices"] = index.shared_devices
 
 
-def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
+def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
                    engine: str | None = None):
-    """(tables, summary, agg) of an archive directory; ``summary["engine"]`` names the
-    engine that made them (:func:`choose_engine` when ``engine`` is None).  Meanwhile a
-    driver thread walks the segments' meta frames in number order (no decompression) for
-    the loss table, which is sequential per device by definition (:mod:`.loss`)."""
+    """(tables, summary, agg) of an archive directory, or of several (a list);
+    ``summary["engine"]`` names the engine that made them (:func:`choose_engine` when
+    ``engine`` is None).  Meanwhile a driver thread walks the archives in arrival order
+    (:mod:`.origin`): the loss tables, and the copies of events that arrived more than
+    once; when there are any, the engine runs again without them, so that every event
+    counts once."""
+    dirs = _dirs(input_dir)
     if engine is None:
-        engine, _why = choose_engine(spark, input_dir)
+        engine, _why = choose_engine(spark, dirs)
     elif engine in ("jvm", "sql"):
-        can, why = choose_engine(spark, input_dir)
+        can, why = choose_engine(spark, dirs)
         if can != "jvm":
             raise EngineUnavailable(engine, why)
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    index, join = _origin_walk(dirs)
+    try:
+        got = _run_engine(spark, dirs, apdex_ms, engine, None)
+    finally:
+        failed = join()
+    if failed:
+        if got is not None:
+            got[2].unpersist()
+        raise failed
+    if index.excluded:
+        import logging
+        logging.getLogger("logjam_relay.pipeline.stats").info(
+            "%d copies of events that arrived more than once: aggregating again without "
+            "them", index.excluded)
+        got[2].unpersist()
+        got = _run_engine(spark, dirs, apdex_ms, got[1]["engine"], index)
+    tables, summary, agg = got
+    _finish(spark, tables, summary, index)
+    return tables, summary, agg
+
+
+def _run_engine(spark, dirs: list[str], apdex_ms: float, engine: str, index):
+    """(tables, summary, agg) of one engine; the ``jvm`` and ``sql`` engines fall back to
+    ``python`` when some bodies need Python's JSON rules (they return None)."""
     if engine in ("jvm", "sql"):
         run = compute_tables_jvm if engine == "jvm" else compute_tables_sql
-        got = run(spark, input_dir, apdex_ms)
+        got = run(spark, dirs, apdex_ms, index)
         if got is not None:
             return got
-        engine = "python"
-    if engine != "python":
-        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
-    return compute_tables_python(spark, input_dir, apdex_ms)
+    return compute_tables_python(spark, dirs, apdex_ms, index)
 
 
 def summary_of_agg(agg) -> dict:
@@ -374,28 +445,42 @@ def summary_of_agg(agg) -> dict:
             "counts": {n: r[n] or 0 for n in ("request_stats", "exceptions", "topics")}}
 
 
-def sql_frame(spark, input_dir: str):
-    """The JVM reader's scan of the SQL engine (:data:`JVM_SCAN_DDL`)."""
-    return spark.read.format("logjam").schema(JVM_SCAN_DDL).load(input_dir)
+def _union(frames):
+    import functools
+    return functools.reduce(lambda a, b: a.unionByName(b), frames)
 
 
-def compute_tables_sql(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+def _excluding(reader, input_dir: str, index):
+    """``reader`` with the ``exclude`` option of ``input_dir`` (:mod:`.origin`)."""
+    if index is not None and index.excluded:
+        ex = index.exclusions_of(input_dir)
+        if ex:
+            return reader.option("exclude", ex)
+    return reader
+
+
+def sql_frame(spark, input_dir, index=None):
+    """The JVM reader's scan of the SQL engine (:data:`JVM_SCAN_DDL`); ``index``: an
+    :class:`.origin.OriginIndex` whose copies are left out."""
+    return _union([_excluding(spark.read.format("logjam").schema(JVM_SCAN_DDL), d, index)
+                   .load(d) for d in _dirs(input_dir)])
+
+
+def compute_tables_sql(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, index=None):
     """The ``sql`` engine: the JVM reader's columnar batches (request fields extracted on
     the JVM, :data:`JVM_SCAN_DDL`) into :func:`aggregate`, one hash aggregation, then
     :func:`split`.  None when some ``logs`` bodies need the Python definitions of the
     fields (``undecided``: escapes in the strings kept, another ISO form of
     ``started_at``, NaN, integers beyond 64 bits, very deep nesting): the caller then runs
-    the ``python`` engine, which decides every body."""
+    the ``python`` engine, which decides every body.  No loss tables (:func:`compute_tables`
+    adds them)."""
     import logging
-    agg = aggregate(sql_frame(spark, input_dir), apdex_ms, undecided=True).persist()
-    state, join = _loss_walk(input_dir)
+    agg = aggregate(sql_frame(spark, input_dir, index), apdex_ms, undecided=True).persist()
     try:
         summary = summary_of_agg(agg)     # runs the Spark job
-    finally:
-        failed = join()
-    if failed:
+    except BaseException:
         agg.unpersist()
-        raise failed
+        raise
     n = summary.pop("undecided")
     if n:
         agg.unpersist()
@@ -403,47 +488,45 @@ def compute_tables_sql(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS
             "%d logs bodies need Python's JSON rules; the Python engine reads the archive", n)
         return None
     summary["engine"] = "sql"
-    tables = split(agg)
-    _finish(spark, tables, summary, state)
-    return tables, summary, agg
+    return split(agg), summary, agg
 
 
-def compute_tables_python(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+def compute_tables_python(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, index=None):
     """The ``python`` engine: the Python tasks decode slices of the segments and group
     every decoded batch themselves (aggregate pushdown, :mod:`.partial`: the request fields
     extracted in C, grouped by Arrow, no body, one row per group to the JVM); Spark merges
     the partial rows into the request, exception and topic tables in one small
     aggregation."""
-    return _merged_tables(spark, input_dir, partial_frame(spark, input_dir, apdex_ms),
-                          "python")
+    return _merged_tables(spark, partial_frame(spark, input_dir, apdex_ms, index), "python")
 
 
-def jvm_partial_frame(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
-                      loss_key: str | None = None):
+def jvm_partial_frame(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
+                      loss_key: str | None = None, index=None):
     """The JVM reader's partial aggregates (the rows of :mod:`.partial`, plus a K_UNDECIDED
     row counting the logs bodies it leaves to Python's JSON rules): one Spark task per
     segment, each decoding, extracting and grouping its records on the JVM.  ``loss_key``:
     the tasks also gather the loss table's runs under that key (``LossRuns.java``; read
-    them with :func:`take_loss_runs` after the job)."""
+    them with :func:`take_loss_runs` after the job).  ``index``: an
+    :class:`.origin.OriginIndex` whose copies are left out."""
     from .partial import partial_schema
-    r = spark.read.format("logjam").schema(partial_schema()) \
-        .option("aggregate", "requests").option("apdexMs", repr(float(apdex_ms)))
-    if loss_key:
-        r = r.option("lossKey", loss_key)
-    return r.load(input_dir)
+
+    def one(d):
+        r = spark.read.format("logjam").schema(partial_schema()) \
+            .option("aggregate", "requests").option("apdexMs", repr(float(apdex_ms)))
+        if loss_key:
+            r = r.option("lossKey", loss_key)
+        return _excluding(r, d, index).load(d)
+    return _union([one(d) for d in _dirs(input_dir)])
 
 
-def compute_tables_jvm(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS):
+def compute_tables_jvm(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, index=None):
     """The ``jvm`` engine: the JVM reader aggregates each partition
     (:func:`jvm_partial_frame`), Spark merges the partial rows as the python engine's
     (:func:`merge_partials`).  None when some ``logs`` bodies need the Python definitions
     of the fields (see :func:`compute_tables_sql`): the caller then runs the ``python``
     engine."""
-    import uuid
-    key = uuid.uuid4().hex
-    return _merged_tables(spark, input_dir,
-                          jvm_partial_frame(spark, input_dir, apdex_ms, loss_key=key),
-                          "jvm", loss_key=key)
+    return _merged_tables(spark, jvm_partial_frame(spark, input_dir, apdex_ms, index=index),
+                          "jvm")
 
 
 def take_loss_runs(spark, key: str) -> bytes:
@@ -483,47 +566,10 @@ def _session_conf(spark, conf: dict):
                 spark.conf.set(k, v)
 
 
-def _summary_and_loss(spark, input_dir: str, agg, engine: str, loss_key: str | None):
-    """(summary, loss state) of :func:`_merged_tables`: the Spark job that merges (its
-    summary), and the loss state (None when the reader left bodies undecided)."""
-    import logging
-    if loss_key:
-        try:
-            summary = summary_of_merged(agg, undecided=engine == "jvm")    # the Spark job
-        except BaseException:
-            agg.unpersist()
-            try:
-                take_loss_runs(spark, loss_key)        # forget what the tasks gathered
-            except Exception:               # noqa: BLE001 -- the job's error is the one
-                pass
-            raise
-        blob = take_loss_runs(spark, loss_key)
-        if summary.get("undecided"):
-            state = None
-        else:
-            from .loss import LossState
-            state = LossState()
-            got = state.add_archive_runs(input_dir, blob)
-            logging.getLogger("logjam_relay.pipeline.stats").info(
-                "loss table: %d segments from the scan's runs, %d read again",
-                got["segments"], got["walked"])
-    else:
-        state, join = _loss_walk(input_dir)
-        try:
-            summary = summary_of_merged(agg, undecided=engine == "jvm")    # runs the Spark job
-        finally:
-            failed = join()
-        if failed:
-            agg.unpersist()
-            raise failed
-    return summary, state
-
-
-def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None = None):
-    """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`); the loss
-    state from the runs the JVM reader's tasks gathered under ``loss_key`` (the archive is
-    read once), else from the loss walk beside the Spark job; None when ``src`` counted
-    undecided bodies (engine jvm)."""
+def _merged_tables(spark, src, engine: str):
+    """(tables, summary, agg) from partial rows ``src`` (:func:`merge_partials`); None
+    when ``src`` counted undecided bodies (engine jvm).  No loss tables
+    (:func:`compute_tables` adds them)."""
     import logging
     # the jvm engine's partial rows are one per group and partition by construction
     # (Partials.java): Spark's pre-shuffle partial aggregation would reduce nothing and
@@ -534,7 +580,11 @@ def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None
         else contextlib.nullcontext()
     with scope:
         agg = merge_partials(src).persist()
-        summary, state = _summary_and_loss(spark, input_dir, agg, engine, loss_key)
+        try:
+            summary = summary_of_merged(agg, undecided=engine == "jvm")    # the Spark job
+        except BaseException:
+            agg.unpersist()
+            raise
     n = summary.pop("undecided", 0)
     if n:
         agg.unpersist()
@@ -542,9 +592,7 @@ def _merged_tables(spark, input_dir: str, src, engine: str, loss_key: str | None
             "%d logs bodies need Python's JSON rules; the Python engine reads the archive", n)
         return None
     summary["engine"] = engine
-    tables = split_merged(agg)
-    _finish(spark, tables, summary, state)
-    return tables, summary, agg
+    return split_merged(agg), summary, agg
 
 
 def configure(spark, datasource: bool = True) -> None:
@@ -602,7 +650,23 @@ def _write_tables(tables: dict, output: str, dates=None, log=print,
     return done
 
 
-def run_batch(spark, input_dir: str, output: str, apdex_ms: float = DEFAULT_APDEX_MS,
+def _log_origins(summary: dict, log) -> None:
+    """The origin walk's lines of the summary (:mod:`.origin`)."""
+    if summary.get("origins") or summary.get("duplicates_left_out"):
+        log(f"{summary.get('origins', 0)} origin devices; "
+            f"{summary.get('duplicates_left_out', 0)} copies of events that arrived more "
+            "than once left out (each event counts once)")
+    for dev, hosts in (summary.get("collisions") or {}).items():
+        log(f"warning: device {dev} is used by more than one origin host "
+            f"({', '.join(map(repr, hosts))}): kept apart in origin_loss; give each relay "
+            "its own device number")
+    for dev, archives in (summary.get("shared_devices") or {}).items():
+        log(f"warning: device {dev} wrote into more than one of the archives read "
+            f"(inputs {', '.join(str(a + 1) for a in archives)}): its loss rows mix "
+            "two relays; give each relay its own device number")
+
+
+def run_batch(spark, input_dir, output: str, apdex_ms: float = DEFAULT_APDEX_MS,
               log=print, engine: str | None = None, compute=None) -> dict:
     """Read the archive, write the four tables (dynamic partition overwrite by date);
     ``engine``: :data:`ENGINES` (default: :func:`choose_engine`).  ``compute``: what
@@ -620,6 +684,7 @@ def run_batch(spark, input_dir: str, output: str, apdex_ms: float = DEFAULT_APDE
     log(f"read {summary['rows_in']} records ({summary['bad_records']} undecodable, "
         f"{summary['corrupt_segments']} corrupt segment regions, {summary['bad_json']} "
         f"logs bodies not JSON) and aggregated them in {time.perf_counter() - t0:.1f} s")
+    _log_origins(summary, log)
     if compute is None and summary.get("engine") in ("jvm", "sql"):
         from .jvmreader import zlib_path_line
         line = zlib_path_line(spark)

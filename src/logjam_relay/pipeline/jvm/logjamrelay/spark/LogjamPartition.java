@@ -2,18 +2,26 @@ package logjamrelay.spark;
 
 import org.apache.spark.sql.connector.read.InputPartition;
 
-/** Records [start, stop) of one segment file (stop -1: to the end). */
+/** Records [start, stop) of one segment file (stop -1: to the end), less those of skip. */
 final class LogjamPartition implements InputPartition {
     private static final long serialVersionUID = 1L;
     final String path;
     final long segno;
     final long start;
     final long stop;
+    /** records of this slice left out (option exclude: the copies of an event that
+     *  arrived more than once), ascending; null: none */
+    final long[] skip;
 
     LogjamPartition(String path, long segno, long start, long stop) {
+        this(path, segno, start, stop, null);
+    }
+
+    LogjamPartition(String path, long segno, long start, long stop, long[] skip) {
         this.path = path;
         this.segno = segno;
         this.start = start;
         this.stop = stop;
+        this.skip = skip;
     }
 }

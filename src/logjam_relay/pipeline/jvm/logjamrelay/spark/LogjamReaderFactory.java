@@ -55,6 +55,7 @@ final class LogjamReaderFactory implements PartitionReaderFactory {
             }
             batch = new ColumnarBatch(cols);
             decoder = new SegmentDecoder(part.path, part.segno, part.start, part.stop, byCode);
+            decoder.skip = part.skip;
         }
 
         public boolean next() {

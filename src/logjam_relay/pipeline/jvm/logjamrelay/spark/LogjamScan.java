@@ -67,22 +67,70 @@ final class LogjamScan implements Scan, Batch {
         return p;
     }
 
+    /** option exclude ("SEGNO:A-B,C;SEGNO:..."; logjam_relay.pipeline.origin): segment
+     *  number -> the record indices left out, ascending */
+    static java.util.Map exclusions(CaseInsensitiveStringMap o) {
+        java.util.Map out = new java.util.HashMap();
+        String v = o.get("exclude");
+        if (v == null || v.isEmpty()) return out;
+        try {
+            for (String part : v.split(";")) {
+                if (part.isEmpty()) continue;
+                int colon = part.indexOf(':');
+                long seg = Long.parseLong(part.substring(0, colon));
+                java.util.TreeSet recs = new java.util.TreeSet();
+                for (String r : part.substring(colon + 1).split(",")) {
+                    if (r.isEmpty()) continue;
+                    int dash = r.indexOf('-');
+                    long a = Long.parseLong(dash < 0 ? r : r.substring(0, dash));
+                    long z = dash < 0 ? a : Long.parseLong(r.substring(dash + 1));
+                    if (a < 0 || z < a) throw new IllegalArgumentException(r);
+                    for (long x = a; x <= z; x++) recs.add(Long.valueOf(x));
+                }
+                long[] arr = new long[recs.size()];
+                int i = 0;
+                for (Object x : recs) arr[i++] = ((Long) x).longValue();
+                out.put(Long.valueOf(seg), arr);
+            }
+        } catch (RuntimeException e) {
+            throw new IllegalArgumentException("logjam data source: option exclude is malformed: "
+                + PyText.pyStrRepr(v.length() > 80 ? v.substring(0, 80) : v));
+        }
+        return out;
+    }
+
+    /** the records of skip in [start, stop) (stop -1: to the end), or null if none */
+    static long[] within(long[] skip, long start, long stop) {
+        if (skip == null) return null;
+        long end = stop < 0 ? Long.MAX_VALUE : stop;
+        int a = 0;
+        while (a < skip.length && skip[a] < start) a++;
+        int z = a;
+        while (z < skip.length && skip[z] < end) z++;
+        return z > a ? java.util.Arrays.copyOfRange(skip, a, z) : null;
+    }
+
     public InputPartition[] planInputPartitions() {
         String dir = path(options);
         long per = intOption(options, "recordsPerPartition", 0);
+        java.util.Map excl = exclusions(options);
         List segs = Segments.list(dir);
         List parts = new ArrayList();
         for (int i = 0; i < segs.size(); i++) {
             Object[] s = (Object[]) segs.get(i);
             long segno = ((Long) s[0]).longValue();
             String p = (String) s[1];
+            long[] skip = (long[]) excl.get(Long.valueOf(segno));
             if (per > 0) {
                 long count = Segments.recordCount(p);
-                if (count <= per) parts.add(new LogjamPartition(p, segno, 0, count));
-                else for (long a = 0; a < count; a += per)
-                    parts.add(new LogjamPartition(p, segno, a, Math.min(a + per, count)));
+                if (count <= per) parts.add(new LogjamPartition(p, segno, 0, count,
+                                                                within(skip, 0, count)));
+                else for (long a = 0; a < count; a += per) {
+                    long z = Math.min(a + per, count);
+                    parts.add(new LogjamPartition(p, segno, a, z, within(skip, a, z)));
+                }
             } else {
-                parts.add(new LogjamPartition(p, segno, 0, -1));
+                parts.add(new LogjamPartition(p, segno, 0, -1, within(skip, 0, -1)));
             }
         }
         InputPartition[] out = new InputPartition[parts.size()];

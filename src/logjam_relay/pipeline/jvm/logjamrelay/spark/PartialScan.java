@@ -121,6 +121,7 @@ final class PartialScan implements Scan, Batch {
             if (!aggregated) {
                 SegmentDecoder d = new SegmentDecoder(part.path, part.segno, part.start,
                                                       part.stop, agg);
+                d.skip = part.skip;
                 if (loss != null) d.loss = new LossRuns.Slice(part.segno, part.start, part.stop);
                 try {
                     while (d.fill(1 << 20) > 0) { }

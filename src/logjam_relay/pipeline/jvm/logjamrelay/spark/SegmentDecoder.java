@@ -48,6 +48,9 @@ final class SegmentDecoder {
     private final Partials agg;                  // aggregate mode: records go here, no rows
     /** aggregate mode: the loss table's runs of the slice (LossRuns), or null */
     LossRuns.Slice loss;
+    /** records left out (no row, not aggregated), ascending (LogjamPartition.skip), or null */
+    long[] skip;
+    private int skipAt;
     /** the walk reached the end of the readable segment (its seal, damage, or a file
      *  that cannot be read), not only the end of the slice */
     boolean ended;
@@ -304,6 +307,14 @@ final class SegmentDecoder {
                 idx++;
                 pos = rend;
                 continue;
+            }
+            if (skip != null) {
+                while (skipAt < skip.length && skip[skipAt] < idx) skipAt++;
+                if (skipAt < skip.length && skip[skipAt] == idx) {
+                    idx++;
+                    pos = rend;
+                    continue;
+                }
             }
             if (n == 4) {
                 int p = pos + 36;

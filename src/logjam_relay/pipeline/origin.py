@@ -1,0 +1,407 @@
+"""Each event counted once, and loss per origin device, across a fleet of chained relays.
+
+An event is identified by its **origin**: the device and sequence number that the first
+relay it reached stamped on it (``docs/fleet.md``).
+
+* A record that arrived over ZeroMQ at the relay whose archive is read is its own origin:
+  the device and sequence of its meta frame.
+* A record that came in through an input (an edge relay's Lumberjack or Courier output
+  into this relay, ``docs/inputs.md``) carries the first hop's numbers as the first key of
+  its body: ``{"logjam_origin":{"device":7,"sequence":42,"created_ms":...,"host":"edge-1",
+  "input":"lj"}, ...}``.  Its meta frame holds the last hop's numbers.
+
+Two relays with the same device number are told apart by the origin ``host`` (the edge's
+``fqdn``): the origin key is ``(host, device, sequence)``, so their events are never merged,
+and :attr:`OriginIndex.collisions` names the device numbers seen from more than one host.
+
+:class:`OriginIndex` walks archives segment by segment in arrival order (archives in the
+order given, segments in number order, records in record order) and gives:
+
+* ``exclude``: per segment file, the records that repeat an origin key seen before (an edge
+  resent a window after a restart, or failed over to another central relay): the tables
+  leave them out, so every origin counts once, the first copy that arrived;
+* ``origin``: the loss state per origin ``(host, device)`` of the records that carry an
+  origin (:class:`.loss.DeviceLoss`: received, missing, duplicates, out of order, skipped,
+  and the missing ranges);
+* ``last``: the last hop's own loss state, per meta device (the ``loss`` table as before).
+
+A relay's sequence numbers are shared by its data messages and its heartbeats, and after a
+crash it continues after a reserved block of numbers.  An edge's output forwards its
+heartbeats (``heartbeats=on``) and the relay writes a restart marker into its spool: a
+heartbeat record whose body declares ``{"restart":{"skipped_from":A,"skipped_to":B}}``.
+The numbers A..B are counted as ``skipped``, not missing (:meth:`.loss.DeviceLoss.declare`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .loss import DeviceLoss, LossState
+from .minutes import minutes_of
+
+#: what an origin body starts with (``inputs/mapping.py`` writes exactly this)
+ORIGIN_PREFIX = '{"logjam_origin":{"device":'
+_D = "[0-9]{1,20}"
+ORIGIN_RE = (r'^\{"logjam_origin":\{"device":(?P<device>' + _D + r'),"sequence":(?P<sequence>'
+             + _D + r'),"created_ms":(?P<created>-?' + _D + r'),"host":"(?P<host>(?:[^"\\]|\\.)*)"')
+RESTART_RE = (r'"restart":\{"skipped_from":(?P<a>' + _D + r'),"skipped_to":(?P<b>' + _D
+              + r')\}')
+#: the head of a body searched for the origin and the restart marker
+HEAD_CHARS = 4096
+
+#: the origin columns the data source adds (``decode.ALL_FIELDS``)
+ORIGIN_FIELDS = (pa.field("origin_host", pa.string()), pa.field("origin_device", pa.int64()),
+                 pa.field("origin_sequence", pa.int64()),
+                 pa.field("skipped_from", pa.int64()), pa.field("skipped_to", pa.int64()))
+ORIGIN_DDL = ("origin_host string, origin_device long, origin_sequence long, "
+              "skipped_from long, skipped_to long")
+ORIGIN_NAMES = tuple(f.name for f in ORIGIN_FIELDS)
+
+OUT_SCHEMA = pa.schema([
+    ("host", pa.string()), ("device", pa.int64()), ("minute_ms", pa.int64()),
+    ("received", pa.int64()), ("missing", pa.int64()), ("duplicates", pa.int64()),
+    ("out_of_order", pa.int64()), ("first_sequence", pa.int64()),
+    ("last_sequence", pa.int64()), ("skipped", pa.int64()),
+])
+GAPS_SCHEMA = pa.schema([
+    ("hop", pa.string()), ("host", pa.string()), ("device", pa.int64()),
+    ("first_missing", pa.int64()), ("last_missing", pa.int64()), ("count", pa.int64()),
+    ("minute_ms", pa.int64()),
+])
+_E = np.empty(0, dtype=np.int64)
+
+
+def _ints(strings: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(values, ok) of decimal digit strings (null: not ok); a number beyond int64 is not
+    ok (sequence numbers are below 2**63 in practice; such a body is not an origin)."""
+    out = np.zeros(len(strings), dtype=np.int64)
+    ok = np.asarray(strings.is_valid(), dtype=bool).copy()
+    if not ok.any():
+        return out, ok
+    try:
+        return pc.cast(pc.fill_null(strings, "0"), pa.int64()).to_numpy(), ok
+    except (pa.ArrowInvalid, OverflowError):
+        pass
+    for i, s in enumerate(strings.to_pylist()):
+        if s is None or not s.isdigit():
+            ok[i] = False
+            continue
+        n = int(s)
+        if -(1 << 63) <= n < (1 << 63):
+            out[i] = n
+        else:
+            ok[i] = False
+    return out, ok
+
+
+def _unescape(hosts: list) -> list:
+    return [h if h is None or "\\" not in h else _json_str(h) for h in hosts]
+
+
+def _json_str(h: str) -> str:
+    try:
+        return json.loads('"' + h + '"')
+    except ValueError:
+        return h
+
+
+def origin_columns(app: pa.Array, env: pa.Array, body: pa.Array) -> dict[str, pa.Array]:
+    """The origin columns (:data:`ORIGIN_FIELDS`) of decoded rows: ``origin_*`` from a body
+    that starts with the origin (null elsewhere); ``skipped_*`` from a heartbeat
+    (app ``heartbeat``, env empty) whose body declares a restart's skipped numbers."""
+    n = len(body)
+    if n == 0:
+        return {f.name: pa.array([], f.type) for f in ORIGIN_FIELDS}
+    if isinstance(body, pa.ChunkedArray):
+        body = body.combine_chunks()
+    head = pc.utf8_slice_codeunits(body, 0, HEAD_CHARS)
+    has = pc.fill_null(pc.starts_with(head, ORIGIN_PREFIX), False)
+    host = pa.nulls(n, pa.string())
+    dev = seq = pa.nulls(n, pa.int64())
+    if pc.any(has).as_py():
+        m = pc.extract_regex(pc.if_else(has, head, pa.scalar(None, pa.string())), ORIGIN_RE)
+        d, d_ok = _ints(pc.struct_field(m, "device"))
+        s, s_ok = _ints(pc.struct_field(m, "sequence"))
+        valid = np.asarray(m.is_valid(), dtype=bool) & d_ok & s_ok
+        mask = ~valid
+        hosts = pc.struct_field(m, "host")
+        if pc.any(pc.fill_null(pc.match_substring(hosts, "\\"), False)).as_py():
+            hosts = pa.array(_unescape(hosts.to_pylist()), pa.string())
+        host = pc.if_else(pa.array(valid), hosts, pa.scalar(None, pa.string()))
+        dev = pa.array(d, pa.int64(), mask=mask)
+        seq = pa.array(s, pa.int64(), mask=mask)
+    hb = pc.fill_null(pc.and_(pc.equal(app, "heartbeat"), pc.equal(env, "")), False)
+    sk_from = sk_to = pa.nulls(n, pa.int64())
+    if pc.any(hb).as_py():
+        cand = pc.and_(hb, pc.fill_null(pc.match_substring(head, '"restart":'), False))
+        if pc.any(cand).as_py():
+            m = pc.extract_regex(pc.if_else(cand, head, pa.scalar(None, pa.string())),
+                                 RESTART_RE)
+            a, a_ok = _ints(pc.struct_field(m, "a"))
+            b, b_ok = _ints(pc.struct_field(m, "b"))
+            valid = np.asarray(m.is_valid(), dtype=bool) & a_ok & b_ok
+            sk_from = pa.array(a, pa.int64(), mask=~valid)
+            sk_to = pa.array(b, pa.int64(), mask=~valid)
+    return {"origin_host": host, "origin_device": dev, "origin_sequence": seq,
+            "skipped_from": sk_from, "skipped_to": sk_to}
+
+
+_WALK_COLUMNS = ("app", "env", "device", "sequence", "created_ms", "body", "record")
+
+
+@dataclass
+class SegmentOrigins:
+    """One segment's records with a valid meta frame, in record order (the rows of
+    :func:`.decode.meta_arrays`), with their origins."""
+
+    record: np.ndarray
+    device: np.ndarray
+    sequence: np.ndarray
+    minute: np.ndarray
+    has_origin: np.ndarray           # bool
+    host: list                       # origin host per row (None without an origin)
+    odev: np.ndarray
+    oseq: np.ndarray
+    skips: list = field(default_factory=list)   # (row, skipped_from, skipped_to)
+
+
+def segment_origins(path: str, segno: int = 0, stats=None) -> SegmentOrigins:
+    """:class:`SegmentOrigins` of a segment file (``OSError`` if it cannot be read)."""
+    from .decode import decode_segment
+    parts = []
+    for b in decode_segment(path, segno, batch_rows=1 << 16, stats=stats,
+                            columns=_WALK_COLUMNS):
+        dev, created = b.column(2), b.column(4)
+        ok = pc.and_(dev.is_valid(), created.is_valid())
+        if not pc.all(ok).as_py():
+            b = b.filter(ok)
+        if b.num_rows == 0:
+            continue
+        o = origin_columns(b.column(0), b.column(1), b.column(5))
+        parts.append((b, o))
+    if not parts:
+        return SegmentOrigins(_E, _E, _E, _E, np.zeros(0, bool), [], _E, _E)
+
+    def cat(get, dtype=np.int64):
+        return np.concatenate([np.asarray(get(b, o).to_numpy(zero_copy_only=False),
+                                          dtype=dtype) for b, o in parts])
+    record = cat(lambda b, o: b.column(6))
+    device = cat(lambda b, o: b.column(2))
+    sequence = cat(lambda b, o: b.column(3))
+    created = cat(lambda b, o: b.column(4))
+    has = np.concatenate([np.asarray(o["origin_device"].is_valid(), dtype=bool)
+                          for _b, o in parts])
+    odev = cat(lambda b, o: pc.fill_null(o["origin_device"], 0))
+    oseq = cat(lambda b, o: pc.fill_null(o["origin_sequence"], 0))
+    host = [h for _b, o in parts for h in o["origin_host"].to_pylist()]
+    skips = []
+    at = 0
+    for b, o in parts:
+        sf = o["skipped_from"]
+        if sf.null_count < len(sf):
+            st = o["skipped_to"].to_pylist()
+            for i, a in enumerate(sf.to_pylist()):
+                if a is not None:
+                    skips.append((at + i, a, st[i]))
+        at += b.num_rows
+    return SegmentOrigins(record, device, sequence, minutes_of(created), has, host, odev,
+                          oseq, skips)
+
+
+class OriginIndex:
+    """What :mod:`.stats` needs before it aggregates: the copies to leave out and the loss
+    state of every origin device and of the last hop (see the module's docstring)."""
+
+    def __init__(self):
+        self.last = LossState()
+        self.origin: dict[tuple[str, int], DeviceLoss] = {}
+        #: segment path -> sorted record indices left out of the tables
+        self.exclude: dict[str, np.ndarray] = {}
+        self.excluded = 0
+        #: device -> the origin hosts seen with it (more than one: a collision)
+        self.hosts: dict[int, set[str]] = {}
+        #: meta device -> the archives (indices of the inputs) it was seen in
+        self.archives: dict[int, set[int]] = {}
+        self.segments = 0
+        self.records = 0
+
+    # ------------------------------------------------------------------ the walk
+    def add_archives(self, input_dirs: Iterable[str], threads: int = 2) -> OriginIndex:
+        """Walk every sealed segment of the archives (in the order given, segments in
+        number order), reading up to ``threads`` segments ahead."""
+        from .decode import list_segments
+        todo = [(k, segno, path) for k, d in enumerate(input_dirs)
+                for segno, path in list_segments(d)]
+
+        def read(item):
+            _k, segno, path = item
+            try:
+                return segment_origins(path, segno)
+            except OSError:
+                return None             # vanished/unreadable: the scan reports it as a row
+        with ThreadPoolExecutor(max_workers=max(1, threads),
+                                thread_name_prefix="origin-walk") as ex:
+            window = []
+            it = iter(todo)
+            for item in it:
+                window.append((item, ex.submit(read, item)))
+                if len(window) > threads:
+                    (k, _s, p), fut = window.pop(0)
+                    self.add_segment(k, p, fut.result())
+            for (k, _s, p), fut in window:
+                self.add_segment(k, p, fut.result())
+        return self
+
+    def add_segment(self, archive: int, path: str, so: SegmentOrigins | None) -> None:
+        """One segment's records, in arrival order after everything added before."""
+        if so is None or len(so.record) == 0:
+            return
+        self.segments += 1
+        self.records += len(so.record)
+        for dev in np.unique(so.device).tolist():
+            self.archives.setdefault(dev, set()).add(archive)
+        self.last.add_ordered(so.device, so.sequence, so.minute)
+        has = so.has_origin
+        skips_by_row = {row: (a, b) for row, a, b in so.skips}
+        if has.any():
+            rows = np.flatnonzero(has)
+            hosts = [so.host[i] for i in rows.tolist()]
+            # group by (host, device), keeping the arrival order inside each group
+            keys: dict[tuple[str, int], list[int]] = {}
+            for i, h, d in zip(rows.tolist(), hosts, so.odev[rows].tolist(), strict=True):
+                keys.setdefault((h, d), []).append(i)
+            dup_rows = []
+            for key, idx in keys.items():
+                self.hosts.setdefault(key[1], set()).add(key[0])
+                sel = np.array(idx, dtype=np.int64)
+                dl = self.origin.get(key)
+                if dl is None:
+                    dl = self.origin[key] = DeviceLoss()
+                dups: list = []
+                dl.update(so.oseq[sel], so.minute[sel], False, dups)
+                if dups[0].any():
+                    dup_rows.append(sel[dups[0]])
+                for i in idx:
+                    sk = skips_by_row.get(i)
+                    if sk is not None:
+                        dl.declare(sk[0], sk[1], int(so.minute[i]))
+            if dup_rows:
+                recs = np.sort(so.record[np.concatenate(dup_rows)])
+                prev = self.exclude.get(path)
+                self.exclude[path] = recs if prev is None else np.union1d(prev, recs)
+                self.excluded += len(recs)
+        for row, (a, b) in skips_by_row.items():
+            if not has[row]:            # the archiving relay's own restart marker
+                dev = int(so.device[row])
+                self.last.devices.setdefault(dev, DeviceLoss()).declare(
+                    a, b, int(so.minute[row]))
+
+    # ------------------------------------------------------------------ results
+    @property
+    def collisions(self) -> dict[int, list[str]]:
+        """Device numbers seen from more than one origin host (kept apart, never merged)."""
+        return {d: sorted(h) for d, h in sorted(self.hosts.items()) if len(h) > 1}
+
+    @property
+    def shared_devices(self) -> dict[int, list[int]]:
+        """Meta devices found in more than one of the archives read (two relays with one
+        device number: their records are kept, their loss rows are not meaningful)."""
+        return {d: sorted(a) for d, a in sorted(self.archives.items()) if len(a) > 1}
+
+    def origin_table(self) -> pa.Table:
+        parts = []
+        for (host, dev), d in sorted(self.origin.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            t = d.table(dev)
+            t["host"] = [host] * len(t["device"])
+            parts.append(pa.table({f.name: t[f.name] for f in OUT_SCHEMA}, schema=OUT_SCHEMA))
+        return pa.concat_tables(parts) if parts else OUT_SCHEMA.empty_table()
+
+    def gaps_table(self) -> pa.Table:
+        cols: dict[str, list] = {f.name: [] for f in GAPS_SCHEMA}
+
+        def add(hop, host, dev, d):
+            a, z, m = d.gaps()
+            cols["hop"] += [hop] * len(a)
+            cols["host"] += [host] * len(a)
+            cols["device"] += [dev] * len(a)
+            cols["first_missing"] += a.tolist()
+            cols["last_missing"] += z.tolist()
+            cols["count"] += (z - a + 1).tolist()
+            cols["minute_ms"] += m.tolist()
+        for (host, dev), d in sorted(self.origin.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            add("origin", host, dev, d)
+        for dev, d in sorted(self.last.devices.items()):
+            add("last", "", dev, d)
+        return pa.table(cols, schema=GAPS_SCHEMA)
+
+    def exclusions_of(self, input_dir: str) -> str:
+        """The ``exclude`` option of the data source for one archive directory (the
+        records of its segments to leave out): ``SEGNO:A-B,C,...;SEGNO:...``."""
+        import os
+
+        from ..spool import segment as fmt
+        out = []
+        d = os.path.abspath(input_dir)
+        for path, recs in sorted(self.exclude.items()):
+            if os.path.dirname(os.path.abspath(path)) != d:
+                continue
+            parsed = fmt.parse_segment_name(os.path.basename(path))
+            if parsed is None:
+                continue
+            out.append(f"{parsed[0]}:{encode_ranges(recs)}")
+        return ";".join(out)
+
+
+def encode_ranges(recs: np.ndarray) -> str:
+    """Sorted distinct integers as ``A-B,C,...`` (runs of consecutive numbers joined)."""
+    if len(recs) == 0:
+        return ""
+    recs = np.asarray(recs, dtype=np.int64)
+    brk = np.flatnonzero(np.diff(recs) != 1) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [len(recs)])) - 1
+    return ",".join(f"{recs[a]}" if a == z else f"{recs[a]}-{recs[z]}"
+                    for a, z in zip(starts.tolist(), ends.tolist(), strict=True))
+
+
+def parse_exclusions(text: str | None) -> dict[int, np.ndarray]:
+    """The ``exclude`` option (:meth:`OriginIndex.exclusions_of`): segment number -> sorted
+    record indices.  A malformed option raises ValueError naming it."""
+    out: dict[int, np.ndarray] = {}
+    if not text:
+        return out
+    try:
+        for part in text.split(";"):
+            if not part:
+                continue
+            seg, _, ranges = part.partition(":")
+            recs = []
+            for r in ranges.split(","):
+                if not r:
+                    continue
+                a, _, z = r.partition("-")
+                a = int(a)
+                z = int(z) if z else a
+                if z < a or a < 0:
+                    raise ValueError(r)
+                recs.append(np.arange(a, z + 1, dtype=np.int64))
+            out[int(seg)] = np.unique(np.concatenate(recs)) if recs else _E
+    except ValueError:
+        raise ValueError(f"logjam data source: option exclude is malformed: {text[:80]!r}") \
+            from None
+    return out
+
+
+def keep_mask(record: np.ndarray, excluded: np.ndarray | None) -> np.ndarray | None:
+    """The rows whose record index is not in ``excluded`` (None: keep all)."""
+    if excluded is None or len(excluded) == 0:
+        return None
+    keep = ~np.isin(np.asarray(record, dtype=np.int64), excluded)
+    return None if keep.all() else keep
