@@ -69,7 +69,7 @@ if _WORKER.startswith("gw"):
 # tests' times summed in the first: 717, 758 and 765 s).
 SPARK_FILES = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
 SPARK_CLI_FILES = {"test_pipeline_cluster.py", "test_pipeline_jvmcache.py",
-                   "test_pipeline_report.py", "test_pipeline_connect.py"}
+                   "test_pipeline_report.py", "test_pipeline_connect.py", "test_fleet.py"}
 # ... and, to even the units out, relay test files that share nothing outside their process
 BALANCE_FILES = {"test_output_outage.py": "spark", "test_loss_accounting.py": "spark",
                  "test_inputs_memory.py": "spark", "test_powerloss.py": "spark-cli",

@@ -225,7 +225,7 @@ def test_data_source_origin_columns_and_exclude(spark, tmp_path):
 
 
 def test_run_batch_writes_the_origin_tables(spark, tmp_path):
-    dirs, _unique, _x, _sizes = fleet(tmp_path)
+    dirs, _unique, (_a, _b, lost_b), _sizes = fleet(tmp_path)
     out = tmp_path / "out"
     lines = []
     summary = stats.run_batch(spark, dirs, str(out), 300.0, log=lines.append)
@@ -237,3 +237,38 @@ def test_run_batch_writes_the_origin_tables(spark, tmp_path):
         in text
     assert summary["tables"]["gaps"] == 1
     json.dumps(summary)
+    # the report shows the origin devices first, with their exact missing numbers
+    from logjam_relay.pipeline.report import write_report
+    r = write_report(str(out), str(tmp_path / "r.html"))
+    html = (tmp_path / "r.html").read_text()
+    assert html.index('data-table="origin_devices"') < html.index('data-table="devices"')
+    gaps = html[html.index('data-table="origin_gaps"'):]
+    gaps = gaps[:gaps.index("</table>")]
+    assert gaps.count("<tr>") == 2                  # the head and one gap
+    assert f'data-from="{lost_b[0].sequence}" data-to="{lost_b[-1].sequence}"' in gaps
+    assert r["missing"] == 25 and r["origins"] == 5
+
+
+def test_streaming_counts_each_origin_once(spark, tmp_path):
+    """--stream over two archives (one stream each): the same tables as a batch run."""
+    import pyarrow.dataset as pads
+    dirs, unique, (_a, _b, lost_b), _sizes = fleet(tmp_path)
+    ref = reference(unique)
+    out = tmp_path / "out"
+    stats.run_stream(spark, dirs, str(out), str(tmp_path / "ckpt"), 300.0,
+                     available_now=True, max_records_per_trigger=900, log=lambda *_: None)
+
+    def table(name):
+        return pads.dataset(str(out / name), partitioning="hive").to_table().to_pylist()
+    assert sum(r["count"] for r in table("request_stats")) == \
+        sum(r["count"] for r in ref["request_stats"])
+    assert sum(r["count"] for r in table("topics")) == sum(r["count"] for r in ref["topics"])
+    assert sum(r["count"] for r in table("exceptions")) == \
+        sum(r["count"] for r in ref["exceptions"])
+    assert [(g["hop"], g["host"], g["device"], g["first_missing"], g["last_missing"])
+            for g in table("gaps")] == \
+        [("origin", "edge-b", 8, lost_b[0].sequence, lost_b[-1].sequence)]
+    ol = table("origin_loss")
+    assert sum(r["missing"] for r in ol if r["device"] == 8) == 25
+    assert sum(r["duplicates"] for r in ol) == 70
+    assert sum(r["skipped"] for r in ol if r["device"] == 7) == 1000

@@ -67,7 +67,7 @@ C2_LATE = ("-XX:Tier4InvocationThreshold=50000 -XX:Tier4MinInvocationThreshold=6
            "-XX:Tier4CompileThreshold=150000 -XX:Tier4BackEdgeThreshold=400000")
 
 
-def local_batch_jvm_options(engine: str, input_dir: str) -> str:
+def local_batch_jvm_options(engine: str, input_dir) -> str:
     """The JIT settings of a batch run's driver JVM on a local master: C1_ONLY for the
     ``python`` engine, C2_LATE for the ``jvm`` and ``sql`` engines.  ``auto`` is decided
     only once the JVM runs (:func:`.stats.choose_engine`); what it will choose is known
@@ -78,13 +78,22 @@ def local_batch_jvm_options(engine: str, input_dir: str) -> str:
         from .stats import too_big_for_the_jvm
         try:
             build_jar()                 # (cached; make_session logs why it failed)
-            if too_big_for_the_jvm(input_dir):
+            dirs = [input_dir] if isinstance(input_dir, str) else input_dir
+            if any(too_big_for_the_jvm(d) for d in dirs):
                 engine = "python"
         except BuildError:
             engine = "python"
         except OSError:
             pass                        # no such archive: the run says so later
     return C1_ONLY if engine == "python" else C2_LATE
+
+
+def _local_path(p: str) -> str:
+    """An archive given as a ``file://`` URI or a plain path -> the path."""
+    if p.startswith("file://"):
+        from urllib.parse import unquote, urlsplit
+        return unquote(urlsplit(p).path)
+    return p
 
 
 def _is_local(master: str | None) -> bool:
@@ -239,7 +248,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("jar", help="build (if needed) and print the JVM reader's jar, for "
                                "spark-submit --jars")
     st = sub.add_parser("stats", help="request stats, exceptions, loss report, topic counts")
-    st.add_argument("--input", required=True, metavar="DIR", help="archive directory")
+    st.add_argument("--input", required=True, action="append", metavar="DIR",
+                    help="archive directory (a file:// URI too); repeat it to read the "
+                         "archives of several relays as one (a fleet's central relays: "
+                         "each event counts once, docs/fleet.md)")
     st.add_argument("--output", required=True, metavar="DIR", help="output directory")
     st.add_argument("--master", default=None, metavar="URL",
                     help="Spark master (default local[*]; under spark-submit: its own)")
@@ -347,8 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if remote:
         return _main_remote(a, ap, remote, conf)
-    if not os.path.isdir(a.input):
-        print(f"logjam-relay pipeline: input {a.input} is not a directory", file=sys.stderr)
+    a.input = [_local_path(p) for p in a.input]
+    for p in a.input:
+        if not os.path.isdir(p):
+            print(f"logjam-relay pipeline: input {p} is not a directory", file=sys.stderr)
+            return 2
+    if len(set(map(os.path.realpath, a.input))) != len(a.input):
+        print("logjam-relay pipeline: --input: the same archive is given twice",
+              file=sys.stderr)
         return 2
     problem = master_problem(a.master)
     if problem:
@@ -467,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.report:
         from .report import ReportError, summary_line, write_report
         try:
-            r = write_report(a.output, a.report, archive=a.input)
+            r = write_report(a.output, a.report,
+                             archive=a.input[0] if len(a.input) == 1 else None)
         except (ReportError, OSError) as e:
             print(f"logjam-relay pipeline: --report: {e}", file=sys.stderr)
             return 1
@@ -575,7 +594,9 @@ def _main_remote(a, ap, remote: str, conf: dict) -> int:
         spark = make_session(extra_conf=conf, ship=a.ship_package == "always",
                              datasource=False, remote=remote, retry_s=retry_s)
         cwd = connect.server_cwd(spark)
-        src, out = (connect.server_path(spark, p, cwd) for p in (a.input, a.output))
+        src = [connect.server_path(spark, p, cwd) for p in a.input]
+        out = connect.server_path(spark, a.output, cwd)
+        src = src[0] if len(src) == 1 else src
         log(f"Spark {spark.version} on the server; reading {src}, writing {out}")
         ship_zip = _package_tmp if a.ship_package == "auto" else None
         s = run_batch(spark, src, out, a.apdex_ms, log=log,

@@ -10,11 +10,11 @@ archive therefore runs in Spark tasks on the server's side:
   :func:`.partial.plan_slices` does;
 * **the request, exception and topic tables**: the same partial aggregation as a local
   run (:mod:`.partial` in ``mapInArrow`` tasks, merged by :func:`.stats.merge_partials`);
-* **the loss table** (:func:`loss_frame`): a local run walks the meta frames in a driver
-  thread, which under Connect would be the client.  Here one task per segment decodes the
-  meta frames only (no body is decompressed) and Spark groups the rows by device; one
-  grouped Arrow task per device runs the same :class:`.loss.DeviceLoss` over that device's
-  records in arrival order.
+* **the origin walk** (:func:`origin_index`: each event counted once, the loss tables,
+  :mod:`.origin`): a local run walks the archives in a driver thread, which under Connect
+  would be the client.  Here one task on the server walks them with the same
+  :class:`.origin.OriginIndex` and hands it back (runs and the copies to leave out: small);
+  the partial aggregation then leaves those copies out.
 
 Paths (``--input``, ``--output``) are the server's: a relative path is resolved against
 the Connect server's working directory (the directory it was started from), never the
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-from .stats import DEFAULT_APDEX_MS, LOSS_COLUMNS, merge_partials, split_merged, summary_of_merged
+from .stats import DEFAULT_APDEX_MS, merge_partials, split_merged, summary_of_merged
 
 #: why ``--stream --remote`` is refused (the streaming run's bookkeeping is local files)
 STREAM_REFUSED = (
@@ -38,8 +38,6 @@ STREAM_REFUSED = (
 #: the longest the client keeps retrying a server that does not answer (default)
 DEFAULT_RETRY_S = 60.0
 
-#: the columns of the loss scan (meta frames only)
-LOSS_SCAN_DDL = "device long, sequence long, segment long, record long, minute_ms long"
 _PLAN_DDL = "part int, path string, segno long, n long, error string"
 #: what the planning task says when the server's Python workers lack the package
 _NO_PACKAGE = "no-package"
@@ -178,77 +176,45 @@ def slices_of(segs, parallelism: int, min_records: int = 65536) -> list:
     return cut_slices([(path, segno, n) for segno, path, n in segs], parallelism, min_records)
 
 
-def partial_frame(spark, slices: list, apdex_ms: float = DEFAULT_APDEX_MS):
+def partial_frame(spark, slices: list, apdex_ms: float = DEFAULT_APDEX_MS,
+                  exclude: dict | None = None):
     """The partial rows (:mod:`.partial`) of planned slices: :func:`.stats.partial_frame`
-    without the client-side listing."""
+    without the client-side listing; ``exclude``: segment path -> records left out."""
     from .partial import partial_schema
     t = float(apdex_ms)
 
     def read(batches):
         from logjam_relay.pipeline.partial import read_slices
         for b in batches:
-            yield from read_slices(slices, b.column(0).to_pylist(), t)
+            yield from read_slices(slices, b.column(0).to_pylist(), t, exclude=exclude)
 
     n = max(1, len(slices))
     return spark.range(0, len(slices), 1, numPartitions=n).mapInArrow(read, partial_schema())
 
 
-def loss_frame(spark, segs: list, parallelism: int):
-    """The loss table's rows (``device, minute_ms, received, ...``, :data:`.loss.OUT_DDL`)
-    computed in Spark: meta frames per segment, then per device in arrival order."""
-    from .loss import OUT_DDL
-    paths = [(path, segno) for segno, path, _ in segs]
+def origin_index(spark, input_dirs: list[str]):
+    """The :class:`.origin.OriginIndex` of the archives (server paths), made by one task
+    on the server's side and handed back pickled (its runs and the copies to leave out)."""
+    import pickle
+    dirs = list(input_dirs)
 
-    def meta(batches):
-        import numpy as np
+    def task(batches):
+        import pickle as pk
+
         import pyarrow as pa
 
-        from logjam_relay.pipeline.decode import decode_segment
-        from logjam_relay.pipeline.minutes import minutes_of
-        for b in batches:
-            for i in b.column(0).to_pylist():
-                path, segno = paths[i]
-                try:
-                    for rb in decode_segment(path, segno, batch_rows=1 << 20, columns=(
-                            "device", "sequence", "created_ms", "record")):
-                        dev, seq, created, rec = (rb.column(j) for j in range(4))
-                        ok = np.asarray(dev.is_valid()) & np.asarray(created.is_valid())
-                        if not ok.all():
-                            dev, seq, created, rec = (c.filter(ok) for c in
-                                                      (dev, seq, created, rec))
-                        c = created.to_numpy()
-                        yield pa.RecordBatch.from_arrays(
-                            [dev, seq, pa.array(np.full(len(c), segno, dtype=np.int64)),
-                             rec.cast(pa.int64()), pa.array(minutes_of(c))],
-                            names=["device", "sequence", "segment", "record", "minute_ms"])
-                except OSError:
-                    continue        # vanished/unreadable: as LossState.add_archive
+        from logjam_relay.pipeline.origin import OriginIndex
+        for _ in batches:
+            pass
+        idx = OriginIndex().add_archives(dirs)
+        yield pa.RecordBatch.from_pydict({"blob": [pk.dumps(idx)]},
+                                         schema=pa.schema([("blob", pa.binary())]))
 
-    def per_device(t):
-        import numpy as np
-        import pyarrow as pa
-
-        from logjam_relay.pipeline.loss import OUT_SCHEMA, DeviceLoss, arrival_order
-        if t.num_rows == 0:
-            return OUT_SCHEMA.empty_table()
-        o = arrival_order(t["segment"].to_numpy(), t["record"].to_numpy())
-        d = DeviceLoss()
-        d.update(np.asarray(t["sequence"].to_numpy())[o],
-                 np.asarray(t["minute_ms"].to_numpy())[o], track=False)
-        return pa.table(d.table(t["device"][0].as_py()), schema=OUT_SCHEMA)
-
-    n = max(1, min(len(paths), parallelism))
-    rows = spark.range(0, len(paths), 1, numPartitions=n).mapInArrow(meta, LOSS_SCAN_DDL)
-    return rows.groupBy("device").applyInArrow(per_device, OUT_DDL)
+    got = spark.range(0, 1, 1, numPartitions=1).mapInArrow(task, "blob binary").collect()
+    return pickle.loads(got[0]["blob"])
 
 
-def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
-                   ship_zip=None):
-    """(tables, summary, agg) as :func:`.stats.compute_tables`, with every read of the
-    archive in Spark tasks (the hook of :func:`.stats.run_batch`).  ``ship_zip``: a
-    callable returning the zipped package, uploaded when the server's Python workers lack
-    ``logjam_relay`` (None: report that instead)."""
-    from pyspark.sql import functions as F
+def _planned(spark, input_dir: str, ship_zip):
     planned = plan(spark, input_dir)
     if planned is None:
         if ship_zip is None:
@@ -260,13 +226,29 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
         if planned is None:
             raise RemoteError("the Spark Connect server's Python workers cannot import "
                               "logjam_relay, even from the uploaded package")
-    slices, segs, parallelism = planned
-    agg = merge_partials(partial_frame(spark, slices, apdex_ms)).persist()
+    return planned
+
+
+def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, ship_zip=None):
+    """(tables, summary, agg) as :func:`.stats.compute_tables`, with every read of the
+    archive in Spark tasks (the hook of :func:`.stats.run_batch`); ``input_dir``: one
+    server path or a list.  ``ship_zip``: a callable returning the zipped package, uploaded
+    when the server's Python workers lack ``logjam_relay`` (None: report that instead)."""
+    from .stats import _dirs, _finish
+    dirs = _dirs(input_dir)
+    segs, parallelism = [], 1
+    for d in dirs:
+        _slices, s, parallelism = _planned(spark, d, ship_zip)
+        segs += s
+    slices = slices_of(segs, parallelism)
+    index = origin_index(spark, dirs)
+    agg = merge_partials(partial_frame(spark, slices, apdex_ms,
+                                       dict(index.exclude) if index.excluded else None)
+                         ).persist()
     summary = summary_of_merged(agg)
+    summary["engine"] = "python (Spark Connect)"
     tables = split_merged(agg)
-    ts = F.timestamp_millis(F.col("minute_ms"))
-    tables["loss"] = loss_frame(spark, segs, parallelism) \
-        .withColumn("minute", ts).withColumn("date", F.to_date(ts)).select(*LOSS_COLUMNS)
+    _finish(spark, tables, summary, index)
     return tables, summary, agg
 
 

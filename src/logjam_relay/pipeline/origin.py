@@ -259,15 +259,19 @@ class OriginIndex:
                 self.add_segment(k, p, fut.result())
         return self
 
-    def add_segment(self, archive: int, path: str, so: SegmentOrigins | None) -> None:
-        """One segment's records, in arrival order after everything added before."""
+    def add_segment(self, archive: int, path: str | None, so: SegmentOrigins | None,
+                    last: bool = True) -> None:
+        """One segment's records, in arrival order after everything added before
+        (``last``: into the last hop's loss state too; ``path`` None: no exclusions
+        kept, the streaming run drops the copies itself)."""
         if so is None or len(so.record) == 0:
             return
         self.segments += 1
         self.records += len(so.record)
         for dev in np.unique(so.device).tolist():
             self.archives.setdefault(dev, set()).add(archive)
-        self.last.add_ordered(so.device, so.sequence, so.minute)
+        if last:
+            self.last.add_ordered(so.device, so.sequence, so.minute)
         has = so.has_origin
         skips_by_row = {row: (a, b) for row, a, b in so.skips}
         if has.any():
@@ -292,16 +296,83 @@ class OriginIndex:
                     sk = skips_by_row.get(i)
                     if sk is not None:
                         dl.declare(sk[0], sk[1], int(so.minute[i]))
-            if dup_rows:
+            if dup_rows and path is not None:
                 recs = np.sort(so.record[np.concatenate(dup_rows)])
                 prev = self.exclude.get(path)
                 self.exclude[path] = recs if prev is None else np.union1d(prev, recs)
                 self.excluded += len(recs)
         for row, (a, b) in skips_by_row.items():
-            if not has[row]:            # the archiving relay's own restart marker
+            if last and not has[row]:   # the archiving relay's own restart marker
                 dev = int(so.device[row])
                 self.last.devices.setdefault(dev, DeviceLoss()).declare(
                     a, b, int(so.minute[row]))
+
+    # ------------------------------------------------------------------ streaming
+    def add_rows(self, t: pa.Table) -> None:
+        """Records of a committed micro-batch (the streaming run's ``_records`` columns
+        ``archive, segment, record, device, sequence, created_ms, app, env`` and the origin
+        columns), in any order: sorted here by arrival; origin state only."""
+        if t.num_rows == 0:
+            return
+        ok = pc.and_(pc.is_valid(t["device"]), pc.is_valid(t["created_ms"]))
+        t = t.filter(ok)
+        if t.num_rows == 0:
+            return
+        arch = t["archive"].to_numpy(zero_copy_only=False).astype(np.int64)
+        seg = t["segment"].to_numpy(zero_copy_only=False).astype(np.int64)
+        rec = t["record"].to_numpy(zero_copy_only=False).astype(np.int64)
+        t = t.take(pa.array(np.lexsort((rec, seg, arch))))
+        has = np.asarray(t["origin_device"].is_valid(), dtype=bool)
+        sf = t["skipped_from"].to_pylist()
+        st = t["skipped_to"].to_pylist()
+        skips = [(i, a, st[i]) for i, a in enumerate(sf) if a is not None and st[i] is not None]
+        so = SegmentOrigins(
+            t["record"].to_numpy(zero_copy_only=False).astype(np.int64),
+            t["device"].to_numpy(zero_copy_only=False).astype(np.int64),
+            t["sequence"].to_numpy(zero_copy_only=False).astype(np.int64),
+            minutes_of(t["created_ms"].to_numpy(zero_copy_only=False).astype(np.int64)),
+            has, t["origin_host"].to_pylist(),
+            pc.fill_null(t["origin_device"], 0).to_numpy().astype(np.int64),
+            pc.fill_null(t["origin_sequence"], 0).to_numpy().astype(np.int64), skips)
+        self.add_segment(0, None, so, last=False)
+
+    def save(self, path: str, batch: int) -> None:
+        """The origin state (runs and rows of every origin) in one ``.npz`` file."""
+        import os
+        keys = sorted(self.origin)
+        arrays = {"batch": np.array([batch], dtype=np.int64),
+                  "keys": np.array([json.dumps([[h, d] for h, d in keys])])}
+        for i, k in enumerate(keys):
+            d = self.origin[k]
+            arrays[f"{i}_runs"] = np.stack([d.lo, d.hi, d.hm]) if len(d.lo) else \
+                np.empty((3, 0), dtype=np.int64)
+            arrays[f"{i}_rows"] = np.array([[m, *r] for m, r in sorted(d.rows.items())],
+                                           dtype=np.int64).reshape(-1, 7)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> tuple[OriginIndex, int]:
+        """(state, last batch included); an empty state and -1 when there is none."""
+        idx = cls()
+        try:
+            z = np.load(path)
+        except FileNotFoundError:
+            return idx, -1
+        with z:
+            batch = int(z["batch"][0])
+            for i, (h, dev) in enumerate(json.loads(str(z["keys"][0]))):
+                d = DeviceLoss()
+                runs = z[f"{i}_runs"]
+                d.lo, d.hi, d.hm = (runs[0].copy(), runs[1].copy(), runs[2].copy())
+                d.rows = {int(r[0]): [int(x) for x in r[1:]] for r in z[f"{i}_rows"]}
+                idx.origin[(h, int(dev))] = d
+                idx.hosts.setdefault(int(dev), set()).add(h)
+        return idx, batch
 
     # ------------------------------------------------------------------ results
     @property

@@ -278,11 +278,43 @@ def summary_html(d: dict) -> str:
             f'<p class="more">{" · ".join(more)}</p></section>')
 
 
+def origin_html(d: dict) -> str:
+    """The origin devices (the first relay each event reached, docs/fleet.md), first."""
+    od = d.get("origin_devices") or []
+    if not od:
+        return ""
+    parts = ['<h3>Origin devices (first hop)</h3><p class="note">Per relay that first '
+             "stamped the events (host and device): every number of its sequence that "
+             "reached these archives, across every hop. Skipped: numbers the relay "
+             "declared it never used (a restart after a crash).</p>",
+             _table("origin_devices", ["host", "device", "received", "missing",
+                                       "duplicates", "out of order", "skipped",
+                                       "lowest number", "highest number"],
+                    [[_cell(r["host"], r["host"]), _cell(r["device"]), _cell(r["received"]),
+                      _cell(r["missing"], cls="bad" if r["missing"] else ""),
+                      _cell(r["duplicates"]), _cell(r["out_of_order"]), _cell(r["skipped"]),
+                      _cell(r["first_sequence"]), _cell(r["last_sequence"])]
+                     for r in od])]
+    gaps = d.get("origin_gaps") or []
+    if gaps:
+        parts.append("<h3>Missing numbers of the origin devices (exact)</h3>")
+        parts.append('<div class="scroll">' + _table(
+            "origin_gaps", ["host", "device", "minute (UTC)", "missing numbers", "missing"],
+            [[_cell(g["host"], g["host"]), _cell(g["device"]),
+              _cell(g["minute_ms"], minute_label(g["minute_ms"])),
+              f'<td data-from="{g["from_sequence"]}" data-to="{g["to_sequence"]}">'
+              f'{_seq_range(g["from_sequence"], g["to_sequence"])}</td>',
+              _cell(g["missing"], cls="bad")] for g in gaps[:MAX_TABLE_ROWS]],
+            len(gaps)) + "</div>")
+    parts.append("<h3>Last hop (the relays whose archives were read)</h3>")
+    return "".join(parts)
+
+
 def loss_html(d: dict) -> str:
     s = d["summary"]
-    parts = []
+    parts = [origin_html(d)]
     if not d["devices"]:
-        return '<p class="note">The loss table has no rows in this range.</p>'
+        return "".join(parts) + '<p class="note">The loss table has no rows in this range.</p>'
     parts.append(_table("devices", ["device", "received", "missing", "duplicates",
                                     "out of order", "lowest number", "highest number",
                                     "first minute", "last minute"],
@@ -293,9 +325,10 @@ def loss_html(d: dict) -> str:
                           _cell(r["first_minute_ms"], minute_label(r["first_minute_ms"])),
                           _cell(r["last_minute_ms"], minute_label(r["last_minute_ms"]))]
                          for r in d["devices"]]))
-    if not s["loss"]:
+    if not any(r["missing"] for r in d["devices"]):
         parts.append('<p class="good">No sequence number is missing: every device\'s '
-                     "numbers are contiguous.</p>")
+                     "numbers are contiguous.</p>" if not s["loss"] else
+                     '<p class="good">No sequence number of the last hop is missing.</p>')
         return "".join(parts)
     if d["gaps"] is not None:
         parts.append(f'<h3>Gaps (exact, from the {_e(d["gaps_source"])})</h3>')

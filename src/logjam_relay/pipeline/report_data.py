@@ -123,6 +123,32 @@ def exact_gaps(state, start_ms=None, end_ms=None) -> list[dict]:
     return out
 
 
+def origin_loss_of(tables_dir: str, start_ms=None, end_ms=None) -> tuple[list, list]:
+    """(origin devices, their exact gaps) from the origin_loss and gaps tables
+    (``pipeline/origin.py``): per origin host and device what was received, missing,
+    duplicated, out of order and skipped; ([], []) for tables made without them."""
+    ol = read_table(tables_dir, "origin_loss", start_ms, end_ms)
+    devices = [{"host": r["host"], "device": r["device"], "received": r["received_sum"],
+                "missing": r["missing_sum"], "duplicates": r["duplicates_sum"],
+                "out_of_order": r["out_of_order_sum"], "skipped": r["skipped_sum"],
+                "first_sequence": r["first_sequence_min"],
+                "last_sequence": r["last_sequence_max"],
+                "first_minute_ms": r["minute_ms_min"], "last_minute_ms": r["minute_ms_max"]}
+               for r in _group(ol, ["device", "host"],
+                               [("received", "sum"), ("missing", "sum"),
+                                ("duplicates", "sum"), ("out_of_order", "sum"),
+                                ("skipped", "sum"), ("first_sequence", "min"),
+                                ("last_sequence", "max"), ("minute_ms", "min"),
+                                ("minute_ms", "max")],
+                               [("device", "ascending"), ("host", "ascending")])]
+    g = read_table(tables_dir, "gaps", start_ms, end_ms)
+    gaps = sorted(({"host": r["host"], "device": r["device"], "minute_ms": r["minute_ms"],
+                    "from_sequence": r["first_missing"], "to_sequence": r["last_missing"],
+                    "missing": r["count"]} for r in _rows(g) if r["hop"] == "origin"),
+                  key=lambda r: (r["device"], r["host"], r["from_sequence"]))
+    return devices, gaps
+
+
 def loss_state_of(tables_dir: str, archive: str | None):
     """(state, source) for the exact gaps: the archive walked now, else the streaming
     run's ``_loss_state.npz``; (None, None) without either."""
@@ -262,6 +288,8 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
             gaps_note = (f"the tables count {in_tables:,} missing, the {gaps_source} "
                          f"{in_state:,}: the archive changed after the tables were written")
 
+    origin_devices, origin_gaps = origin_loss_of(tables_dir, start_ms, end_ms)
+
     # per minute: the worst p99 of any action, and the minute's totals
     worst_rows = []
     if req is not None and req.num_rows:
@@ -289,7 +317,8 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
 
     apps = [] if req is None else [a for a in pc.unique(req["app"]).to_pylist() if a is not None]
     app_envs = sorted({r["app_env"] for r in requests})
-    missing_total = sum(d["missing"] for d in devices)
+    missing_total = sum(d["missing"] for d in devices) + \
+        sum(d["missing"] for d in origin_devices)
     summary = {
         "first_minute_ms": first, "last_minute_ms": last,
         "minutes": (last - first) // 60_000 + 1 if first is not None else 0,
@@ -298,8 +327,9 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
         "topic_messages": _sum(top, "count"),
         "worst_p99": worst_rows[0] if worst_rows else None,
         "loss": missing_total > 0, "missing": missing_total,
-        "devices": len(devices),
-        "devices_with_loss": sum(1 for d in devices if d["missing"]),
+        "devices": len(devices) + len(origin_devices),
+        "devices_with_loss": sum(1 for d in devices + origin_devices if d["missing"]),
+        "origins": len(origin_devices),
         "duplicates": sum(d["duplicates"] for d in devices),
         "out_of_order": sum(d["out_of_order"] for d in devices),
         "undated": undated, "ahead": ahead, "ahead_until_ms": ahead_until,
@@ -308,5 +338,6 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
             "summary": summary, "requests": requests, "series": series_names,
             "latency": latency, "exceptions": exceptions, "loss": loss_rows,
             "devices": devices, "gap_minutes": gap_minutes, "gaps": gaps,
+            "origin_devices": origin_devices, "origin_gaps": origin_gaps,
             "gaps_source": gaps_source, "gaps_note": gaps_note, "worst": worst_rows,
             "range": {"from_ms": start_ms, "to_ms": end_ms}}

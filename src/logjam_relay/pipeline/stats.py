@@ -753,7 +753,7 @@ def recompute(spark, output: str, dates: set[str], apdex_ms: float, log=print) -
     """Recompute request_stats/exceptions/topics for ``dates`` (reading the neighbouring
     days too) from the committed ``_records``."""
     from pyspark.sql import functions as F
-    rec = spark.read.parquet(os.path.join(output, RECORDS_DIR))
+    rec = spark.read.option("mergeSchema", "true").parquet(os.path.join(output, RECORDS_DIR))
     around = set()
     for d in dates:
         day = _dt.date.fromisoformat(d)
@@ -762,43 +762,104 @@ def recompute(spark, output: str, dates: set[str], apdex_ms: float, log=print) -
         for step in (-1, 1):
             with contextlib.suppress(OverflowError):        # the calendar's first/last day
                 around.add(day + _dt.timedelta(days=step))
-    agg = aggregate(rec.where(F.col("date").isin(_date_literals(d.isoformat() for d in around))),
-                    apdex_ms).persist()
+    rec = rec.where(F.col("date").isin(_date_literals(d.isoformat() for d in around)))
+    agg = aggregate(once_per_origin(rec), apdex_ms).persist()
     try:
         return _write_tables(split(agg), output, dates, log=log)
     finally:
         agg.unpersist()
 
 
+def once_per_origin(rec):
+    """The streaming run's records with every origin once (:mod:`.origin`): of the records
+    that carry the same origin host, device and sequence, one is kept (they are copies of
+    one event: same body, so the same date partition); records without an origin are kept
+    as they are."""
+    from pyspark.sql import functions as F
+    if "origin_device" not in rec.columns:          # records of an older version
+        return rec
+    has = F.col("origin_device").isNotNull()
+    return rec.where(has).dropDuplicates(["origin_host", "origin_device", "origin_sequence"]) \
+        .unionByName(rec.where(~has))
+
+
+#: the streaming records' columns the loss states read
+_STATE_COLUMNS = ["archive", "device", "sequence", "segment", "record", "created_ms", "app",
+                  "env", "origin_host", "origin_device", "origin_sequence", "skipped_from",
+                  "skipped_to"]
+
+
+def _read_new(files: list[str]):
+    import pyarrow.parquet as pq
+    parts = []
+    for f in files:
+        have = set(pq.read_schema(f).names)
+        parts.append(pq.read_table(f, columns=[c for c in _STATE_COLUMNS if c in have]))
+    return pa_concat(parts) if parts else None
+
+
+def update_origin(spark, output: str, files: list[str], origin_state, log=print) -> dict:
+    """Feed the records of newly committed sink files to the origin state (an
+    :class:`.origin.OriginIndex`) and rewrite the origin_loss and gaps tables (small: one
+    row per origin and minute, one per gap)."""
+    t = _read_new(files)
+    if t is None or "origin_device" not in t.column_names:
+        return {}
+    origin_state.add_rows(t.filter(pc_valid(t)))
+    o = origin_tables(spark, origin_state)
+    written = _write_tables({"origin_loss": o["origin_loss"]}, output, log=log)
+    # gaps that are filled later must go: the whole table, every date replaced
+    with _session_conf(spark, {"spark.sql.sources.partitionOverwriteMode": "static"}):
+        written.update(_write_tables({"gaps": o["gaps"]}, output, log=log))
+    return written
+
+
 def update_loss(spark, output: str, files: list[str], state, log=print) -> dict:
     """Feed the records of newly committed sink files to the loss state and rewrite the
     loss table's dates whose rows changed (the table is never rebuilt whole)."""
-    import pyarrow.parquet as pq
-    cols = ["device", "sequence", "segment", "record", "created_ms"]
-    parts = [pq.read_table(f, columns=cols) for f in files]
-    if not parts:
+    import numpy as np
+    t = _read_new(files)
+    if t is None:
         return {}
-    t = pa_concat(parts)
     t = t.filter(pc_valid(t))
     created = t["created_ms"].to_numpy()
+    # arrival order over several archives: archive, then segment, then record
+    seg = t["segment"].to_numpy().astype(np.int64)
+    if "archive" in t.column_names:
+        seg = seg + (t["archive"].to_numpy().astype(np.int64) << 44)
     changed = state.update(t["device"].to_numpy(), t["sequence"].to_numpy(),
-                           t["segment"].to_numpy(), t["record"].to_numpy(),
-                           minutes_of(created))
+                           seg, t["record"].to_numpy(), minutes_of(created))
+    written: dict[str, int] = {}
+    if "skipped_from" in t.column_names:
+        from .loss import DeviceLoss
+        own = t.filter(pc_and_valid(t["skipped_from"], t["skipped_to"],
+                                    t["origin_device"], invert_last=True))
+        for r in own.to_pylist():        # the archiving relay's own restart markers
+            m = int(minutes_of(np.array([r["created_ms"]]))[0])
+            state.devices.setdefault(r["device"], DeviceLoss()).declare(
+                r["skipped_from"], r["skipped_to"], m)
+            changed.setdefault(r["device"], set()).add(m)
     dates = {_date_of_ms(m) for ms in changed.values() for m in ms}
     if not dates:
         return {}
     # all minutes of the changed dates (a dynamic overwrite replaces whole date partitions)
     keep = {dev: {m for m in d.rows if _date_of_ms(m) in dates}
             for dev, d in state.devices.items()}
-    df = _with_minute(spark.createDataFrame(state.table(keep)), "minute_ms").select(
-        "date", "minute", "device", "received", "missing", "duplicates", "out_of_order",
-        "first_sequence", "last_sequence")
-    return _write_tables({"loss": df}, output, dates, log=log)
+    written.update(_write_tables({"loss": loss_table(spark, state, keep)}, output, dates,
+                                 log=log))
+    return written
 
 
 def pa_concat(parts):
     import pyarrow as pa
     return pa.concat_tables(parts, promote_options="permissive")
+
+
+def pc_and_valid(a, b, c, invert_last: bool = False):
+    """``a`` and ``b`` valid, and ``c`` valid (or, ``invert_last``, null)."""
+    import pyarrow.compute as pc
+    last = pc.is_null(c) if invert_last else pc.is_valid(c)
+    return pc.and_(pc.and_(pc.is_valid(a), pc.is_valid(b)), last)
 
 
 def pc_valid(t):
@@ -807,17 +868,20 @@ def pc_valid(t):
                    pc.and_(pc.is_valid(t["sequence"]), pc.is_valid(t["created_ms"])))
 
 
-def run_stream(spark, input_dir: str, output: str, checkpoint: str,
+def run_stream(spark, input_dir, output: str, checkpoint: str,
                apdex_ms: float = DEFAULT_APDEX_MS, available_now: bool = False,
                interval: str = "10 seconds", max_records_per_trigger: int = 0,
                poll_s: float = 1.0, log=print) -> dict:
     """Streaming: decoded rows go exactly-once into ``OUTPUT/_records`` (Parquet file sink
     with ``checkpoint``); after every committed micro-batch the request/exception/topic
-    tables of the dates it touched are recomputed from ``_records`` (idempotent) and the
-    loss state (``OUTPUT/_loss_state.npz``) takes in that batch's records only."""
+    tables of the dates it touched are recomputed from ``_records`` (idempotent, every
+    origin once: :func:`once_per_origin`) and the loss states (``OUTPUT/_loss_state.npz``,
+    the origins' ``OUTPUT/_origin_state.npz``) take in that batch's records only.
+    ``input_dir``: one archive or a list (one stream each, unioned)."""
     from pyspark.sql import functions as F
 
     from .loss import LossState
+    from .origin import ORIGIN_DDL, OriginIndex
     t0 = time.perf_counter()
     configure(spark)
     records = os.path.join(output, RECORDS_DIR)
@@ -830,10 +894,15 @@ def run_stream(spark, input_dir: str, output: str, checkpoint: str,
     except (OSError, ValueError, KeyError):
         done = -1
     loss_state, loss_done = LossState.load(loss_path)
-    reader = spark.readStream.format("logjam").schema(RECORD_DDL)
-    if max_records_per_trigger:
-        reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
-    sdf = reader.load(input_dir)
+    origin_path = os.path.join(output, "_origin_state.npz")
+    origin_state, origin_done = OriginIndex.load(origin_path)
+
+    def stream(k, d):
+        reader = spark.readStream.format("logjam").schema(RECORD_DDL + ", " + ORIGIN_DDL)
+        if max_records_per_trigger:
+            reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
+        return reader.load(d).withColumn("archive", F.lit(k))
+    sdf = _union([stream(k, d) for k, d in enumerate(_dirs(input_dir))])
     # each record under the date it counts at (a request: its started time, else created;
     # anything else: created), so that recomputing a date reads every record it holds
     sdf = sdf.withColumn("date", F.to_date(F.timestamp_millis(
@@ -857,18 +926,26 @@ def run_stream(spark, input_dir: str, output: str, checkpoint: str,
                         log(f"batch {prog['batchId']}: {n} records "
                             f"({prog.get('processedRowsPerSecond', 0):.0f}/s)")
             last = _last_batch(meta_dir)
-            if last > min(done, loss_done):
+            if last > min(done, loss_done, origin_done):
                 dates: set[str] = set()
                 new_files: list[str] = []
-                for b in range(min(done, loss_done) + 1, last + 1):
+                origin_files: list[str] = []
+                for b in range(min(done, loss_done, origin_done) + 1, last + 1):
                     fs = _batch_files(meta_dir, b) or []
                     if b > done:
                         dates |= _dates_of(fs)
                     if b > loss_done:
                         new_files += fs
+                    if b > origin_done:
+                        origin_files += fs
                 if dates:
                     log(f"recomputing {', '.join(sorted(dates))}")
                     tables.update(recompute(spark, output, dates, apdex_ms, log=log))
+                if last > origin_done:
+                    tables.update(update_origin(spark, output, origin_files, origin_state,
+                                                log=log))
+                    origin_state.save(origin_path, last)
+                    origin_done = last
                 if last > loss_done:
                     tables.update(update_loss(spark, output, new_files, loss_state, log=log))
                     loss_state.save(loss_path, last)
