@@ -10,9 +10,11 @@
  * which tags the event; so both paths give the same bytes for every record.
  * ``prefix`` is the cached ``,"app":..,"env":..,"topic":..,"host":..,`` part.
  *
- * events(records, kind_logjam, prefix, decompress, limit) -> (events, clean, total, longest)
+ * events(records, kind_logjam, prefix, decompress, limit[, heartbeats])
+ *     -> (events, clean, total, longest)
  *
- * event() for a whole payload's records in one call (see events() below): what the
+ * event() for a whole payload's records in one call (heartbeats are not events unless
+ * ``heartbeats`` is true: then they are mapped like any message) (see events() below): what the
  * Courier output's mapping loop did per record in Python (kind and heartbeat checks, the
  * body limit, the prefix lookup, the call) is done here; whatever it does not map is
  * marked for the Python mapping, so the bytes are the same either way.  ``records`` may
@@ -166,7 +168,7 @@ static int same_mem(PyObject *a, const unsigned char *p, Py_ssize_t n) {
 
 /* events() of a RecordBlock: from its buffer, no Python object per record but the event */
 static PyObject *events_block(RecordBlock *blk, int kind_logjam, PyObject *prefix_fn,
-                              PyObject *decompress, Py_ssize_t limit) {
+                              PyObject *decompress, Py_ssize_t limit, int heartbeats) {
     Py_ssize_t n = blk->n, total = 0, longest = 0;
     int clean = 1;
     PyObject *out = PyList_New(n), *k0 = NULL, *k1 = NULL, *prefix = NULL;
@@ -177,7 +179,10 @@ static PyObject *events_block(RecordBlock *blk, int kind_logjam, PyObject *prefi
         PyObject *ev, *mark;
         rb_frames(blk, i, &v);
         if ((long)v.kind != kind_logjam || v.nf < 4) { mark = Py_None; goto marked; }
-        if (v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0) { mark = Py_None; goto marked; }
+        if (!heartbeats && v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0) {
+            mark = Py_None;
+            goto marked;
+        }
         if (v.len[2] > limit) { mark = Py_False; goto marked; }
         if (!prefix || !same_mem(k0, v.f[0], v.len[0]) || !same_mem(k1, v.f[1], v.len[1])) {
             PyObject *a = PyBytes_FromStringAndSize((const char *)v.f[0], v.len[0]);
@@ -213,21 +218,25 @@ fail:
     return NULL;
 }
 
-/* events(records, kind_logjam, prefix, decompress, limit) -> (events, clean, total, longest)
+/* events(records, kind_logjam, prefix, decompress, limit[, heartbeats])
+ *     -> (events, clean, total, longest)
  * One entry per record: the event bytes (what event() gives), None for a record that is
- * not an event (another kind, fewer than 4 frames, a heartbeat: record_to_event's None),
+ * not an event (another kind, fewer than 4 frames, a heartbeat unless ``heartbeats``:
+ * record_to_event's None),
  * or False when the Python mapping must decide (anything event() leaves to it, a body
  * over ``limit``, a record that is not a (position, kind, frames) tuple of bytes).
  * ``prefix(app_env, topic) -> bytes`` is called when the pair changes; ``clean``: every
  * entry is bytes; ``total``/``longest``: their summed and largest length. */
 static PyObject *events(PyObject *self, PyObject *args) {
     PyObject *records, *prefix_fn, *decompress;
-    int kind_logjam;
+    int kind_logjam, heartbeats = 0;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "OiOOn", &records, &kind_logjam, &prefix_fn, &decompress, &limit))
+    if (!PyArg_ParseTuple(args, "OiOOn|p", &records, &kind_logjam, &prefix_fn, &decompress,
+                          &limit, &heartbeats))
         return NULL;
     if (block_type && Py_TYPE(records) == block_type)
-        return events_block((RecordBlock *)records, kind_logjam, prefix_fn, decompress, limit);
+        return events_block((RecordBlock *)records, kind_logjam, prefix_fn, decompress, limit,
+                            heartbeats);
     PyObject *seq = PySequence_Fast(records, "records must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0, longest = 0;
@@ -248,7 +257,8 @@ static PyObject *events(PyObject *self, PyObject *args) {
         PyObject **fr = PySequence_Fast_ITEMS(frames);
         if (!PyBytes_CheckExact(fr[0]) || !PyBytes_CheckExact(fr[1]) || !PyBytes_CheckExact(fr[2]))
             goto python;
-        if (PyBytes_GET_SIZE(fr[0]) == 9 && memcmp(PyBytes_AS_STRING(fr[0]), "heartbeat", 9) == 0)
+        if (!heartbeats && PyBytes_GET_SIZE(fr[0]) == 9 &&
+                memcmp(PyBytes_AS_STRING(fr[0]), "heartbeat", 9) == 0)
             goto skip;
         if (PyBytes_GET_SIZE(fr[2]) > limit) goto python;
         if (!prefix || !same_bytes(fr[0], k0) || !same_bytes(fr[1], k1)) {
@@ -417,7 +427,8 @@ static PyObject *is_json(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"event", event, METH_VARARGS, "event(frames, prefix, decompress) -> bytes or None"},
     {"events", events, METH_VARARGS,
-     "events(records, kind_logjam, prefix, decompress, limit) -> (events, clean, total, longest)"},
+     "events(records, kind_logjam, prefix, decompress, limit[, heartbeats])"
+     " -> (events, clean, total, longest)"},
     {"adler32", adler32, METH_VARARGS, "adler32(data[, value]) -> zlib.adler32(data, value)"},
     {"adler32_scalar", adler32_scalar_py, METH_VARARGS,
      "adler32 without SIMD (tests compare both with zlib.adler32)"},

@@ -1,17 +1,19 @@
 /* The Lumberjack output's event mapping in C: logjam records -> consecutive 1D frames.
  *
- * encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback)
+ * encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback[, heartbeats])
  *     -> (bytes, n)
  *
  * Exactly EventEncoder.encode_py for every record it handles itself: a logjam record
- * (kind == kind_logjam, first frame != b"heartbeat") with 4 frames, a 24-byte meta frame
+ * (kind == kind_logjam, first frame != b"heartbeat" unless ``heartbeats`` is true: then
+ * heartbeats are mapped like any message) with 4 frames, a 24-byte meta frame
  * and a body that is plain or that ``decompress(body, comp)`` decodes.  Anything else
  * (wrong frame count, bad meta, a body that does not decompress) is handed to
  * ``fallback(frames, seq) -> bytes`` (the Python mapping, which also counts the decode
  * error), so both paths give byte-identical frames.  ``cache`` maps (app_env, topic) to
  * the encoded app/env/topic pairs; on a miss ``stream_pairs(app_env, topic)`` builds them.
  *
- * encode_block(block, kind_logjam, tail, cache, stream_pairs, limit) -> (bytes, n) | None
+ * encode_block(block, kind_logjam, tail, cache, stream_pairs, limit[, heartbeats])
+ *     -> (bytes, n) | None
  *     encode() of a RecordBlock (spool/_recblock.h: an output worker's reads), from its
  *     buffer: no Python object per record.  Only for the common case, without side
  *     effects otherwise: None (the caller encodes ``block.tolist()``) when a logjam
@@ -78,9 +80,9 @@ static inline uint64_t be64(const unsigned char *p) {
 
 static PyObject *encode(PyObject *self, PyObject *args) {
     PyObject *records, *tail, *cache, *stream_pairs, *decompress, *fallback;
-    int kind_logjam;
-    if (!PyArg_ParseTuple(args, "OiSO!OOO", &records, &kind_logjam, &tail, &PyDict_Type, &cache,
-                          &stream_pairs, &decompress, &fallback))
+    int kind_logjam, heartbeats = 0;
+    if (!PyArg_ParseTuple(args, "OiSO!OOO|p", &records, &kind_logjam, &tail, &PyDict_Type,
+                          &cache, &stream_pairs, &decompress, &fallback, &heartbeats))
         return NULL;
     PyObject *seq_ = PySequence_Fast(records, "records must be a sequence");
     if (!seq_) return NULL;
@@ -108,7 +110,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         }
         PyObject **fr = PySequence_Fast_ITEMS(frames);
         Py_ssize_t nf = PySequence_Fast_GET_SIZE(frames);
-        if (nf > 0 && PyBytes_Check(fr[0]) && PyBytes_GET_SIZE(fr[0]) == 9 &&
+        if (!heartbeats && nf > 0 && PyBytes_Check(fr[0]) && PyBytes_GET_SIZE(fr[0]) == 9 &&
                 memcmp(PyBytes_AS_STRING(fr[0]), "heartbeat", 9) == 0)
             continue;                       /* heartbeats are spooled for the archive only */
         seq++;
@@ -220,10 +222,10 @@ static int reserve_bytes(PyObject **o, size_t *cap, size_t len, size_t more) {
 
 static PyObject *encode_block(PyObject *self, PyObject *args) {
     PyObject *blk_obj, *tail, *cache, *stream_pairs;
-    int kind_logjam;
+    int kind_logjam, heartbeats = 0;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "OiSO!On", &blk_obj, &kind_logjam, &tail, &PyDict_Type, &cache,
-                          &stream_pairs, &limit))
+    if (!PyArg_ParseTuple(args, "OiSO!On|p", &blk_obj, &kind_logjam, &tail, &PyDict_Type, &cache,
+                          &stream_pairs, &limit, &heartbeats))
         return NULL;
     if (!block_type || Py_TYPE(blk_obj) != block_type) {
         PyErr_SetString(PyExc_TypeError, "encode_block() needs a RecordBlock");
@@ -240,7 +242,8 @@ static PyObject *encode_block(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < blk->n; i++) {
         rb_frames(blk, i, &v);
         if ((long)v.kind != kind_logjam) continue;
-        if (v.nf > 0 && v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0) continue;
+        if (!heartbeats && v.nf > 0 && v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0)
+            continue;
         if (v.nf != 4 || v.len[3] != 24 || v.f[3][2] != 0 || (limit >= 0 && v.len[2] > limit))
             Py_RETURN_NONE;
         cap += 10 + 8 + (size_t)v.len[2] + 3 * 30 + taillen + 64 + 3 * (size_t)(v.len[0] + v.len[1]);
@@ -257,7 +260,8 @@ static PyObject *encode_block(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < blk->n; i++) {
         rb_frames(blk, i, &v);
         if ((long)v.kind != kind_logjam) continue;
-        if (v.nf > 0 && v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0) continue;
+        if (!heartbeats && v.nf > 0 && v.len[0] == 9 && memcmp(v.f[0], "heartbeat", 9) == 0)
+            continue;
         seq++;
         if (!last_pairs || v.len[0] != l0len || v.len[1] != l1len ||
                 memcmp(v.f[0], l0, (size_t)l0len) != 0 || memcmp(v.f[1], l1, (size_t)l1len) != 0) {
@@ -506,9 +510,11 @@ static PyObject *window_start(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
-     "encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback) -> (bytes, n)"},
+     "encode(records, kind_logjam, tail, cache, stream_pairs, decompress, fallback[, heartbeats])"
+     " -> (bytes, n)"},
     {"encode_block", encode_block, METH_VARARGS,
-     "encode_block(block, kind_logjam, tail, cache, stream_pairs, limit) -> (bytes, n) or None"},
+     "encode_block(block, kind_logjam, tail, cache, stream_pairs, limit[, heartbeats])"
+     " -> (bytes, n) or None"},
     {"scan", scan, METH_VARARGS,
      "scan(records, inline_body_max) -> (body_bytes, heavy) or None (Python decides)"},
     {"window_start", window_start, METH_VARARGS,

@@ -224,8 +224,9 @@ class CourierOutput:
                 return
             self.reconnects += 1
             if not self._batches and self._held is None and not self._event_at_head:
-                # heartbeats are not this output's backlog (see poison.skip_non_events)
-                self._event_at_head = skip_non_events(self.reader)
+                # heartbeats are not this output's backlog (see poison.skip_non_events),
+                # unless heartbeats=on
+                self._event_at_head = skip_non_events(self.reader, cfg.heartbeats)
             if self._progress or bisecting:
                 backoff = cfg.backoff_initial
             else:
@@ -450,7 +451,7 @@ class CourierOutput:
         cfg = self.config
         limit = cfg.max_event_bytes
         hostname = cfg.hostname
-        mapped = record_events(records, hostname, limit)
+        mapped = record_events(records, hostname, limit, cfg.heartbeats)
         if mapped is not None:
             evs, clean, total, longest = mapped
             if clean and longest <= limit and total + 4 * (len(evs) - 1) <= cfg.max_payload_bytes:
@@ -468,7 +469,7 @@ class CourierOutput:
             ev = evs[i] if evs is not None else False
             if ev is False:
                 try:
-                    ev = record_to_event(rec, hostname, limit)
+                    ev = record_to_event(rec, hostname, limit, cfg.heartbeats)
                 except EventTooLarge as e:
                     rejected.append((rec, e.reason))
                     continue

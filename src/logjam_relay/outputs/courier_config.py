@@ -28,6 +28,9 @@ class CourierConfig:
     backoff_max: float = 30.0             # the Go client caps at 300 s: too long for a relay
     compress_level: int = 3               # as the Go client (78 5e)
     streaming: bool = True                # use EVNT when the receiver offers it
+    # forward heartbeats (and restart markers) as events: an edge relay feeding a central
+    # one, so that every sequence number of the edge reaches the central archive
+    heartbeats: bool = False
     max_payload_bytes: int = 4 * 1024 * 1024   # uncompressed; a payload is cut earlier
     max_event_bytes: int = MAX_LENGTH - 1024   # larger events are dropped (receivers refuse)
     hostname: str = field(default_factory=socket.gethostname)   # event field "host"
@@ -71,6 +74,7 @@ def parse_url(url: str) -> CourierConfig:
     connection), ``tls`` (on/off, default on), ``ca``, ``cert``, ``key``, ``server_name``,
     ``verify`` (on/off, default on), ``timeout`` (network timeout, s), ``ping`` (idle
     PING, s), ``backoff``, ``backoff_max`` (s), ``level`` (zlib 0-9), ``evnt`` (on/off),
+    ``heartbeats`` (on/off, default off: forward heartbeats as events),
     ``hostname`` (the ``host`` field of events), ``name`` (the output's name: metrics,
     spool cursor, dead letters). Raises ValueError naming the bad part.
     """
@@ -122,6 +126,8 @@ def parse_url(url: str) -> CourierConfig:
             kw[key] = v
     if "evnt" in params:
         kw["streaming"] = flag("courier", "evnt", params.pop("evnt"))
+    if "heartbeats" in params:
+        kw["heartbeats"] = flag("courier", "heartbeats", params.pop("heartbeats"))
     for key in ("hostname", "name"):
         value = params.pop(key, None)
         if value is not None:

@@ -99,9 +99,10 @@ def _inflater(limit: int):
     return f
 
 
-def record_to_event(record: Record, hostname: str,
-                    limit: int = DEFAULT_LIMIT) -> bytes | None:
-    """One logjam record -> one JSON event (bytes), or None when it is not a logjam record.
+def record_to_event(record: Record, hostname: str, limit: int = DEFAULT_LIMIT,
+                    heartbeats: bool = False) -> bytes | None:
+    """One logjam record -> one JSON event (bytes), or None when it is not a logjam record
+    (or a heartbeat, unless ``heartbeats``: then it is mapped like any message).
 
     The common case (good meta, JSON body) is mapped in C (``_courierenc.c``) when it is
     built; everything else, and everything without it, by :func:`record_to_event_py`.
@@ -109,7 +110,8 @@ def record_to_event(record: Record, hostname: str,
     inflating it).
     """
     frames = record.frames
-    if record.kind != KIND_LOGJAM or len(frames) < 4 or frames[0] == b"heartbeat":
+    if record.kind != KIND_LOGJAM or len(frames) < 4 or \
+            (not heartbeats and frames[0] == b"heartbeat"):
         return None     # heartbeats are spooled for the gapless archive only
     if len(frames[2]) > limit:
         raise EventTooLarge(f"body of {len(frames[2])} bytes is over {limit} bytes")
@@ -122,10 +124,11 @@ def record_to_event(record: Record, hostname: str,
         if e is not None:
             _refused.too_large = None
             raise e
-    return record_to_event_py(record, hostname, limit)
+    return record_to_event_py(record, hostname, limit, heartbeats)
 
 
-def record_events(records: list[Record], hostname: str, limit: int = DEFAULT_LIMIT):
+def record_events(records: list[Record], hostname: str, limit: int = DEFAULT_LIMIT,
+                  heartbeats: bool = False):
     """The C mapping of a whole batch, or None without it: ``(events, clean, total,
     longest)``, ``events[i]`` for ``records[i]``: the event bytes (what
     :func:`record_to_event` returns), None (not an event) or False (left to
@@ -135,18 +138,19 @@ def record_events(records: list[Record], hostname: str, limit: int = DEFAULT_LIM
     if _courierenc is None:
         return None
     return _courierenc.events(records, KIND_LOGJAM, lambda a, t: _prefix(a, t, hostname),
-                              _inflater(limit), limit)
+                              _inflater(limit), limit, heartbeats)
 
 
-def record_to_event_py(record: Record, hostname: str,
-                       limit: int = DEFAULT_LIMIT) -> bytes | None:
+def record_to_event_py(record: Record, hostname: str, limit: int = DEFAULT_LIMIT,
+                       heartbeats: bool = False) -> bytes | None:
     """:func:`record_to_event` in Python alone (the reference for the C mapping).
 
     ``{"@timestamp", "app", "env", "topic", "host", "logjam": {"device", "sequence",
     "created_ms"}, "payload": <decoded JSON body>}``; a body that is not JSON becomes
     ``"message": <text>, "tags": ["_logjam_body_not_json"]`` (see docs/courier.md).
     """
-    if record.kind != KIND_LOGJAM or len(record.frames) < 4 or record.frames[0] == b"heartbeat":
+    if record.kind != KIND_LOGJAM or len(record.frames) < 4 or \
+            (not heartbeats and record.frames[0] == b"heartbeat"):
         return None     # heartbeats are spooled for the gapless archive only
     app_env, topic, body, meta_b = record.frames[:4]
     tag = None

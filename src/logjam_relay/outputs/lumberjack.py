@@ -112,7 +112,7 @@ class LumberjackOutput:
         self.source = source
         self.config = config
         self._rng = rng or random.Random()
-        self._encoder = EventEncoder(config.relay_host, max_event_bytes)
+        self._encoder = EventEncoder(config.relay_host, max_event_bytes, config.heartbeats)
         #: windows from this size on are compressed off the event loop (a worker process,
         #: where nothing else runs on the loop, compresses every window on it: no thread
         #: start, no wake-up per window -- outputs/worker.py)
@@ -241,10 +241,11 @@ class LumberjackOutput:
             await self._backoff()
 
     def _skip_idle(self) -> None:
-        """Disconnected with nothing in flight: heartbeats are not this output's backlog."""
+        """Disconnected with nothing in flight: heartbeats are not this output's backlog
+        (unless ``heartbeats=on``)."""
         if not self._pending and self._held is None and not self._event_at_head \
                 and not self._carry:
-            self._event_at_head = skip_non_events(self.source)
+            self._event_at_head = skip_non_events(self.source, self.config.heartbeats)
 
     async def _refused(self) -> bool:
         """The reader closed the connection before the head window's ACK: count it, and
@@ -281,7 +282,7 @@ class LumberjackOutput:
     async def _release_held(self, upto: Position) -> None:
         """An ACK after a held event: divert it, then acknowledge the source to ``upto``."""
         held, self._held = self._held, None
-        events = [r for r in held.records if _is_event(r)]
+        events = [r for r in held.records if _is_event(r, self.config.heartbeats)]
         await self.dead_letters.divert(
             [(r, "refused", f"connection closed before the ACK {held.refusals} times in a "
                             f"row; later windows acknowledged") for r in events])
@@ -292,7 +293,7 @@ class LumberjackOutput:
     async def _bisect_head(self) -> None:
         head = self._pending[0]
         recs = head.records
-        idx = [i for i, r in enumerate(recs) if _is_event(r)]
+        idx = [i for i, r in enumerate(recs) if _is_event(r, self.config.heartbeats)]
         cut = idx[len(idx) // 2]           # the second half starts with this event
         first, second = recs[:cut], recs[cut:]
         self.bisections += 1

@@ -35,6 +35,9 @@ class LumberjackConfig:
     # relay's max_event_bytes), so window x pipeline is bounded in bytes, not only events
     window_bytes: int = 0
     loadbalance: bool = False             # pick a random host per connection
+    # forward heartbeats (and restart markers) as events: an edge relay feeding a central
+    # one, so that every sequence number of the edge reaches the central archive
+    heartbeats: bool = False
     relay_host: str = field(default_factory=socket.gethostname)
     name: str = "lumberjack"
 
@@ -71,7 +74,8 @@ def _num(name: str, v: str, conv):
 def parse_url(url: str, **overrides) -> LumberjackConfig:
     """``lumberjack://h1:5044,h2:5044?window=1000&compression=3&tls=on&ca=...&cert=...
     &key=...&server_name=...&verify=on&timeout=30&pipeline=4&window_bytes=40MiB
-    &loadbalance=off&backoff_min=0.5&backoff_max=30&relay_host=...&name=...`` -> :class:`LumberjackConfig`.
+    &loadbalance=off&heartbeats=off&backoff_min=0.5&backoff_max=30&relay_host=...&name=...``
+    -> :class:`LumberjackConfig`.
 
     TLS is on unless ``tls=off``; the port defaults to 5044.  Raises ValueError naming
     the offending parameter.  ``overrides`` are passed to the config as keyword arguments.
@@ -109,7 +113,7 @@ def parse_url(url: str, **overrides) -> LumberjackConfig:
                 raise ValueError(f"lumberjack URL: parameter {k!r}: {e}") from None
         elif k in ("timeout", "backoff_min", "backoff_max"):
             kw[k] = _num(k, v, float)
-        elif k == "loadbalance":
+        elif k in ("loadbalance", "heartbeats"):
             kw[k] = flag("lumberjack", k, v)
         elif k in ("relay_host", "name"):
             if not v:

@@ -59,9 +59,15 @@ class EventEncoder:
     last ``-``), ``topic``, ``device``, ``sequence``, ``created_ms``, ``host`` (relay host),
     ``type`` = ``logjam``; plus ``tags`` = ``logjam_decode_error`` when the body or the
     meta frame cannot be decoded (``line`` is then the raw body as text).
+
+    Heartbeats (first frame ``heartbeat``) are skipped unless ``heartbeats``: then they
+    are mapped like any message (app ``heartbeat``, env ``""``, topic ``tcp://fqdn:port``,
+    line ``{}`` or a restart marker's body).
     """
 
-    def __init__(self, relay_host: str, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES):
+    def __init__(self, relay_host: str, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+                 heartbeats: bool = False):
+        self.heartbeats = heartbeats
         self._tail = _kv(b"host", relay_host.encode()) + _kv(b"type", b"logjam")
         self._stream_cache: dict[tuple[bytes, bytes], bytes] = {}
         self.decode_errors = 0
@@ -95,7 +101,8 @@ class EventEncoder:
     def encode(self, records: list[Record]) -> tuple[bytes, int]:
         """``1D`` frames (seq 1..n) for the logjam records; (bytes, n).
 
-        Records of other kinds are skipped (not forwarded).  Uses the C mapping
+        Records of other kinds are skipped (not forwarded), and heartbeats unless the
+        encoder was made with ``heartbeats``.  Uses the C mapping
         (``_ljencode.c``) when it is built; :meth:`encode_py` otherwise (same bytes).
         An event that inflates past ``max_event_bytes`` gives an empty frame here (its
         sequence number is used), and a plain body over it is mapped by the C twin but
@@ -106,13 +113,14 @@ class EventEncoder:
             return self.encode_py(records)
         if type(records) is _RecordBlock:
             res = _encode_block(records, KIND_LOGJAM, self._tail, self._stream_cache,
-                                self._stream_pairs, -1)
+                                self._stream_pairs, -1, self.heartbeats)
             if res is not None:
                 return res
             records = records.tolist()
         self._too_large.clear()          # ids are only meaningful within one call
         return _ljencode.encode(records, KIND_LOGJAM, self._tail, self._stream_cache,
-                                self._stream_pairs, self._decompress, self._encode_one)
+                                self._stream_pairs, self._decompress, self._encode_one,
+                                self.heartbeats)
 
     def encode_checked(self, records: list[Record], prescan: bool = False
                        ) -> tuple[bytes, int, list[Record], list[tuple[Record, str]]]:
@@ -131,7 +139,7 @@ class EventEncoder:
             # mapped from its buffer; anything else as a list (rejections are by identity)
             if not prescan:
                 res = _encode_block(records, KIND_LOGJAM, self._tail, self._stream_cache,
-                                    self._stream_pairs, limit)
+                                    self._stream_pairs, limit, self.heartbeats)
                 if res is not None:
                     return res[0], res[1], records, []
             records = records.tolist()
@@ -168,9 +176,10 @@ class EventEncoder:
         append = parts.append
         seq = 0
         encode_one = self._encode_one
+        skip_heartbeats = not self.heartbeats
         for rec in records:
             frames = rec.frames
-            if rec.kind != KIND_LOGJAM or (frames and frames[0] == HEARTBEAT):
+            if rec.kind != KIND_LOGJAM or (skip_heartbeats and frames and frames[0] == HEARTBEAT):
                 continue            # heartbeats are spooled for the gapless archive only
             seq += 1
             append(encode_one(frames, seq))

@@ -70,9 +70,12 @@ def clear_suspicion(items) -> None:
         x.refusals = 0
 
 
-def is_event(rec: Record) -> bool:
-    """A record an output forwards: a logjam message that is not a heartbeat."""
-    return rec.kind == KIND_LOGJAM and not (rec.frames and rec.frames[0] == HEARTBEAT)
+def is_event(rec: Record, heartbeats: bool = False) -> bool:
+    """A record an output forwards: a logjam message that is not a heartbeat (any logjam
+    message, heartbeats and restart markers too, with ``heartbeats``: the output's URL
+    parameter ``heartbeats=on``)."""
+    return rec.kind == KIND_LOGJAM and (heartbeats or not (rec.frames and
+                                                           rec.frames[0] == HEARTBEAT))
 
 
 #: a plain body larger than this is mapped in a worker thread (JSON check, copies)
@@ -113,11 +116,11 @@ def needs_worker(records: list[Record]) -> bool:
     return scan(records)[1]
 
 
-def skip_non_events(source) -> bool:
+def skip_non_events(source, heartbeats: bool = False) -> bool:
     """For an output that is not connected and has nothing in flight (everything it read
     is acknowledged): acknowledge at once the records at the read position it would never
-    forward (heartbeats: spooled for the archive's gapless sequence only), so that they do
-    not count as its backlog.  Reads one record at a time and stops at the first event,
+    forward (heartbeats, unless ``heartbeats``: spooled for the archive's gapless sequence
+    only; other kinds), so that they do not count as its backlog.  Reads one record at a time and stops at the first event,
     rewinding the reader to it (nothing is held in memory meanwhile, so ``drop_oldest``
     accounting stays exact).  Returns True when it stopped at an event: the caller need
     not call it again before it acknowledged something (the cursor cannot pass the event,
@@ -126,7 +129,7 @@ def skip_non_events(source) -> bool:
         recs = source.read(1)
         if not recs:
             return False
-        if is_event(recs[0]):
+        if is_event(recs[0], heartbeats):
             source.rewind()
             return True
         source.ack(recs[0].position)

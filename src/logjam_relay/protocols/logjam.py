@@ -274,6 +274,16 @@ def heartbeat_frames(fqdn: str, pub_port: int, device: int, now_ms: int,
             encode_meta(NO_COMPRESSION, device, now_ms, sequence)]
 
 
+def restart_marker_frames(fqdn: str, pub_port: int, device: int, now_ms: int, sequence: int,
+                          skipped_from: int, skipped_to: int) -> list[bytes]:
+    """A heartbeat-shaped record that says the numbers ``skipped_from..skipped_to`` were
+    reserved before a crash and never spooled (spooled, never published:
+    docs/spool-format.md, "Restart marker")."""
+    body = b'{"restart":{"skipped_from":%d,"skipped_to":%d}}' % (skipped_from, skipped_to)
+    return [HEARTBEAT, f"tcp://{fqdn}:{pub_port}".encode(), body,
+            encode_meta(NO_COMPRESSION, device, now_ms, sequence)]
+
+
 def stats_frames(device: int, last_sequence: int) -> list[bytes]:
     return [STATS, str(device).encode(), str(last_sequence).encode()]
 

@@ -175,6 +175,13 @@ class Relay:
             for tp in (self.pub, self.stats_pub):
                 if isinstance(tp, ThreadedPub):
                     tp.start()                      # the loop does not touch its XPUB again
+            self.ticker = self._make_ticker()
+            skipped = self.sequence_state.skipped()
+            if skipped is not None:
+                # after a crash, before anything can take a number (the inputs start with
+                # the tasks below): the restart marker, spooled with this run's first
+                # number, names the numbers reserved before the crash and never spooled
+                self.ticker.restart_marker(*skipped)
 
             async with trio.open_nursery() as nursery:
                 ingest = trio.CancelScope()
@@ -206,7 +213,6 @@ class Relay:
                         nursery.start_soon(self.commits.run)
                 for line in ineffective(s):
                     log.warning("%s", line)
-                self.ticker = self._make_ticker()
                 nursery.start_soon(self.ticker.run)
                 if isinstance(self.pub, zmq_trio.PubSocket):
                     nursery.start_soon(poll_subscriptions, self.pub.guard)
@@ -214,7 +220,7 @@ class Relay:
                 if self.outputs:
                     nursery.start_soon(self._run_outputs)
                 self.ready.set()
-                log.info("%s", self.ready_line(first))
+                log.info("%s", self.ready_line(self.pipeline.seq + 1))   # after a marker
                 task_status.started(self)
                 await self._shutdown_requested.wait()
                 # ---- graceful shutdown: stop reading, flush, persist
@@ -588,14 +594,14 @@ class Relay:
         if pub_port == 0 and "pub" in self.endpoints:
             pub_port = int(self.endpoints["pub"].rsplit(":", 1)[1])
         spool_frames = None
-        if self.commits is not None:
-            def spool_frames(frames):           # in sequence order with the ingest's
-                self.commits.submit(None, None, records=[frames])
-        elif self.spool is not None:
+        if self.spool is not None:
             # spooled too, so the archive holds every sequence number (loss report); the
-            # upstream outputs skip heartbeats
+            # upstream outputs skip heartbeats unless heartbeats=on
             def spool_frames(frames):
-                self.spool.append_batch([frames])
+                if self.commits is not None:    # in sequence order with the ingest's
+                    self.commits.submit(None, None, records=[frames])
+                else:   # no group commit, or not yet (the restart marker at start-up)
+                    self.spool.append_batch([frames])
         return Ticker(pipeline=self.pipeline, publish=self.pub.publish, fqdn=self.fqdn,
                       device_id=s.device_id, pub_port=pub_port,
                       heartbeat_interval=s.heartbeat_interval,

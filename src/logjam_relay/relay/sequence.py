@@ -11,6 +11,10 @@ restart (or a wrap).  The relay keeps a small state file per device:
   ``reserved + 1`` (or after the last number found in the spool, whichever is
   higher), so a number is never handed out twice; the price is a visible gap,
   which is the honest signal that a crash may have lost messages.
+
+After a crash, :meth:`SequenceState.skipped` gives the numbers that were reserved but,
+as far as the spool and the state file tell, never used: the relay spools a restart
+marker naming them (relay/ticker.py, docs/spool-format.md "Restart marker").
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class SequenceState:
         self.last = 0           # last number handed out
         self.reserved = 0       # persisted upper bound while running
         self.recovered_from = "none"   # none | clean | crash | spool
+        self._skipped: tuple[int, int] | None = None    # set by load() after a crash
         self.write_errors = 0
         self._lock_fd: int | None = None
         # reserve_async writes from a worker thread: one writer at a time, and a
@@ -138,12 +143,15 @@ class SequenceState:
                     "number is unknown and numbers could be reused; move the file aside "
                     "to start again at 1") from None
         last = 0
+        used = 0                # the highest number known to have been handed out
+        self._skipped = None
         if data is not None:
             if data.get("clean"):
                 last = int(data.get("sequence", 0))
                 self.recovered_from = "clean"
             else:
-                last = max(int(data.get("sequence", 0)), int(data.get("reserved", 0)))
+                used = int(data.get("sequence", 0))
+                last = max(used, int(data.get("reserved", 0)))
                 self.recovered_from = "crash"
                 log.warning("relay did not shut down cleanly: continuing after the reserved "
                             "sequence number %d (importers will see a gap)", last)
@@ -152,8 +160,21 @@ class SequenceState:
             self.recovered_from = "spool"
         if last >= MAX_SEQUENCE:
             last = 0
+        if self.recovered_from == "crash":
+            used = max(used, spool_last or 0)
+            if used + 1 <= last:
+                self._skipped = (used + 1, last)
         self.last = last
         return last + 1
+
+    def skipped(self) -> tuple[int, int] | None:
+        """After :meth:`load` found a crash: ``(first, last)``, the numbers this start
+        skips (they were reserved before the crash, and neither the spool nor the state
+        file's last checkpoint shows them used): from 1 + the highest number known to
+        have been used (the spool's last sequence, the state file's ``sequence``) to the
+        number before the one :meth:`load` returned.  None after a clean stop, without
+        state, when the spool is ahead of the state file, or when nothing was skipped."""
+        return self._skipped
 
     # --------------------------------------------------------------- writing
     def _write(self, payload: dict) -> None:

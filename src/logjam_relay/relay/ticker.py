@@ -64,6 +64,29 @@ class Ticker:
             except Exception as e:
                 rlog.error("spool_write", "spooling a heartbeat failed: %s", e)
 
+    def restart_marker(self, skipped_from: int, skipped_to: int) -> int | None:
+        """After a crash, before any ingest: spool (never publish: PUB's subscribers see
+        the gap, as before) a heartbeat-shaped record whose body names the sequence
+        numbers the restart skipped, ``{"restart":{"skipped_from":A,"skipped_to":B}}``;
+        it takes the next number (the first of this run).  Returns that number, or None
+        without a spool (nothing is taken then) or when it could not be spooled (logged,
+        as a heartbeat's failure is: the relay goes on)."""
+        if self.spool_frames is None:
+            return None
+        seq = self.pipeline.next_sequence()
+        frames = L.restart_marker_frames(self.fqdn, self.pub_port, self.device_id, now_ms(),
+                                         seq, skipped_from, skipped_to)
+        try:
+            self.spool_frames(frames)
+        except Exception as e:
+            log.error("spooling the restart marker (sequence numbers %d..%d skipped) failed: "
+                      "%s", skipped_from, skipped_to, e)
+            return None
+        log.info("restart after a crash: sequence numbers %d..%d were reserved and never "
+                 "spooled; restart marker spooled with number %d", skipped_from, skipped_to,
+                 seq)
+        return seq
+
     def stats_tick(self) -> None:
         p = self.pipeline
         # logjam-device's timer: msgs_received_max_bytes is the largest body of the tick
