@@ -46,6 +46,8 @@ class Hosts:
         self.switch = f"lj{self.tag}sw"
         self.hosts: dict[str, tuple[str, str, str]] = {}   # name -> (netns, if, ip)
         self.procs: list[subprocess.Popen] = []
+        #: the hosts whose link is down
+        self.cut: set[str] = set()
         self._root_if = f"lj{self.tag}r"
 
     # ------------------------------------------------------------------ set-up
@@ -100,10 +102,12 @@ class Hosts:
         """Cut the host off the network (its link down)."""
         ns, hif, _ = self.hosts[name]
         _ip("-n", ns, "link", "set", hif, "down")
+        self.cut.add(name)
 
     def up(self, name: str) -> None:
         ns, hif, addr = self.hosts[name]
         _ip("-n", ns, "link", "set", hif, "up")
+        self.cut.discard(name)
 
     # ------------------------------------------------------------------ tear-down
     def close(self) -> None:

@@ -14,6 +14,7 @@ sealed segment of its spool deleted meanwhile, an edge whose spool disk fills up
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -52,11 +53,26 @@ def test_fleet_counts_every_request_once_and_names_the_lost_range(tmp_path):
             f.start(c)
         for e in EDGES:
             f.start(e)
-        agents, faults = run_traffic(f, standard_faults)
-        f.drained()
-        for name in (*EDGES, *CENTRALS):
-            assert f.stop(name) == 0, name
-        master = start_spark(f, TEST_JIT)
+        # the cluster starts beside the traffic (its JVMs take a while)
+        spark = {}
+
+        def cluster():
+            try:
+                spark["url"] = start_spark(f, TEST_JIT)
+            except BaseException as e:      # raised below, after the traffic
+                spark["error"] = e
+        th = threading.Thread(target=cluster)
+        th.start()
+        try:
+            agents, faults = run_traffic(f, standard_faults)
+            f.drained()
+            for name in (*EDGES, *CENTRALS):
+                assert f.stop(name) == 0, name
+        finally:
+            th.join()
+        if "error" in spark:
+            raise spark["error"]
+        master = spark["url"]
         out = str(tmp_path / "stats")
         text, seconds = run_pipeline(f, master, out, TEST_JIT)
         ids = archived_request_ids(f)
@@ -95,3 +111,4 @@ def test_fleet_counts_every_request_once_and_names_the_lost_range(tmp_path):
     assert {r["device"] for r in tables["loss"]} == set(CENTRALS.values())
     assert sum(r["skipped"] for r in tables["origin_loss"] if r["device"] == 7) > 0
     assert "copies of events that arrived more than once left out" in text
+    assert faults["edge9_disk_full"] == 1
