@@ -386,3 +386,26 @@ def test_the_thread_forwards_while_the_loop_holds_the_gil(ctx):
     # thread some ms
     assert worst < 200, f"{worst} records waited in the ring while the loop held the GIL"
     assert tp.close()
+
+
+def test_a_release_reaches_the_loop_while_records_flow(ctx):
+    """The ring's pump stays in C while records flow (issue 44); a subscriber's end still
+    reaches the loop as the release of its topics: libzmq's unsubscription makes the XPUB
+    readable, which sends the pump back to Python (and the guard's watch kicks it when
+    it holds notifications from the monitor)."""
+    require_native(zmq_fast.Ring, f"logjam_relay.io._zmqfast ({zmq_fast.WHY_NOT})")
+    tp = ThreadedPub(xpub(ctx, sndhwm=0), 100, name="t", hwm=0, notify=True)
+    tp.start()
+    s = sub(ctx, tp.endpoint, b"STAT?")
+    got: list[bytes] = []
+    until(lambda: got.extend(tp.poll_subscriptions()) or got, what="a notification")
+    assert got == [b"\x01STAT?"]
+    rec = [b"app", b"logs", b"x"]
+    t0 = time.monotonic()
+    s.close(linger=0)
+    while b"\x00STAT?" not in got and time.monotonic() - t0 < 10:
+        tp.publish_batch([rec])           # a record every ms: the pump never idles
+        got.extend(tp.poll_subscriptions())
+        time.sleep(0.001)
+    assert b"\x00STAT?" in got, got
+    assert tp.close()
