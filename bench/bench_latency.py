@@ -3,13 +3,28 @@
 
     python bench/bench_latency.py [--rates 100000,200000] [--seconds 5]
                                   [--paths dealer,push] [--targets proxy,none,interval,batch]
+                                  [--modes ticks,message]
                                   [--ingest-messages 1000000] [--relay-src NAME=SRC_DIR ...]
 
 The load is ``zmq_latency.c`` (built here with gcc against pyzmq's bundled libzmq, as
 bench_relay.py builds zmq_load.c): it sends 300-byte logjam messages on a fixed schedule
 (message i is due at t0 + i/rate) and measures every latency from the message's
 *scheduled* send time, so a stall of the device shows in full instead of slowing the
-load down (no coordinated omission).  Two latencies:
+load down (no coordinated omission).  Two modes of sending (``--modes``, both by
+default, every figure in each):
+
+* ``ticks``: every 200 us the tool sends everything that fell due since the last tick,
+  together -- bursts of ~20 messages at 100k msg/s, the load of a batching shipper;
+* ``message``: every message alone, at its own scheduled time (the tool sleeps until the
+  next one is due), no ticks.  **This is the mode a real agent resembles**: a web
+  application sends each request's log when the request ends, one message at a time, and
+  many such agents together arrive as a stream of single messages, not in bursts.  It is
+  also the harder one for the relay: each message may find the relay idle, so every
+  wake-up path (the ingest's wait on the socket, the group commit's rounds, the PUB
+  thread's sleep) is taken for every few messages, and a missed wake-up shows as a stall
+  (issue 44).
+
+Two latencies:
 
 * **reply**: DEALER -> the relay's ROUTER, until the "202 Accepted" is back (under
   ``spool_fsync=batch`` the 202 means "fdatasync'ed");
@@ -27,8 +42,8 @@ Printed per rate and path: p50/p99/p99.9/max (ms), how many of the messages were
 answered / published; for a spool target the relay's own fdatasyncs of the run (from its
 ``logjam_relay_spool_fdatasync_seconds`` histogram: the disk's share of a ``batch`` 202;
 and for ``batch`` the replies' wait in the group commit, ``logjam_relay_group_commit_wait_seconds``);
-and the ratios: relay p99.9 / zmq.proxy p99.9 (one-way), batch /
-no-spool (reply).  Then the ingest rate (DEALER as fast as the socket takes them,
+and the ratios, p50/p99/p99.9/max each: relay / zmq.proxy (one-way), interval and batch /
+no-spool relay (reply), in the same run and mode.  Then the ingest rate (DEALER as fast as the socket takes them,
 ``--ingest-messages``, replies per second) of ``batch`` against ``interval``: one run of
 each swings by +-20 % on a shared 2-core host (the load tool and the relay share the
 cores), so ``--ingest-repeat`` rounds run with the targets interleaved and the medians are
@@ -180,14 +195,21 @@ def histogram(text: str, name: str) -> tuple[float, _Quantile] | None:
     return buckets[-1][1], _Quantile(buckets)
 
 
-def measure(tool: str, target: Target, path: str, rate: float, seconds: float) -> dict:
+#: --modes: the load tool's TICK_US per mode (0: every message at its own time)
+TICKS_US = {"ticks": 200, "message": 0}
+MODE_LABEL = {"ticks": "200 us ticks", "message": "per message, no ticks"}
+
+
+def measure(tool: str, target: Target, path: str, rate: float, seconds: float,
+            mode: str = "ticks") -> dict:
     """One run of zmq_latency against a freshly started target; its ``result`` fields."""
     target.start(path)
     try:
         kind = "dealer" if path == "dealer" and target.kind != "proxy" else \
             "dealer-noreply" if path == "dealer" else "push"
         r = subprocess.run([tool, f"tcp://127.0.0.1:{target.in_port}", kind, str(rate),
-                            str(seconds), f"tcp://127.0.0.1:{target.out_port}"],
+                            str(seconds), f"tcp://127.0.0.1:{target.out_port}",
+                            str(TICKS_US[mode])],
                            capture_output=True, text=True, timeout=seconds + 120)
         disk = target.fdatasyncs() if target.kind != "proxy" else ""
     finally:
@@ -235,6 +257,12 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "n/a"
 
 
+def ratios(res: dict, base: dict, p: str) -> str:
+    """p50/p99/p99.9/max of ``res`` over those of ``base`` (the same run and mode)."""
+    return "/".join(ratio(res[f"{p}_{k}"], base[f"{p}_{k}"]) for k in KEYS) + \
+        " (p50/p99/p99.9/max)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,6 +270,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--paths", default="dealer,push")
     ap.add_argument("--targets", default="proxy,none,interval,batch")
+    ap.add_argument("--modes", default="ticks,message",
+                    help="how the load is sent: ticks (everything due every 200 us, "
+                         "together), message (each message alone at its own time, as real "
+                         "agents send); every latency figure is run in each")
     ap.add_argument("--ingest-messages", type=int, default=1_000_000,
                     help="messages of the ingest-rate comparison (0: skip it)")
     ap.add_argument("--ingest-repeat", type=int, default=7,
@@ -259,6 +291,10 @@ def main() -> int:
     BATCH_DELAY = args.batch_delay
     if args.nice:
         os.nice(args.nice)
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in TICKS_US:
+            ap.error(f"--modes: {m!r} is none of {', '.join(TICKS_US)}")
     tool = build_tool()
     trees = [("", None)] + [tuple(x.split("=", 1)) for x in args.relay_src]
     targets: list[Target] = []
@@ -276,12 +312,12 @@ def main() -> int:
     print(disk_floor(tempfile.gettempdir()), flush=True)
     for rate in (float(r) for r in args.rates.split(",")):
         n = int(rate * args.seconds)
-        for path in args.paths.split(","):
+        for path, mode in ((p, m) for p in args.paths.split(",") for m in modes):
             label = "DEALER -> ROUTER" if path == "dealer" else "PUSH -> PULL"
-            print(f"\n{rate / 1000:.0f}k msg/s, {label}:", flush=True)
+            print(f"\n{rate / 1000:.0f}k msg/s, {label}, {MODE_LABEL[mode]}:", flush=True)
             results = {}
             for t in targets:
-                res = results[t.name] = measure(tool, t, path, rate, args.seconds)
+                res = results[t.name] = measure(tool, t, path, rate, args.seconds, mode)
                 late = f" (sender late by up to {res['late_max_ms']:.1f} ms)" \
                     if res["late_max_ms"] > 5 else ""
                 if "r_p50" in res:
@@ -294,15 +330,12 @@ def main() -> int:
             for t in targets:
                 res = results[t.name]
                 bits = []
-                if base is not None and t.kind != "proxy":
-                    bits.append(f"one-way p99.9 {ratio(res['p_p999'], base['p_p999'])} "
-                                f"zmq.proxy's")
+                if base is not None and t.kind != "proxy" and "p_p50" in res:
+                    bits.append(f"one-way {ratios(res, base, 'p')} zmq.proxy's")
                 nospool = next((results[u.name] for u in targets
                                 if u.kind == "none" and u.src == t.src), None)
                 if t.kind in ("interval", "batch") and nospool and "r_p99" in res:
-                    bits.append(f"reply p99 {ratio(res['r_p99'], nospool['r_p99'])}, p99.9 "
-                                f"{ratio(res['r_p999'], nospool['r_p999'])} the no-spool "
-                                f"relay's")
+                    bits.append(f"reply {ratios(res, nospool, 'r')} the no-spool relay's")
                 if bits:
                     print(f"  {t.name:26s} ratios: {'; '.join(bits)}")
     if args.ingest_messages and args.ingest_repeat > 0:   # (--ingest-repeat 0: none)

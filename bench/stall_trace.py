@@ -2,7 +2,7 @@
 
     python bench/stall_trace.py [--rate 100000] [--seconds 10] [--path dealer|push]
                                 [--fsync none|interval|batch] [--threshold-ms 2]
-                                [--segment-bytes N]
+                                [--segment-bytes N] [--tick-us 200]
 
 Runs a relay in this process (trio, with a trio Instrument) and ``zmq_latency.c`` (the
 fixed-rate load of bench_latency.py) against it.  Recorded:
@@ -220,7 +220,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
             gcm.submit, gcm._send = submit, send
         port = settings.router_port if args.path == "dealer" else settings.pull_port
         cmd = [tool, f"tcp://127.0.0.1:{port}", args.path, str(args.rate), str(args.seconds),
-               f"tcp://127.0.0.1:{settings.pub_port}"]
+               f"tcp://127.0.0.1:{settings.pub_port}", str(args.tick_us)]
         r = await trio.run_process(cmd, capture_stdout=True)
         print(r.stdout.decode().strip())
         print(f"relay loop_lag_max {relay.loop_lag_max * 1000:.1f} ms", end="")
@@ -271,6 +271,9 @@ def main() -> int:
     ap.add_argument("--segment-bytes", type=int, default=0,
                     help="spool_segment_bytes (default: the relay's, 64 MiB); smaller ones "
                          "roll more often")
+    ap.add_argument("--tick-us", type=int, default=200,
+                    help="the load tool's tick (0: every message alone at its own time, "
+                         "as bench_latency.py --modes message)")
     ap.add_argument("--gc-threshold", default="",
                     help="gc.set_threshold after the relay's own tune_gc (e.g. 500000,20,100)")
     args = ap.parse_args()

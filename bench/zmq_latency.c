@@ -15,8 +15,11 @@
  * (default 200) the sender sends everything that is due, without blocking: when the
  * socket's queue is full (the device pushes back) the rest waits for the next tick, and
  * its latency keeps counting from the schedule, so a stall shows in the figures instead
- * of slowing the load down.  RATE 0: as fast as the socket takes them (an ingest rate;
- * latencies are then measured from the actual send time and mean little).
+ * of slowing the load down.  TICK_US 0: per message, no ticks -- the sender sleeps until
+ * the next message is due and sends it alone (as real agents do: each request on its
+ * own, when it ends); only a sender that fell behind sends what is overdue together.
+ * RATE 0: as fast as the socket takes them (an ingest rate; latencies are then measured
+ * from the actual send time and mean little).
  *
  * Each body carries the message's index (a fixed-width hex "request_id"), so the SUB side
  * matches published messages to their schedule; replies come back in order on the DEALER
@@ -296,20 +299,28 @@ int main(int argc, char **argv) {
     if (rate > 0)
         for (long k = 0; k < n_msgs; k++) sched[k] = t0 + k * period_ns;
     int64_t next_tick = t0;
+    /* TICK_US 0: per message -- the next wake-up is the next message's due time */
+    int per_msg = tick_ns == 0 && rate > 0;
     while (i < n_msgs) {
         int64_t t = now_ns();
         if (t >= next_tick) {
             /* everything due by now */
+            int refused = 0;
             while (i < n_msgs && (rate <= 0 || sched[i] <= t)) {
                 put_index(body, (uint64_t)i);
-                if (send_msg(s, dealer, body, TOPIC) < 0) break;   /* full: next tick */
+                if (send_msg(s, dealer, body, TOPIC) < 0) {   /* full: next tick */
+                    refused = 1;
+                    break;
+                }
                 int64_t ts = now_ns();
                 if (rate <= 0) sched[i] = ts;
                 else if (ts - sched[i] > late_max) late_max = ts - sched[i];
                 i++;
                 if (rate <= 0 && (i & 1023) == 0) break;          /* let replies in */
             }
-            next_tick = t + tick_ns;
+            if (!per_msg) next_tick = t + tick_ns;
+            else if (refused || i >= n_msgs) next_tick = t + 20000;  /* full: 20 us */
+            else next_tick = sched[i];
         }
         if (dealer) {
             take_replies(s, &msg);
@@ -321,14 +332,14 @@ int main(int argc, char **argv) {
                 zmq_getsockopt(s, ZMQ_EVENTS, &events, &el);
                 if (!(events & ZMQ_POLLIN)) {
                     struct pollfd p = { .fd = fd, .events = POLLIN };
-                    struct timespec ts = { 0, left };
+                    struct timespec ts = { left / 1000000000, left % 1000000000 };
                     ppoll(&p, 1, &ts, NULL);
                 }
             }
         } else {
             int64_t left = next_tick - now_ns();
             if (left > 0) {
-                struct timespec ts = { 0, left };
+                struct timespec ts = { left / 1000000000, left % 1000000000 };
                 nanosleep(&ts, NULL);
             }
         }

@@ -412,14 +412,16 @@ class SubscriptionGuard:
         with self.lock:
             self._poll_monitor(self._backlog)
 
-    def watch(self) -> None:
+    def watch(self) -> bool:
         """From any thread: take the monitor's events (new connections are admitted or
         reset) and cut the connections over their byte budget -- what bounds a flood
         while the socket's owner is inside libzmq, which takes subscriptions in as fast
-        as the connections deliver them."""
+        as the connections deliver them.  True when notifications wait for the next
+        :meth:`poll` (the owner should come round)."""
         with self.lock:
             self._poll_monitor(self._backlog)
             self._check_bytes()
+            return bool(self._backlog)
 
     def _release(self, topic: bytes) -> bool:
         n = self.topics.get(topic, 0) - 1

@@ -51,7 +51,10 @@ PUMP_XPUB, PUMP_WATCH, PUMP_TIMEOUT, PUMP_STOP = (
     zmq_fast.PUMP_XPUB, zmq_fast.PUMP_WATCH, zmq_fast.PUMP_TIMEOUT, zmq_fast.PUMP_STOP)
 #: messages the thread moves per wake-up before it looks at the subscriptions again
 PUMP_BATCH = 1000
-#: the thread's longest sleep (ms): the guard's byte checks run at least this often
+#: the thread's longest sleep (ms) while no record comes: then it goes round (counters of
+#: the inproc pump, the guard's round).  With the ring, records that keep coming keep it in
+#: C (issue 44: each return to Python waits for the GIL, which the busy loop holds); the
+#: watch thread checks the guard's byte budgets every WATCH_SECONDS meanwhile
 IDLE_MS = 250
 #: how often the watch thread takes the monitor's events and checks the byte budgets (s)
 WATCH_SECONDS = 0.02
@@ -185,8 +188,8 @@ class ThreadedPub:
             raise
         self.published = 0           # records handed over (the loop's count)
         self.handoff_drops = 0       # records the hand-over queue could not take
-        self.forward_drops = 0       # records a subscriber at its HWM missed (thread)
-        self.forwarded = 0           # records the thread put on the XPUB
+        self._forward_drops = 0      # (inproc pump) records a subscriber at its HWM missed
+        self._forwarded = 0          # (inproc pump) records the thread put on the XPUB
         self.notes_dropped = 0       # notifications the loop's PAIR could not take
         self.notes_resyncs = 0       # times the loop's view was rebuilt after such drops
         self._resync = False         # a notification was dropped: rebuild the loop's view
@@ -201,6 +204,16 @@ class ThreadedPub:
         self._done = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"xpub-{name}-watch",
                                          daemon=True) if self.guard is not None else None
+
+    @property
+    def forwarded(self) -> int:
+        """Records the thread put on the XPUB (with the ring: counted in C as they go)."""
+        return self._ring.counts()[0] if self._ring is not None else self._forwarded
+
+    @property
+    def forward_drops(self) -> int:
+        """Records a subscriber at its HWM missed (sent lossy by the thread)."""
+        return self._ring.counts()[1] if self._ring is not None else self._forward_drops
 
     @property
     def drops(self) -> int:
@@ -353,7 +366,10 @@ class ThreadedPub:
         g = self.guard
         while not self._done.wait(WATCH_SECONDS):
             try:
-                g.watch()
+                if g.watch() and self._ring is not None:
+                    # notifications for the owner's round: the ring's pump stays in C
+                    # while records flow, so it is told
+                    self._ring.kick()
             except Exception as e:            # never let the watch die silently
                 self.thread_errors += 1
                 self._rlog.error("watch", "xpub %s: %s", self.name, e)
@@ -374,8 +390,9 @@ class ThreadedPub:
                 self._rlog.error("pump", "xpub %s: %s", self.name, e)
                 time.sleep(0.01)
                 continue
-            self.forwarded += fwd
-            self.forward_drops += dropped
+            if self._ring is None:           # the ring counts in C (ring_counts)
+                self._forwarded += fwd
+                self._forward_drops += dropped
             if flags & PUMP_STOP:
                 return
             busy = False

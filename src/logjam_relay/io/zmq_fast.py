@@ -155,6 +155,17 @@ def _setup() -> None:
         def queued(self) -> int:
             return 0 if self.closed else _zmqfast.ring_queued(self.underlying)
 
+        def counts(self) -> tuple[int, int]:
+            """``(forwarded, dropped)``: the records ``ring_pump`` put on the XPUB so far
+            and, of them, those sent lossy (kept by the consumer, read from any thread)."""
+            return _zmqfast.ring_counts(self.underlying)
+
+        def kick(self) -> None:
+            """``ring_pump`` returns ``PUMP_WATCH`` soon (any thread): Python work waits
+            for the consumer's thread (it otherwise stays in C while records flow)."""
+            if not self.closed:
+                _zmqfast.ring_kick(self.underlying)
+
         def close(self, linger: int = 0) -> None:
             """Free what is queued: only once no thread pumps the ring."""
             self.closed = True
