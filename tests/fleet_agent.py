@@ -4,7 +4,7 @@ one at a time, each at its own scheduled time, as a real agent sends each reques
 ends.  Runs until the file ``--stop`` exists, then ``--after`` seconds more; writes what
 happened as JSON to ``--out``: the request ids answered ``202 Accepted``, those without a
 reply within ``--timeout`` (the relay was killed or blocked), the refused count, and each
-202's latency from its scheduled send time."""
+202's latency from its scheduled send time and its wall-clock time."""
 
 import argparse
 import json
@@ -44,7 +44,7 @@ def main() -> None:
     sock = dealer()
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    answered, unknown, latencies = [], [], []
+    answered, unknown, latencies, at = [], [], [], []
     refused = 0
     period = 1.0 / a.rate
     t0 = time.monotonic()
@@ -66,6 +66,7 @@ def main() -> None:
             if r[-1] == b"202 Accepted":
                 answered.append(rid)
                 latencies.append(round(time.monotonic() - max(due, t0), 6))
+                at.append(round(time.time(), 6))
             else:
                 refused += 1
         else:
@@ -80,7 +81,7 @@ def main() -> None:
     tmp = a.out + ".tmp"
     with open(tmp, "w") as fh:
         json.dump({"edge": a.edge, "sent": i, "answered": answered, "unknown": unknown,
-                   "refused": refused, "latencies": latencies}, fh)
+                   "refused": refused, "latencies": latencies, "answered_at": at}, fh)
     os.replace(tmp, a.out)
 
 

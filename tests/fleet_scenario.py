@@ -80,6 +80,7 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
 class Fleet:
     def __init__(self, root, plan: Plan, log=print):
         self.root = str(root)
+        os.makedirs(self.root, exist_ok=True)
         self.plan = plan
         self.log = log
         self.hosts = Hosts()
@@ -225,6 +226,7 @@ class Agent:
     unknown: set                    # no reply in time (a SIGKILL, a long block)
     refused: int
     latencies: list                 # seconds from each 202's scheduled send time
+    answered_at: dict               # request id -> wall-clock time of its 202
 
 
 def run_traffic(fleet: Fleet, faults) -> tuple[dict[str, Agent], object]:
@@ -251,7 +253,8 @@ def run_traffic(fleet: Fleet, faults) -> tuple[dict[str, Agent], object]:
         with open(os.path.join(fleet.root, f"agent-{e}.json")) as fh:
             r = json.load(fh)
         agents[e] = Agent(e, r["sent"], set(r["answered"]), set(r["unknown"]),
-                          r["refused"], r["latencies"])
+                          r["refused"], r["latencies"],
+                          dict(zip(r["answered"], r["answered_at"], strict=True)))
     return agents, got
 
 

@@ -10,7 +10,7 @@ pa = pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark")
 
 from logjam_relay.inputs.mapping import MappingOptions, lumberjack_v1  # noqa: E402
-from logjam_relay.pipeline import origin, sample, stats  # noqa: E402
+from logjam_relay.pipeline import origin, originindex, sample, stats  # noqa: E402
 from logjam_relay.pipeline.loss import DeviceLoss  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def reference(msgs):
 
 def test_origin_index_of_a_fleet(tmp_path):
     dirs, unique, (a, b, lost_b), sizes = fleet(tmp_path)
-    idx = origin.OriginIndex().add_archives(dirs)
+    idx = originindex.OriginIndex().add_archives(dirs)
     assert idx.records == sum(sizes)
     assert idx.excluded == 40 + 30
     assert sum(len(v) for v in idx.exclude.values()) == 70
@@ -214,7 +214,7 @@ def test_data_source_origin_columns_and_exclude(spark, tmp_path):
         .load(dirs[0])
     rows = df.collect()
     assert all(r["origin_device"] in (7, 8, 9) for r in rows)
-    idx = origin.OriginIndex().add_archives(dirs)
+    idx = originindex.OriginIndex().add_archives(dirs)
     ex = idx.exclusions_of(dirs[0])
     assert ex
     for fmt_name in ("logjam", "logjam_python"):

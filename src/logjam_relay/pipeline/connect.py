@@ -13,7 +13,7 @@ archive therefore runs in Spark tasks on the server's side:
 * **the origin walk** (:func:`origin_index`: each event counted once, the loss tables,
   :mod:`.origin`): a local run walks the archives in a driver thread, which under Connect
   would be the client.  Here one task on the server walks them with the same
-  :class:`.origin.OriginIndex` and hands it back (runs and the copies to leave out: small);
+  :class:`.originindex.OriginIndex` and hands it back (runs and the copies to leave out: small);
   the partial aggregation then leaves those copies out.
 
 Paths (``--input``, ``--output``) are the server's: a relative path is resolved against
@@ -193,7 +193,7 @@ def partial_frame(spark, slices: list, apdex_ms: float = DEFAULT_APDEX_MS,
 
 
 def origin_index(spark, input_dirs: list[str]):
-    """The :class:`.origin.OriginIndex` of the archives (server paths), made by one task
+    """The :class:`.originindex.OriginIndex` of the archives (server paths), made by one task
     on the server's side and handed back pickled (its runs and the copies to leave out)."""
     import pickle
     dirs = list(input_dirs)
@@ -203,7 +203,7 @@ def origin_index(spark, input_dirs: list[str]):
 
         import pyarrow as pa
 
-        from logjam_relay.pipeline.origin import OriginIndex
+        from logjam_relay.pipeline.originindex import OriginIndex
         for _ in batches:
             pass
         idx = OriginIndex().add_archives(dirs)
@@ -234,8 +234,8 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, ship_zi
     archive in Spark tasks (the hook of :func:`.stats.run_batch`); ``input_dir``: one
     server path or a list.  ``ship_zip``: a callable returning the zipped package, uploaded
     when the server's Python workers lack ``logjam_relay`` (None: report that instead)."""
-    from .stats import _dirs, _finish
-    dirs = _dirs(input_dir)
+    from .stats import archive_dirs, finish_tables
+    dirs = archive_dirs(input_dir)
     segs, parallelism = [], 1
     for d in dirs:
         _slices, s, parallelism = _planned(spark, d, ship_zip)
@@ -248,7 +248,7 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, ship_zi
     summary = summary_of_merged(agg)
     summary["engine"] = "python (Spark Connect)"
     tables = split_merged(agg)
-    _finish(spark, tables, summary, index)
+    finish_tables(spark, tables, summary, index)
     return tables, summary, agg
 
 

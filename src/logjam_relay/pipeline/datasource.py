@@ -187,7 +187,7 @@ class LogjamDataSource(DataSource):
 
     Options: ``recordsPerPartition`` (0 = one partition per segment), ``batchRows``
     (records per Arrow batch, default 32768), ``exclude`` (batch: records to leave out,
-    ``SEGNO:A-B,C;...``, what :meth:`.origin.OriginIndex.exclusions_of` gives for the
+    ``SEGNO:A-B,C;...``, what :meth:`.originindex.OriginIndex.exclusions_of` gives for the
     directory), streaming: ``maxRecordsPerTrigger``,
     ``maxSegmentsPerTrigger``, ``startingOffsets`` (``earliest`` default, or ``latest``).
     """

@@ -177,7 +177,7 @@ def loss_table(spark, state, minutes_by_device=None):
 
 
 def origin_tables(spark, index) -> dict:
-    """The origin_loss and gaps tables from an :class:`.origin.OriginIndex`."""
+    """The origin_loss and gaps tables from an :class:`.originindex.OriginIndex`."""
     return {"origin_loss": _frame(spark, index.origin_table(), ORIGIN_LOSS_COLUMNS),
             "gaps": _frame(spark, index.gaps_table(), GAPS_COLUMNS)}
 
@@ -269,7 +269,7 @@ def summary_of_merged(agg, undecided: bool = False) -> dict:
     return out
 
 
-def _dirs(input_dir) -> list[str]:
+def archive_dirs(input_dir) -> list[str]:
     """The archive directories of ``input_dir``: one path, or a list of them (the archives
     of several relays, read as one: a fleet's central relays, ``docs/fleet.md``)."""
     return [input_dir] if isinstance(input_dir, (str, os.PathLike)) else list(input_dir)
@@ -279,9 +279,9 @@ def partial_frame(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, index=No
     """The reader's partial aggregates (:mod:`.partial`) of an archive as a DataFrame: one
     Spark task per few slices of the segments, each decoding its slices in a Python worker
     (``mapInArrow``) and grouping every batch before anything goes to the JVM.
-    ``index``: an :class:`.origin.OriginIndex` whose copies are left out."""
+    ``index``: an :class:`.originindex.OriginIndex` whose copies are left out."""
     from .partial import cut_slices, partial_schema, plan_segments, read_slices
-    slices = cut_slices([s for d in _dirs(input_dir) for s in plan_segments(d)],
+    slices = cut_slices([s for d in archive_dirs(input_dir) for s in plan_segments(d)],
                         spark.sparkContext.defaultParallelism)
     exclude = dict(index.exclude) if index is not None and index.excluded else None
     t = float(apdex_ms)
@@ -322,7 +322,7 @@ def choose_engine(spark, input_dir) -> tuple[str, str]:
     from .jvmreader import loaded
     if not loaded(spark):
         return "python", "the JVM reader is not loaded in this session"
-    for d in _dirs(input_dir):
+    for d in archive_dirs(input_dir):
         big = too_big_for_the_jvm(d)
         if big:
             return "python", f"{big} is too big for the JVM reader"
@@ -350,7 +350,7 @@ def _origin_walk(input_dirs: list[str]):
     raised (or None)."""
     import threading
 
-    from .origin import OriginIndex
+    from .originindex import OriginIndex
     index = OriginIndex()
     failed: list[BaseException] = []
 
@@ -369,7 +369,7 @@ def _origin_walk(input_dirs: list[str]):
     return index, join
 
 
-def _finish(spark, tables: dict, summary: dict, index) -> None:
+def finish_tables(spark, tables: dict, summary: dict, index) -> None:
     tables["loss"] = loss_table(spark, index.last)
     tables.update(origin_tables(spark, index))
     summary["counts"]["loss"] = sum(len(d.rows) for d in index.last.devices.values())
@@ -388,7 +388,7 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
     (:mod:`.origin`): the loss tables, and the copies of events that arrived more than
     once; when there are any, the engine runs again without them, so that every event
     counts once."""
-    dirs = _dirs(input_dir)
+    dirs = archive_dirs(input_dir)
     if engine is None:
         engine, _why = choose_engine(spark, dirs)
     elif engine in ("jvm", "sql"):
@@ -414,7 +414,7 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
         got[2].unpersist()
         got = _run_engine(spark, dirs, apdex_ms, got[1]["engine"], index)
     tables, summary, agg = got
-    _finish(spark, tables, summary, index)
+    finish_tables(spark, tables, summary, index)
     return tables, summary, agg
 
 
@@ -461,9 +461,9 @@ def _excluding(reader, input_dir: str, index):
 
 def sql_frame(spark, input_dir, index=None):
     """The JVM reader's scan of the SQL engine (:data:`JVM_SCAN_DDL`); ``index``: an
-    :class:`.origin.OriginIndex` whose copies are left out."""
+    :class:`.originindex.OriginIndex` whose copies are left out."""
     return _union([_excluding(spark.read.format("logjam").schema(JVM_SCAN_DDL), d, index)
-                   .load(d) for d in _dirs(input_dir)])
+                   .load(d) for d in archive_dirs(input_dir)])
 
 
 def compute_tables_sql(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, index=None):
@@ -507,7 +507,7 @@ def jvm_partial_frame(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
     segment, each decoding, extracting and grouping its records on the JVM.  ``loss_key``:
     the tasks also gather the loss table's runs under that key (``LossRuns.java``; read
     them with :func:`take_loss_runs` after the job).  ``index``: an
-    :class:`.origin.OriginIndex` whose copies are left out."""
+    :class:`.originindex.OriginIndex` whose copies are left out."""
     from .partial import partial_schema
 
     def one(d):
@@ -516,7 +516,7 @@ def jvm_partial_frame(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
         if loss_key:
             r = r.option("lossKey", loss_key)
         return _excluding(r, d, index).load(d)
-    return _union([one(d) for d in _dirs(input_dir)])
+    return _union([one(d) for d in archive_dirs(input_dir)])
 
 
 def compute_tables_jvm(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, index=None):
@@ -800,7 +800,7 @@ def _read_new(files: list[str]):
 
 def update_origin(spark, output: str, files: list[str], origin_state, log=print) -> dict:
     """Feed the records of newly committed sink files to the origin state (an
-    :class:`.origin.OriginIndex`) and rewrite the origin_loss and gaps tables (small: one
+    :class:`.originindex.OriginIndex`) and rewrite the origin_loss and gaps tables (small: one
     row per origin and minute, one per gap)."""
     t = _read_new(files)
     if t is None or "origin_device" not in t.column_names:
@@ -881,7 +881,8 @@ def run_stream(spark, input_dir, output: str, checkpoint: str,
     from pyspark.sql import functions as F
 
     from .loss import LossState
-    from .origin import ORIGIN_DDL, OriginIndex
+    from .origin import ORIGIN_DDL
+    from .originindex import OriginIndex
     t0 = time.perf_counter()
     configure(spark)
     records = os.path.join(output, RECORDS_DIR)
@@ -902,7 +903,7 @@ def run_stream(spark, input_dir, output: str, checkpoint: str,
         if max_records_per_trigger:
             reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
         return reader.load(d).withColumn("archive", F.lit(k))
-    sdf = _union([stream(k, d) for k, d in enumerate(_dirs(input_dir))])
+    sdf = _union([stream(k, d) for k, d in enumerate(archive_dirs(input_dir))])
     # each record under the date it counts at (a request: its started time, else created;
     # anything else: created), so that recomputing a date reads every record it holds
     sdf = sdf.withColumn("date", F.to_date(F.timestamp_millis(
