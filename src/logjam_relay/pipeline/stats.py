@@ -343,32 +343,6 @@ def too_big_for_the_jvm(input_dir: str) -> str | None:
     return None
 
 
-def _origin_walk(input_dirs: list[str]):
-    """Start the driver thread that walks the archives in arrival order (:mod:`.origin`:
-    the origin of every record, the copies to leave out, the loss state of every origin and
-    of the last hop); returns (index, join): ``join()`` waits for it and gives what it
-    raised (or None)."""
-    import threading
-
-    from .originindex import OriginIndex
-    index = OriginIndex()
-    failed: list[BaseException] = []
-
-    def walk():
-        try:
-            index.add_archives(input_dirs)
-        except BaseException as e:      # re-raised in the caller
-            failed.append(e)
-
-    th = threading.Thread(target=walk, name="origin-walk", daemon=True)
-    th.start()
-
-    def join() -> BaseException | None:
-        th.join()
-        return failed[0] if failed else None
-    return index, join
-
-
 def finish_tables(spark, tables: dict, summary: dict, index) -> None:
     tables["loss"] = loss_table(spark, index.last)
     tables.update(origin_tables(spark, index))
@@ -384,10 +358,9 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
                    engine: str | None = None):
     """(tables, summary, agg) of an archive directory, or of several (a list);
     ``summary["engine"]`` names the engine that made them (:func:`choose_engine` when
-    ``engine`` is None).  Meanwhile a driver thread walks the archives in arrival order
-    (:mod:`.origin`): the loss tables, and the copies of events that arrived more than
-    once; when there are any, the engine runs again without them, so that every event
-    counts once."""
+    ``engine`` is None).  First the driver walks the archives in arrival order
+    (:mod:`.originindex`): the loss tables, and the copies of events that arrived more
+    than once, which the engine then leaves out, so that every event counts once."""
     dirs = archive_dirs(input_dir)
     if engine is None:
         engine, _why = choose_engine(spark, dirs)
@@ -397,22 +370,16 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
             raise EngineUnavailable(engine, why)
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
-    index, join = _origin_walk(dirs)
-    try:
-        got = _run_engine(spark, dirs, apdex_ms, engine, None)
-    finally:
-        failed = join()
-    if failed:
-        if got is not None:
-            got[2].unpersist()
-        raise failed
+    # the walk first (its threads read ahead), then one run of the engine that leaves
+    # the copies out: a walk beside the engine would need a second run whenever an event
+    # arrived twice, which in a fleet is every restart of an edge
+    from .originindex import OriginIndex
+    index = OriginIndex().add_archives(dirs)
     if index.excluded:
         import logging
         logging.getLogger("logjam_relay.pipeline.stats").info(
-            "%d copies of events that arrived more than once: aggregating again without "
-            "them", index.excluded)
-        got[2].unpersist()
-        got = _run_engine(spark, dirs, apdex_ms, got[1]["engine"], index)
+            "%d copies of events that arrived more than once: left out", index.excluded)
+    got = _run_engine(spark, dirs, apdex_ms, engine, index)
     tables, summary, agg = got
     finish_tables(spark, tables, summary, index)
     return tables, summary, agg
