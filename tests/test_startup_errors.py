@@ -83,7 +83,11 @@ def test_port_in_use(tmp_path, busy_port, setting, flag):
     for other in ("-t", "-p", "-P", "-s", "-m"):
         if other != flag:
             with socket.socket() as s:
+                # SO_REUSEADDR as the relay's listeners: free_port() left the port in
+                # TIME_WAIT (conftest.py), which only a listener still there conflicts with
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", int(argv[argv.index(other, 3) + 1])))
+                s.listen()
 
 
 def test_port_in_use_zmq_and_env_source(tmp_path):
