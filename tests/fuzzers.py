@@ -662,7 +662,7 @@ class GoodDealer:
     def late_of_its_own(self, limit: float) -> list[tuple[float, float]]:
         """``(latency, run-queue wait)`` of the requests whose latency less the time
         their path waited for a CPU exceeds ``limit`` (needs ``relay_pid``)."""
-        return [(t, w) for t, w in zip(self.latencies, self.waits) if t - w > limit]
+        return [(t, w) for t, w in zip(self.latencies, self.waits, strict=True) if t - w > limit]
 
     def stop(self) -> None:
         self._stop.set()

@@ -191,7 +191,7 @@ async def test_every_fuzzer_at_once_on_the_sized_configuration(tmp_path):
                   f"{max(probe.waits, default=0):.2f} s) "
                   f"{probe.failures[:5]}; latency median "
                   f"{lat[len(lat) // 2] if lat else 0:.3f} s, max {lat[-1] if lat else 0:.3f} s")
-            own = [t - w for t, w in zip(good.latencies, good.waits)]
+            own = [t - w for t, w in zip(good.latencies, good.waits, strict=True)]
             print(f"good ROUTER requests: {len(good.latencies)} answered, "
                   f"{len(good.late(REPLY_WITHIN))} after {REPLY_WITHIN} s (worst "
                   f"{max(good.latencies, default=0):.2f} s), {len(late)} after "
