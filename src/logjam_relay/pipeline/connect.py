@@ -263,6 +263,9 @@ def compute_tables(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS,
     slices, segs, parallelism = planned
     agg = merge_partials(partial_frame(spark, slices, apdex_ms)).persist()
     summary = summary_of_merged(agg)
+    # the python engine's reading (Python tasks on the server's workers decode and group,
+    # Spark merges): the one a remote run has (no JVM reader on the client's side)
+    summary["engine"] = "python"
     tables = split_merged(agg)
     ts = F.timestamp_millis(F.col("minute_ms"))
     tables["loss"] = loss_frame(spark, segs, parallelism) \
