@@ -590,12 +590,12 @@ class Relay:
         spool_frames = None
         if self.commits is not None:
             def spool_frames(frames):           # in sequence order with the ingest's
-                self.commits.submit(None, None, records=[frames])
+                self.commits.submit(None, None, records=[frames], heartbeat=True)
         elif self.spool is not None:
             # spooled too, so the archive holds every sequence number (loss report); the
             # upstream outputs skip heartbeats
             def spool_frames(frames):
-                self.spool.append_batch([frames])
+                self.spool.append_batch([frames], heartbeat=True)
         return Ticker(pipeline=self.pipeline, publish=self.pub.publish, fqdn=self.fqdn,
                       device_id=s.device_id, pub_port=pub_port,
                       heartbeat_interval=s.heartbeat_interval,
