@@ -176,10 +176,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def free_port() -> int:
-    """A TCP port free right now on every interface and never handed out before in this
-    process. Ports come from below the kernel's ephemeral range, so neither a second call
-    nor a client connection made meanwhile can get the same number (the kernel's own
-    bind-to-0 does hand the same port out twice in a row)."""
+    """A TCP port free right now on every interface, never handed out before in this
+    process, and kept from anyone else who looks for a free port until a server of the
+    test binds it.
+
+    Ports come from below the kernel's ephemeral range, so neither a second call nor a
+    client connection made meanwhile can get the same number (the kernel's own bind-to-0
+    does hand the same port out twice in a row).  A port that was only found free would be
+    free for anyone until the relay binds it: another program on the machine (another
+    test suite's relay, a server picking a random port) could take it in between, and the
+    relay would exit 2 with "address already in use".  So the port is left in TIME_WAIT
+    (:func:`_hold`): for the next 60 s the kernel refuses it to a ``bind`` without
+    ``SO_REUSEADDR`` -- how every free-port check, this one included, probes a port --
+    while the relay's listeners (libzmq, trio, the JVM's server sockets: all set
+    ``SO_REUSEADDR``) bind it as if it were free."""
     for _ in range(1000):
         port = _rng.randint(*_PORT_RANGE)
         if port in _HANDED_OUT:
@@ -190,8 +200,27 @@ def free_port() -> int:
             except OSError:
                 continue
         _HANDED_OUT.add(port)
+        try:
+            _hold(port)
+        except OSError:
+            continue                    # taken between the check and the hold: next one
         return port
     raise RuntimeError("no free TCP port found in {}-{}".format(*_PORT_RANGE))
+
+
+def _hold(port: int) -> None:
+    """Leave ``port`` in TIME_WAIT on 127.0.0.1: listen on it (``SO_REUSEADDR``, as the
+    relay's listeners set it), connect, and close the accepted side first -- the side that
+    closes first keeps the connection in TIME_WAIT, bound to ``port``.  No descriptor stays
+    open."""
+    with socket.socket() as lsn:
+        lsn.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsn.bind(("127.0.0.1", port))
+        lsn.listen(1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as cli:
+            srv, _ = lsn.accept()
+            srv.close()                 # first: TIME_WAIT is on this side, on ``port``
+            cli.recv(1)                 # its FIN arrived: the client's close ends cleanly
 
 
 @pytest.fixture

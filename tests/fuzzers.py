@@ -404,6 +404,94 @@ def child_pids(pid: int, marker: bytes = b"logjam_relay.outputs.worker") -> list
     return out
 
 
+def run_queue_waits_ns(pid: int, tids=None, comm_prefixes=None) -> dict[int, int]:
+    """Per thread of ``pid``, the nanoseconds it has spent runnable but waiting for a CPU
+    (``/proc/PID/task/TID/schedstat``, second field): time a busy machine took from it,
+    not time it spent on its own work or blocked.  ``tids``: only these threads and, with
+    ``comm_prefixes``, those whose name starts with one of them."""
+    out = {}
+    try:
+        names = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in names:
+        tid = int(t)
+        if tids is not None and tid not in tids:
+            if not comm_prefixes:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{t}/comm") as fh:
+                    if not fh.read().startswith(tuple(comm_prefixes)):
+                        continue
+            except OSError:
+                continue
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as fh:
+                out[tid] = int(fh.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def run_queue_wait_ns(pid: int, tids=None, comm_prefixes=None) -> int:
+    """The sum of :func:`run_queue_waits_ns`."""
+    return sum(run_queue_waits_ns(pid, tids, comm_prefixes).values())
+
+
+#: the relay's threads besides its event loop that a reply goes through: libzmq's I/O
+#: threads (the ROUTER's reads and writes) and the spool's fdatasync thread (the group
+#: commit answers after it); not the XPUB threads, which the subscription floods keep
+#: busy and which a reply does not wait for
+REPLY_PATH_THREADS = ("ZMQbg/IO", "spool-fdatasync")
+
+
+class ReplyPathWait:
+    """How long, in seconds, the path of a reply of the relay ``pid`` waited for a CPU
+    since the meter was made: the relay's event loop (its main thread), plus the one of
+    its other :data:`REPLY_PATH_THREADS` that waited most (the relay has several libzmq
+    I/O threads, one per context, and a reply goes through one: adding them all up would
+    excuse a stall of the loop by what the others waited meanwhile), plus the client's own
+    side: the thread ``client_tid`` (default the caller) and this process's threads
+    whose name starts with ``client_prefix`` (the I/O thread of the client's ZeroMQ
+    context, named by :func:`client_context`).  A reply late by that much was late because
+    the machine was busy; what is left is the relay's own delay."""
+
+    def __init__(self, pid: int, client_tid: int | None = None,
+                 client_prefix: str | None = None):
+        self.pid = pid
+        self.client_tid = client_tid if client_tid is not None else threading.get_native_id()
+        self.client_prefix = (client_prefix,) if client_prefix else None
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[dict[int, int], int]:
+        return (run_queue_waits_ns(self.pid, {self.pid}, REPLY_PATH_THREADS),
+                run_queue_wait_ns(os.getpid(), {self.client_tid}, self.client_prefix))
+
+    def mark(self) -> None:
+        """Start measuring from now."""
+        self._start = self._sample()
+
+    def since_mark(self) -> float:
+        """Seconds the path waited since :meth:`mark` (or since the meter was made)."""
+        (relay0, client0), (relay, client) = self._start, self._sample()
+        d = {t: v - relay0.get(t, 0) for t, v in relay.items()}
+        loop = d.pop(self.pid, 0)
+        return (loop + max(d.values(), default=0) + client - client0) / 1e9
+
+
+_client_contexts = iter(range(100, 1000))
+
+
+def client_context():
+    """``(context, thread name prefix)``: a ZeroMQ context whose I/O thread has a name of
+    its own (``ZMQ_THREAD_NAME_PREFIX``), for :class:`ReplyPathWait`."""
+    import zmq
+    ctx = zmq.Context()
+    n = next(_client_contexts)
+    ctx.set(zmq.THREAD_NAME_PREFIX, n)
+    return ctx, f"{n}/ZMQbg/IO"
+
+
 class ProcessPeaks:
     """The peak RSS of a relay and its output workers: the relay's own VmHWM is read at
     the end (the kernel keeps it), the workers' VmHWM is sampled every ``interval`` s
@@ -466,11 +554,17 @@ class MetricsProbe:
     peak of each ``gauges`` entry (name -> (metric, labels))."""
 
     def __init__(self, port: int, gauges: dict[str, tuple[str, dict]], interval: float = 0.5,
-                 timeout: float = 5.0):
+                 timeout: float = 5.0, relay_pid: int | None = None, give_up: float = 60.0):
         self.url = f"http://127.0.0.1:{port}/metrics"
         self.gauges = gauges
         self.interval = interval
         self.timeout = timeout
+        #: with ``relay_pid``, a scrape is too slow when its latency less the run-queue
+        #: wait of its path (:class:`ReplyPathWait`: the relay's event loop serves it)
+        #: exceeds ``timeout``; the connection itself gives up after ``give_up`` s
+        self.relay_pid = relay_pid
+        self.give_up = give_up if relay_pid is not None else timeout
+        self.waits: list[float] = []
         self.latencies: list[float] = []
         self.failures: list[str] = []
         self.peaks: dict[str, float] = {k: 0.0 for k in gauges}
@@ -480,21 +574,26 @@ class MetricsProbe:
         self._thread.start()
 
     def scrape(self) -> str:
-        with urllib.request.urlopen(self.url, timeout=self.timeout) as r:
+        with urllib.request.urlopen(self.url, timeout=self.give_up) as r:
             return r.read().decode()
 
     def _run(self) -> None:
+        path = ReplyPathWait(self.relay_pid) if self.relay_pid is not None else None
         while not self._stop.is_set():
             t0 = time.monotonic()
+            if path is not None:
+                path.mark()
             try:
                 text = self.scrape()
             except OSError as e:
                 self.failures.append(f"{time.monotonic() - t0:.1f}s: {e!r}")
             else:
                 dt = time.monotonic() - t0
+                waited = path.since_mark() if path is not None else 0.0
                 self.latencies.append(dt)
-                if dt > self.timeout:
-                    self.failures.append(f"{dt:.1f}s: slow")
+                self.waits.append(waited)
+                if dt - waited > self.timeout:
+                    self.failures.append(f"{dt:.1f}s (run-queue wait {waited:.1f} s): slow")
                 self.last = text
                 for k, (name, labels) in self.gauges.items():
                     self.peaks[k] = max(self.peaks[k], metric(text, name, **labels))
@@ -510,9 +609,14 @@ class GoodDealer:
     (up to ``give_up`` s), records the latency, waits ``pause`` s, sends the next.
     ``late(limit)``: the requests not answered within ``limit`` s."""
 
-    def __init__(self, port: int, pause: float = 0.2, give_up: float = 30.0):
+    def __init__(self, port: int, pause: float = 0.2, give_up: float = 30.0,
+                 relay_pid: int | None = None):
         import zmq
-        self.ctx = zmq.Context()
+        self.relay_pid = relay_pid
+        #: per answered request, the run-queue wait of its path (:class:`ReplyPathWait`,
+        #: with ``relay_pid``): a request's own delay is its latency less this
+        self.waits: list[float] = []
+        self.ctx, self._io_prefix = client_context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -527,9 +631,13 @@ class GoodDealer:
 
     def _run(self) -> None:
         n = 0
+        path = ReplyPathWait(self.relay_pid, client_prefix=self._io_prefix) \
+            if self.relay_pid is not None else None
         while not self._stop.is_set():
             n += 1
             meta = struct.pack(">HBBIQQ", 0xCABD, 0, 1, 0, int(time.time() * 1000), n)
+            if path is not None:
+                path.mark()
             t0 = time.monotonic()
             self.sock.send_multipart([b"", b"good-dealer", b"logs.good", b'{"n":%d}' % n,
                                       meta])
@@ -542,12 +650,19 @@ class GoodDealer:
                 self.lost += 1
                 continue
             self.latencies.append(time.monotonic() - t0)
+            if path is not None:
+                self.waits.append(path.since_mark())
             if got != [b"good-dealer", b"202 Accepted"]:
                 self.wrong.append(got)
             self._stop.wait(self.pause)
 
     def late(self, limit: float) -> list[float]:
         return [t for t in self.latencies if t > limit]
+
+    def late_of_its_own(self, limit: float) -> list[tuple[float, float]]:
+        """``(latency, run-queue wait)`` of the requests whose latency less the time
+        their path waited for a CPU exceeds ``limit`` (needs ``relay_pid``)."""
+        return [(t, w) for t, w in zip(self.latencies, self.waits, strict=True) if t - w > limit]
 
     def stop(self) -> None:
         self._stop.set()

@@ -138,7 +138,10 @@ def start_process(settings: config.Settings, extra: list[str] = (), log_path=Non
     return proc
 
 
-def wait_http(port: int, proc=None, timeout: float = 15.0) -> None:
+def wait_http(port: int, proc=None, timeout: float = 60.0) -> None:
+    """Until the relay on ``port`` answers ``/readyz`` 200 (it exited: RuntimeError).  The
+    wait is long: on a machine busy with other work a start took over 15 s (two relays of
+    tests/test_metrics_docs.py beside two busy loops, load 9); no test measures it."""
     import urllib.request
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -153,7 +153,8 @@ def value(fams, family, name=None, **labels):
 
 def test_the_copy_is_the_reference():
     if not REFERENCE.exists():
-        pytest.skip(f"{REFERENCE} is not in this checkout (the measuring workshop's file)")
+        pytest.skip(f"{REFERENCE} is not here: the reference measurements of logjam-device, "
+                    "kept beside the clone in ../shared/specs (DEVICE_METRICS is their copy)")
     text = REFERENCE.read_text()
     start = text.index("## /metrics after the reference probe")
     block = text[text.index("```\n", start) + 4:]

@@ -122,13 +122,14 @@ async def load(dealer, first: int, done, limit: int, at_most: float) -> tuple[in
 
 
 def run_drop_oldest(tmp_path, disk, isolation: str, drops: int, after: float,
-                    limit: int = 3_000_000, ack_delay: float = 0.0) -> dict:
+                    limit: int = 3_000_000, ack_delay: float = 0.0,
+                    heartbeat_interval: float = 3600) -> dict:
     """Phase 1 (receiver down) lasts until the relay has dropped ``drops`` segments, phase
     2 (receiver back, load going on) until it has dropped one more while the output
     drains and at least ``after`` seconds passed (at most 60 s): counted in drops, not in
     seconds, which a loaded machine makes too short to fill the disk."""
     port = free_port()
-    s = relay_settings(tmp_path, heartbeat_interval=3600)
+    s = relay_settings(tmp_path, heartbeat_interval=heartbeat_interval)
     extra = ["--spool-dir", str(disk / "spool"), "--spool-policy", "drop_oldest",
              "--spool-max-bytes", "1GiB", "--spool-segment-bytes", "256KiB",
              "--output-isolation", isolation,
@@ -188,6 +189,8 @@ def run_drop_oldest(tmp_path, disk, isolation: str, drops: int, after: float,
     fig["duplicates"] = got.duplicates
     fig["real_loss"] = fig["accepted"] - fig["delivered"]
     fig["dropped_segments"] = int(metric(text, "logjam_relay_spool_dropped_segments_total"))
+    fig["heartbeats"] = int(metric(text, "logjam_relay_heartbeats_total"))
+    fig["dropped_heartbeats"] = int(metric(text, "logjam_relay_spool_dropped_heartbeats_total"))
     fig["log"] = log.read_text()
     return fig
 
@@ -208,3 +211,25 @@ def test_drop_oldest_lost_counter_equals_the_real_loss(tmp_path, disk64, isolati
     assert fig["dropped_segments"] > 0 and fig["real_loss"] > 0, "the test lost nothing"
     assert fig["lost_counter"] == fig["real_loss"], fig
     assert fig["delivered"] + fig["lost_counter"] == fig["appended"], fig
+
+
+@pytest.mark.slow
+def test_drop_oldest_lost_counter_counts_events_with_heartbeats_on(tmp_path, disk64):
+    """The same with the relay's heartbeats on (every 50 ms, spooled among the events):
+    the segments dropped take heartbeat records with them, which are no events.  The
+    lost counter must still equal the events really lost, the heartbeats dropped are
+    counted apart, and events delivered + lost + heartbeats spooled == records appended.
+    Before the fix the counter was over by the heartbeats dropped (9-10 a minute at 1 s)."""
+    fig = run_drop_oldest(tmp_path, disk64, "inline", drops=20, after=6.0, ack_delay=0.05,
+                          heartbeat_interval=0.05)
+    logtext = fig.pop("log")
+    print(f"\ndrop_oldest with heartbeats every 50 ms, inline: {fig}")
+    assert "Traceback" not in logtext
+    assert fig["accepted"] == fig["sent"]
+    assert fig["dropped_segments"] > 0 and fig["real_loss"] > 0, "the test lost nothing"
+    assert fig["dropped_heartbeats"] > 0, "no heartbeat was dropped: the test tests nothing"
+    assert fig["lost_counter"] == fig["real_loss"], fig
+    assert fig["appended"] == fig["accepted"] + fig["heartbeats"], fig
+    assert fig["delivered"] + fig["lost_counter"] == fig["accepted"], fig
+
+

@@ -42,7 +42,7 @@ UNSAMPLED = {
     "logjam_relay_samwise_amqp_errors_total": "needs a broker sending malformed AMQP",
 }
 
-#: Wrong metric names in docs this test's author does not own, reported to their owner:
+#: Known wrong metric names in the docs, each listed until its doc is corrected:
 #: (file, word) -> the fix.  Explicit so the rest is checked meanwhile; an entry whose
 #: word is gone from the file fails the test (remove it then).
 NOT_METRICS: dict[tuple[str, str], str] = {}

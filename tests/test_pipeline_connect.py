@@ -151,7 +151,9 @@ def test_remote_stats_equal_reference(server, messages, tmp_path):
                        timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert f"reading {server['dir'] / 'archive'}, writing {server['dir'] / 'out'}" in r.stdout
-    assert "summary: rows in " in r.stdout
+    summary = [x for x in r.stdout.splitlines() if x.startswith("summary: rows in ")]
+    # the engine it used, named (Python tasks on the server's workers)
+    assert len(summary) == 1 and ", engine python on the server, " in summary[0], r.stdout
     assert not (cwd / "out").exists()
     assert_same(tables(server["dir"] / "out"), reference(messages))
 

@@ -52,6 +52,23 @@ N_MSGS = 3000
 SPREAD_MS = 20 * 60_000
 #: the charts the sample's report has (it has every kind of figure)
 CHARTS = ("requests", "latency", "apdex", "http_5xx", "exceptions", "loss")
+#: the app-env that stops sending: none of its traffic in these minutes of the sample (from
+#: its first), and none from STOPPED_FROM on (what it would have sent, another app-env does)
+STOPPED_APP, OUTAGE, STOPPED_FROM = b"billing-preview", range(5, 10), 15
+
+
+def with_outage(msgs):
+    """The sample with :data:`STOPPED_APP` silent in the :data:`OUTAGE` minutes and from
+    :data:`STOPPED_FROM` on: its messages there go to shop-production instead (same
+    devices and numbers, so the loss report stays that of the sample)."""
+    base = msgs[0].created_ms - msgs[0].created_ms % 60_000
+    for m in msgs:
+        k = (m.created_ms - base) // 60_000
+        if m.app_env == STOPPED_APP and (k in OUTAGE or k >= STOPPED_FROM):
+            m.app_env = b"shop-production"
+            if m.topic.startswith(b"logs."):
+                m.topic = b"logs.shop.production"
+    return msgs
 
 
 def stats_cmd(archive, out, *extra):
@@ -63,7 +80,7 @@ def stats_cmd(archive, out, *extra):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("report")
-    msgs = sample.make_messages(N_MSGS, seed=11, spread_ms=SPREAD_MS)
+    msgs = with_outage(sample.make_messages(N_MSGS, seed=11, spread_ms=SPREAD_MS))
     sample.write_archive(d / "spool", d / "archive", msgs, segment_bytes=128 << 10)
     r = subprocess.run(stats_cmd(d / "archive", d / "out", "--report", d / "stats.html"),
                        capture_output=True, timeout=900)
@@ -176,8 +193,57 @@ def test_stats_piped_stays_quiet_and_writes_the_report(data):
     assert "\r" not in err and "\x1b[" not in err and "[Stage" not in err, err[-2000:]
     assert "pipeline stats:" not in err
     out = r.stdout.decode().splitlines()
+    # a line at once, before Spark's imports and JVM (a pipe shows no progress line)
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] pipeline stats: \S+ -> \S+", out[0]), out[:3]
+    assert "starting Spark" in "\n".join(out[1:4]), out[:4]
+    assert "engine " in out[-2], out[-2]
     assert out[-2].startswith(f"summary: rows in {N_MSGS + 1}")      # +1: the duplicate
     assert out[-1].startswith(f"report: {data['stats_html']} (") and "loss: yes" in out[-1]
+
+
+def test_sample_writes_an_archive_of_realistic_traffic(tmp_path):
+    """`pipeline sample` (no Spark): an archive of the last minutes' made-up traffic --
+    several app-envs, actions, latencies, exceptions, every compression, two devices with
+    a few numbers missing -- that `pipeline stats` reads; it refuses a directory that is
+    not empty (one line, exit 2)."""
+    import time as _t
+
+    from logjam_relay.pipeline.decode import decode_segment
+    out = tmp_path / "sample"
+    t0 = int(_t.time() * 1000)
+    r = subprocess.run(CMD + ["sample", "--output", str(out), "--records", "3000",
+                              "--minutes", "30"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("sample: 3,000 records (4 app-envs, 2 devices, ") and \
+        str(out) in lines[0], lines
+    assert lines[1] == (f"next: logjam-relay pipeline stats --input {out} --output OUT "
+                        "--report OUT/report.html"), lines
+    segs = sorted(out.glob("*.seg"))
+    assert segs and not list(tmp_path.glob(".sample-spool-*"))      # the spool is gone
+    cols = ("app", "env", "topic", "device", "sequence", "created_ms", "compression",
+            "error", "action", "total_time", "exceptions")
+    rows = [row for n, p in enumerate(segs)
+            for b in decode_segment(str(p), n, columns=cols) for row in b.to_pylist()]
+    assert len(rows) == 3000
+    logs = [x for x in rows if x["topic"].startswith("logs.") and x["action"]]
+    assert len({(x["app"], x["env"]) for x in rows}) == 4
+    assert len({x["action"] for x in logs}) >= 5
+    assert len({x["compression"] for x in rows}) >= 4
+    assert sum(1 for x in logs if x["exceptions"]) > 0.05 * len(logs)
+    tt = sorted(x["total_time"] for x in logs if x["total_time"] is not None)
+    assert tt[len(tt) // 2] < tt[int(len(tt) * 0.99)] / 3          # a long tail
+    assert 0 < sum(1 for x in rows if x["error"]) < 20              # a few undecodable
+    assert t0 - 31 * 60_000 <= min(x["created_ms"] for x in rows) and \
+        max(x["created_ms"] for x in rows) <= int(_t.time() * 1000) + 60_000
+    for dev in (1, 2):
+        seqs = sorted({x["sequence"] for x in rows if x["device"] == dev})
+        assert seqs[-1] - seqs[0] + 1 > len(seqs)                   # some loss to report
+    r = subprocess.run(CMD + ["sample", "--output", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"logjam-relay pipeline sample: {out} exists and is not an empty " \
+        "directory\n"
 
 
 def test_report_is_one_self_contained_file(report, data):
@@ -361,10 +427,11 @@ def test_chart_numbers_equal_the_tables(page, tables):
         w = want[(r["minute_ms"], app_env(r))]
         w[0] += r["count"]
         w[1] += r["http_5xx"]
+    rows = view_data(page, "requests")
     got = {(r["minute_ms"], r["app_env"]): [r["requests"], r["http_5xx"]]
-           for r in view_data(page, "requests")}
+           for r in rows if r["requests"]}          # (the 0 rows: the gaps, tested below)
     assert got == dict(want)
-    assert len(marks(page, "requests", "symbol")) == len(want)      # a point per value
+    assert len(marks(page, "requests", "symbol")) == len(rows)      # a point per value
     rows_5xx = {k for k, v in want.items() if v[1]}
     assert {(r["minute_ms"], r["app_env"]) for r in view_data(page, "http_5xx")} == rows_5xx
     assert len(marks(page, "http_5xx", "rect")) == len(rows_5xx)
@@ -384,7 +451,8 @@ def test_chart_numbers_equal_the_tables(page, tables):
                   key=lambda r: r["minute_ms"])
     shown = page.evaluate("document.getElementById('series').value")
     assert shown == f"{busiest[0]} · {busiest[1]}"
-    got = [r for r in view_data(page, "latency") if r["series"] == shown]
+    got = [r for r in view_data(page, "latency") if r["series"] == shown
+           and r["p50"] is not None]                # (no value: a gap, tested below)
     assert [(r["minute_ms"], r["p50"], r["p95"], r["p99"], r["apdex"], r["requests"])
             for r in got] == \
         [(r["minute_ms"], r["total_time_p50"], r["total_time_p95"], r["total_time_p99"],
@@ -414,6 +482,103 @@ def test_menu_switches_the_action(page, tables):
                   f"s.value = {json.dumps(options[0])}; "
                   "s.dispatchEvent(new Event('change')); return true; })()")
     assert page.console_errors() == []
+
+
+#: the line marks of a chart as drawn: per point its row, x and y (Vega's scenegraph)
+LINE_POINTS = """((name) => {
+    const out = [];
+    const walk = (mark) => {
+        if (!mark || !mark.items) return;
+        if (mark.marktype === 'line') {
+            mark.items.forEach(it => out.push(Object.assign({}, it.datum, {x: it.x, y: it.y})));
+            return;
+        }
+        mark.items.forEach(it => (it.items || []).forEach(walk));
+    };
+    walk(window.reportViews[name].scenegraph().root);
+    return out;
+})"""
+
+
+def runs(minutes: list[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive minutes: [(first, last), ...]."""
+    out = []
+    for m in sorted(set(minutes)):
+        if out and m == out[-1][1] + 60_000:
+            out[-1] = (out[-1][0], m)
+        else:
+            out.append((m, m))
+    return out
+
+
+def test_a_stopped_app_env_drops_to_zero_and_its_latency_line_breaks(page, tables):
+    """An app-env that stops sending (for five minutes, then for good) shows as a line at
+    zero in those minutes, not as a line joining the minutes on either side; the latency
+    line of its actions breaks there."""
+    app = STOPPED_APP.decode()
+    req = tables["request_stats"]
+    everything = [r["minute_ms"] for t in tables.values() for r in t]
+    first, last = min(everything), max(everything)
+    sent = sorted({r["minute_ms"] for r in req if app_env(r) == app})
+    gaps = [(a, b) for a, b in zip([first - 60_000, *sent], [*sent, last + 60_000], strict=True)
+            if b - a > 60_000]
+    assert len(gaps) >= 2, gaps                     # the outage, and the stop
+    silent = [m for a, b in gaps for m in range(a + 60_000, b, 60_000)]
+    points = [p for p in page.evaluate(f"{LINE_POINTS}('requests')") if p["app_env"] == app]
+    y0 = page.evaluate("window.reportViews.requests.scale('y')(0)")
+    x = page.evaluate(f"{json.dumps(silent)}.map(m => window.reportViews.requests"
+                      ".scale('x')(m))")
+    drawn = {p["minute_ms"]: p for p in points}
+    # the line is at zero at both ends of each gap (between them it is flat at zero),
+    # and where it sent, at what it sent
+    edges = {m for a, b in gaps for m in (a + 60_000, b - 60_000)}
+    assert {m for m, p in drawn.items() if p["requests"] == 0} == edges
+    assert all(abs(drawn[m]["y"] - y0) < 0.5 for m in edges)
+    assert set(drawn) == edges | set(sent)
+    # every silent minute lies between two zero points of the line
+    pts = sorted((p["x"], p["y"]) for p in points)
+    for xm in x:
+        left = max((p for p in pts if p[0] <= xm + 0.5), default=None)
+        right = min((p for p in pts if p[0] >= xm - 0.5), default=None)
+        assert left and right and abs(left[1] - y0) < 0.5 and abs(right[1] - y0) < 0.5, xm
+
+    # its busiest action's latency: one stretch of line per run of minutes with data
+    totals = defaultdict(int)
+    for r in req:
+        if app_env(r) == app:
+            totals[r["action"]] += r["count"]
+    action = sorted(totals, key=lambda k: (-totals[k], k))[0]
+    series = f"{app} · {action}"
+    page.evaluate(f"(() => {{ const s = document.getElementById('series'); "
+                  f"s.value = {json.dumps(series)}; s.dispatchEvent(new Event('change')); "
+                  "return true; })()")
+    minutes = [r["minute_ms"] for r in req if app_env(r) == app and r["action"] == action]
+    want = len(runs(minutes))
+    assert want >= 2
+    paths = page.wait_for(
+        "(() => { const d = [...document.querySelectorAll('#chart-latency svg "
+        "g.mark-line.role-mark path')].map(p => p.getAttribute('d') || ''); "
+        f"return d.length === 3 && d.every(x => (x.match(/M/g) || []).length === {want}) "
+        "&& d; })()", timeout=30)
+    assert len(paths) == 3                          # p50, p95, p99, each in `want` pieces
+    assert page.console_errors() == []
+
+
+def test_time_axis_labels_are_whole_minutes_and_do_not_overlap(page):
+    """Every chart's time axis: distinct labels (a tick per whole minute or more, never
+    two ticks labelled with the same minute) whose boxes do not overlap, the first ones
+    included."""
+    for chart in CHARTS:
+        boxes = page.evaluate(
+            f"[...document.querySelectorAll('#chart-{chart} svg .role-axis-label text')]"
+            ".filter(t => /^\\d\\d:\\d\\d$/.test(t.textContent) && "
+            "t.getAttribute('opacity') !== '0')"
+            ".map(t => { const r = t.getBoundingClientRect(); "
+            "return [t.textContent, r.left, r.right]; })")
+        labels = [b[0] for b in boxes]
+        assert len(labels) >= 5 and len(set(labels)) == len(labels), (chart, labels)
+        spans = sorted((b[1], b[2]) for b in boxes)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), (chart, boxes)
 
 
 def test_time_axis_zooms_with_the_wheel(page):

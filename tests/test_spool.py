@@ -414,6 +414,43 @@ async def test_interval_cursor_sync_deferred_to_a_worker_thread(tmp_path, monkey
     sp.close()
 
 
+def test_drop_oldest_counts_lost_events_not_the_heartbeats_dropped_with_them(tmp_path):
+    """The relay spools its heartbeats (``append_batch(..., heartbeat=True)``) among the
+    events; a segment dropped under ``drop_oldest`` takes some with it.  A reader that
+    had not read it counts the events lost, exactly; the heartbeats are counted apart
+    (``dropped_heartbeats``).  Before: the lost counter was over by the heartbeats
+    (9-10 a minute through the real command)."""
+    from logjam_relay.protocols import logjam as L
+    sp = open_spool(tmp_path, readers=["out"], segment_bytes=8192, max_bytes=40_000,
+                    policy="drop_oldest")
+    out = sp.reader("out")
+    events = heartbeats = 0
+    kinds = []                                  # per seq: "e" or "h"
+    for k in range(400):
+        sp.append_batch([msg(events + i, 200) for i in range(3)])
+        events += 3
+        kinds += "eee"
+        if k % 4 == 0:
+            sp.append_batch([L.heartbeat_frames("vm", 9606, 0, 1700000000000 + k,
+                                                events + heartbeats)], heartbeat=True)
+            heartbeats += 1
+            kinds.append("h")
+    assert sp.stats()["dropped_segments"] > 5
+    recs = drain(out)
+    out.ack(recs[-1].position)
+    first = len(kinds) - len(recs)              # the seqs before it were dropped
+    assert [r.frames[0] == b"heartbeat" for r in recs] == [c == "h" for c in kinds[first:]]
+    gone = kinds[:first]
+    st = out.stats()
+    print(f"dropped {first} records: {gone.count('e')} events, {gone.count('h')} "
+          f"heartbeats; lost counted {st['lost']}")
+    assert gone.count("h") > 0
+    assert st["lost"] == st["lost_by_reason"]["dropped"] == gone.count("e")
+    assert sp.stats()["dropped_heartbeats"] == gone.count("h")
+    assert st["backlog_records"] == 0
+    sp.close()
+
+
 # ------------------------------------------------------------- accounting and cursors
 
 def test_drop_oldest_accounting_is_exact(tmp_path):

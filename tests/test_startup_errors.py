@@ -8,6 +8,7 @@ setting, its value, where the value came from and the likely cause.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -83,7 +84,11 @@ def test_port_in_use(tmp_path, busy_port, setting, flag):
     for other in ("-t", "-p", "-P", "-s", "-m"):
         if other != flag:
             with socket.socket() as s:
+                # SO_REUSEADDR as the relay's listeners: free_port() left the port in
+                # TIME_WAIT (conftest.py), which only a listener still there conflicts with
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", int(argv[argv.index(other, 3) + 1])))
+                s.listen()
 
 
 def test_port_in_use_zmq_and_env_source(tmp_path):
@@ -261,3 +266,35 @@ def test_input_with_a_tls_file_that_is_not_pem(tmp_path):
     line, _ = run_failing(base_argv(tmp_path) + ["--spool-dir", str(tmp_path / "spool"),
                                                  "--input", url])
     assert_names(line, f"inputs {url} (flag --input)", "TLS files cannot be loaded")
+
+
+def test_free_port_is_kept_from_other_port_pickers_until_the_relay_binds_it():
+    """The tests' ports (conftest.free_port) cannot be taken between the test choosing one
+    and the relay binding it: another program probing the port with a plain bind (how a
+    free-port check works, another test suite's included) is refused, while the relay's
+    listeners -- libzmq and trio, both SO_REUSEADDR -- bind it.  Before, the port was
+    only checked and released: anything could take it in between ("relay exited with 2",
+    samwise's bind: address already in use)."""
+    import trio
+    import zmq
+    for addr in ("0.0.0.0", "127.0.0.1"):
+        port = free_port()
+        with socket.socket() as s, pytest.raises(OSError) as ei:
+            s.bind((addr, port))
+        assert ei.value.errno == errno.EADDRINUSE
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://127.0.0.1:{free_port()}")
+        sock.close()
+    finally:
+        ctx.term()
+
+    async def listen():
+        port = free_port()
+        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+        assert listeners[0].socket.getsockname()[1] == port
+        for lst in listeners:
+            await lst.aclose()
+    trio.run(listen)

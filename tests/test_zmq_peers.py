@@ -89,12 +89,12 @@ def test_zmq_max_peers_is_validated_and_bounds_the_ceiling(tmp_path):
     c = memory.ceiling(s, baseline=0, output_bytes=0)
     message = s.resolved_zmq_max_msg_bytes() + memory.ENVELOPE_BYTES
     assert c.ingress_queues == 2 * 8 * 5 * message              # ROUTER + PULL
-    assert c.connections == (2 + 2) * 8 * memory.CONNECTION_BYTES
+    assert c.connections == (2 + 2) * 8 * memory.ZMQ_CONNECTION_BYTES
     unbounded = config.load({"state_dir": str(tmp_path)}, environ={})
     with pytest.raises(ValueError):
         memory.ceiling(unbounded, baseline=0, output_bytes=0)
     assert memory.ceiling(unbounded, baseline=0, input_peers=3, output_bytes=0) \
-        .connections == 3 * memory.CONNECTION_BYTES
+        .connections == 3 * memory.ZMQ_CONNECTION_BYTES
 
 
 # ------------------------------------------------------------------ the guard, directly

@@ -385,6 +385,9 @@ class RelayCollector:
                  "torn or corrupt segment tails cut at start", _counter),
                 ("logjam_relay_spool_dropped_segments", "dropped_segments",
                  "segments deleted by drop_oldest", _counter),
+                ("logjam_relay_spool_dropped_heartbeats", "dropped_heartbeats",
+                 "the relay's heartbeat records deleted with dropped segments (no events: "
+                 "not in the lost records)", _counter),
                 ("logjam_relay_spool_paused", "paused",
                  "1 while ingress is paused (spool full or disk full)", _gauge),
                 ("logjam_relay_spool_disk_full", "disk_full",

@@ -294,6 +294,16 @@ def _parser() -> argparse.ArgumentParser:
                          "extracts the request fields and one Spark SQL aggregation makes "
                          "the tables (slower; see docs/pipeline.md).  Same tables")
     st.add_argument("-q", "--quiet", action="store_true", help="only the summary")
+    sm = sub.add_parser("sample", help="write an archive of made-up traffic to try the "
+                                       "pipeline on (no Spark needed)")
+    sm.add_argument("--output", required=True, metavar="DIR",
+                    help="the archive directory to write (must not exist, or be empty)")
+    sm.add_argument("--records", type=int, default=20_000, metavar="N",
+                    help="how many records (default 20000)")
+    sm.add_argument("--minutes", type=int, default=60, metavar="M",
+                    help="spread over the last M minutes (default 60)")
+    sm.add_argument("--seed", type=int, default=1, metavar="S",
+                    help="random seed: the same seed, the same traffic (default 1)")
     rp = sub.add_parser("report", help="one self-contained HTML file of charts from the "
                                        "tables of `pipeline stats` (no Spark needed)")
     rp.add_argument("html", metavar="FILE.html", help="the report to write")
@@ -317,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "package":
         print(package_zip(a.zip))
         return 0
+    if a.command == "sample":       # no Spark, no JVM
+        from .sample import main as sample_main
+        return sample_main(a)
     if a.command == "report":       # pyarrow and vl-convert only: no Spark, no JVM
         from .report import main as report_main
         return report_main(a)
@@ -352,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         interval = duration(a.trigger_interval)
     except ValueError as e:
         ap.error(f"--trigger-interval: {e}")
+    if not a.quiet:
+        # at once, before Spark's imports and its JVM (seconds; 18 s on a loaded machine):
+        # a run whose output goes to a pipe or a file has no progress line to show it began
+        print(f"[{time.strftime('%H:%M:%S')}] pipeline stats: {a.input} -> {a.output}"
+              f"{' (streaming)' if a.stream else ''}", flush=True)
     from .connect import RemoteError, remote_url
     try:
         remote = remote_url(a.remote)
@@ -480,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         extra = (f" ({s['bad_records']} undecodable, {s['corrupt_segments']} corrupt regions,"
                  f" {s['bad_json']} not JSON)")
     progress.close()
-    print(f"summary: rows in {s['rows_in']}{extra}, rows out {s['rows_out']} [{parts}], "
-          f"time {dt:.1f} s", flush=True)
+    engine = f", engine {s['engine']}" if s.get("engine") else ""
+    print(f"summary: rows in {s['rows_in']}{extra}, rows out {s['rows_out']} [{parts}]"
+          f"{engine}, time {dt:.1f} s", flush=True)
     if a.report:
         from .report import ReportError, summary_line, write_report
         try:
@@ -614,7 +633,8 @@ def _main_remote(a, ap, remote: str, conf: dict) -> int:
     parts = ", ".join(f"{k} {v}" for k, v in s.get("tables", {}).items())
     print(f"summary: rows in {s['rows_in']} ({s['bad_records']} undecodable, "
           f"{s['corrupt_segments']} corrupt regions, {s['bad_json']} not JSON), rows out "
-          f"{s['rows_out']} [{parts}], time {dt:.1f} s", flush=True)
+          f"{s['rows_out']} [{parts}], engine {s.get('engine', '?')} on the server, "
+          f"time {dt:.1f} s", flush=True)
     return 0
 
 

@@ -246,7 +246,9 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, ship_zi
                                        dict(index.exclude) if index.excluded else None)
                          ).persist()
     summary = summary_of_merged(agg)
-    summary["engine"] = "python (Spark Connect)"
+    # the python engine's reading (Python tasks on the server's workers decode and group,
+    # Spark merges): the one a remote run has (no JVM reader on the client's side)
+    summary["engine"] = "python"
     tables = split_merged(agg)
     finish_tables(spark, tables, summary, index)
     return tables, summary, agg

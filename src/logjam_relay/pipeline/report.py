@@ -61,11 +61,39 @@ def javascript_bundle() -> str:
 
 # ------------------------------------------------------------------------------ charts
 
-def _x(fmt: str) -> dict:
-    """The time axis: UTC, labels on a 24-hour clock (``fmt``)."""
+#: the steps of the time axis' ticks, finest first: (Vega time unit, step, minutes); the
+#: names are vega-time's units ("minutes", "date": the day of the month)
+_TICK_STEPS = [("minutes", n, n) for n in (1, 2, 5, 10, 15, 30)] + \
+    [("hours", n, 60 * n) for n in (1, 2, 3, 6, 12)] + \
+    [("date", 1, 1440), ("date", 2, 2880), ("week", 1, 10080), ("month", 1, 43200),
+     ("month", 3, 129600), ("year", 1, 525600)]
+#: at most this many ticks on the time axis (a label "00:00" is ~30 px of ~1,100)
+MAX_TICKS = 16
+
+
+def time_ticks(span_ms: int) -> dict:
+    """The time axis' ``tickCount``: whole minutes (the tables' resolution), at the
+    finest step that gives at most :data:`MAX_TICKS` ticks over ``span_ms``.  Left to
+    Vega, a span of a few minutes got a tick every 30 s, each labelled with its minute
+    ("23:57 23:57 23:58 ..."), and the first labels overlapped."""
+    minutes = max(1, span_ms // 60_000)
+    for interval, step, m in _TICK_STEPS:
+        if minutes / m <= MAX_TICKS:
+            return {"interval": interval, "step": step}
+    return {"interval": "year", "step": max(1, int(minutes / 525600 / MAX_TICKS) + 1)}
+
+
+def _x(fmt: str, first_ms: int | None = None, last_ms: int | None = None) -> dict:
+    """The time axis: UTC, labels on a 24-hour clock (``fmt``), ticks on whole minutes
+    (:func:`time_ticks`); with ``first_ms`` and ``last_ms``, every chart spans the
+    report's whole time range (a series that stopped ends before the axis does)."""
+    scale = {"type": "utc"}
+    axis = {"format": fmt, "labelOverlap": True, "labelFlush": True}
+    if first_ms is not None and last_ms is not None:
+        scale["domain"] = [first_ms, last_ms]
+        axis["tickCount"] = time_ticks(last_ms - first_ms)
     return {"field": "minute_ms", "type": "temporal", "title": "minute (UTC)",
-            "scale": {"type": "utc"},
-            "axis": {"format": fmt, "labelOverlap": True}}
+            "scale": scale, "axis": axis}
 
 
 def _tooltip(*fields) -> list[dict]:
@@ -119,7 +147,7 @@ def chart_specs(d: dict) -> tuple[dict[str, dict], dict[str, list[dict]]]:
                      for k in ("requests", "latency", "exceptions", "gap_minutes")}}
     long = s["first_minute_ms"] is not None and \
         s["last_minute_ms"] - s["first_minute_ms"] >= 86_400_000
-    x = _x("%b %d %H:%M" if long else "%H:%M")
+    x = _x("%b %d %H:%M" if long else "%H:%M", s["first_minute_ms"], s["last_minute_ms"])
     if d["requests"]:
         data["requests"] = d["requests"]
         specs["requests"] = _line(
@@ -146,8 +174,9 @@ def chart_specs(d: dict) -> tuple[dict[str, dict], dict[str, list[dict]]]:
                                      "format": ",.1f", "title": "ms"}, "requests")})
         specs["apdex"] = _spec(
             "apdex", 130, params=[{"name": "series", "value": first}],
-            transform=[{"filter": "datum.series == series && datum.apdex != null"},
-                       _MINUTE],
+            # a null apdex (a minute without total_time, or the row after which the
+            # series has no minute: report_data.broken_at_gaps) breaks the line
+            transform=[{"filter": "datum.series == series"}, _MINUTE],
             mark={"type": "line", "point": True, "strokeWidth": 1.5, "color": "#54a24b"},
             encoding={"x": x, "y": {"field": "apdex", "type": "quantitative",
                                     "scale": {"domain": [0, 1]}, "title": "apdex"},

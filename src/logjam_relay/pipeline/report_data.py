@@ -105,6 +105,48 @@ def _group(t, keys, aggs, sort=None):
     return g.to_pylist()
 
 
+# ------------------------------------------------------------------------------- gaps
+
+def zero_filled(requests: list[dict], first: int | None, last: int | None) -> list[dict]:
+    """``requests`` (minute, app-env, requests, 5xx) with the minutes of each app-env that
+    have no row filled in as 0 requests between ``first`` and ``last`` (the time axis), so
+    that its line drops to zero where its traffic stopped instead of joining the minutes
+    on either side.  Only the minutes at the edges of each run of absent minutes get a row
+    (the line between two zeros is flat at zero): at most two rows per gap, whatever its
+    length."""
+    if first is None or not requests:
+        return requests
+    by_app: dict[str, list[int]] = {}
+    for r in requests:
+        if first <= r["minute_ms"] <= last:
+            by_app.setdefault(r["app_env"], []).append(r["minute_ms"])
+    filled = []
+    for app, minutes in by_app.items():
+        edges = [first - 60_000, *sorted(minutes), last + 60_000]
+        for a, b in zip(edges, edges[1:], strict=False):
+            if b - a > 60_000:
+                filled.extend({"minute_ms": m, "app_env": app, "requests": 0, "http_5xx": 0}
+                              for m in sorted({a + 60_000, b - 60_000}))
+    if not filled:
+        return requests
+    return sorted(requests + filled, key=lambda r: (r["minute_ms"], r["app_env"]))
+
+
+def broken_at_gaps(latency: list[dict]) -> list[dict]:
+    """``latency`` (sorted by series and minute) with a row of no value (null percentiles
+    and apdex, 0 requests) in the first absent minute after each of a series' minutes: the
+    chart's line breaks there instead of joining two minutes that are far apart."""
+    out = []
+    for k, r in enumerate(latency):
+        out.append(r)
+        nxt = latency[k + 1] if k + 1 < len(latency) else None
+        if nxt is not None and nxt["series"] == r["series"] and \
+                nxt["minute_ms"] > r["minute_ms"] + 60_000:
+            out.append({"series": r["series"], "minute_ms": r["minute_ms"] + 60_000,
+                        "requests": 0, "p50": None, "p95": None, "p99": None, "apdex": None})
+    return out
+
+
 # ------------------------------------------------------------------------------- loss
 
 def exact_gaps(state, start_ms=None, end_ms=None) -> list[dict]:
@@ -230,6 +272,7 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
     requests = [{"minute_ms": r["minute_ms"], "app_env": _app_env(r["app"], r["env"]),
                  "requests": r["count_sum"], "http_5xx": r["http_5xx_sum"]}
                 for r in per_app]
+    requests = zero_filled(requests, first, last)
 
     # the busiest (app, env, action) series, with their per-minute percentiles and apdex;
     # what is off the time axis is neither counted nor offered (its chart would be empty)
@@ -255,6 +298,7 @@ def collect(tables_dir: str, start_ms: int | None = None, end_ms: int | None = N
                                 "apdex": r["apdex"]})
         order = {n: i for i, n in enumerate(series_names)}
         latency.sort(key=lambda r: (order[r["series"]], r["minute_ms"]))
+        latency = broken_at_gaps(latency)
 
     exceptions = [{"minute_ms": r["minute_ms"], "exception": r["exception"],
                    "count": r["count_sum"]} for r in

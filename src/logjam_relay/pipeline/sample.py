@@ -184,3 +184,65 @@ def edge_stream(n: int, device: int, *, host: str, seed: int = 1, heartbeat_ever
             seq += 1
             out.append(heartbeat(device, m.created_ms, seq, host))
     return out
+
+
+# ------------------------------------------------------------------ `pipeline sample`
+
+def write_sample(output, records: int, *, minutes: int = 60, seed: int = 1,
+                 end_ms: int | None = None, segment_bytes: int = 1 << 20) -> dict:
+    """``logjam-relay pipeline sample``: an archive of ``records`` messages of made-up
+    traffic in the directory ``output`` (created; it must not exist or be empty), spread
+    over the ``minutes`` before ``end_ms`` (default: the present minute): the app-envs,
+    actions, latencies, exceptions and compressions of :func:`make_messages`, two devices
+    with a few numbers missing, one duplicate, a few bodies that do not decode -- every
+    kind of figure ``pipeline stats`` and its report show.  The records go through a real
+    spool in a temporary directory beside ``output`` (removed), as the relay's archive
+    output writes them.  Returns what was written."""
+    import os
+    import shutil
+    import tempfile
+    import time as _time
+    output = os.path.abspath(os.fspath(output))
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise FileExistsError(f"{output} exists and is not an empty directory")
+    if records < 1 or minutes < 1:
+        raise ValueError("records and minutes must be at least 1")
+    if end_ms is None:
+        end_ms = int(_time.time() * 1000) // 60_000 * 60_000 + 60_000
+    spread = minutes * 60_000
+    anomalies = records >= 51          # the duplicate is one record more
+    msgs = make_messages(records - anomalies, seed=seed, base_ms=end_ms - spread,
+                         spread_ms=spread, malformed=anomalies, gaps=anomalies)
+    parent = os.path.dirname(output)
+    os.makedirs(parent, exist_ok=True)
+    spool = tempfile.mkdtemp(prefix=".sample-spool-", dir=parent)
+    try:
+        write_archive(spool, output, msgs, segment_bytes=segment_bytes)
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+    files = [f for f in os.listdir(output) if not f.startswith(".")]
+    return {"output": output, "records": len(msgs), "segments": len(files),
+            "bytes": sum(os.path.getsize(os.path.join(output, f)) for f in files),
+            "app_envs": len({m.app_env for m in msgs}),
+            "devices": len({m.device for m in msgs}),
+            "first_ms": msgs[0].created_ms, "last_ms": msgs[-1].created_ms}
+
+
+def main(a) -> int:
+    """``logjam-relay pipeline sample`` (arguments parsed by :mod:`.cli`)."""
+    import datetime as _dt
+    import sys
+    try:
+        w = write_sample(a.output, a.records, minutes=a.minutes, seed=a.seed)
+    except (OSError, ValueError) as e:
+        print(f"logjam-relay pipeline sample: {e}", file=sys.stderr)
+        return 2
+
+    def t(ms):
+        return _dt.datetime.fromtimestamp(ms / 1000, _dt.UTC).strftime("%Y-%m-%d %H:%M")
+    print(f"sample: {w['records']:,} records ({w['app_envs']} app-envs, {w['devices']} "
+          f"devices, {t(w['first_ms'])} → {t(w['last_ms'])} UTC) in {w['output']}: "
+          f"{w['segments']} segments, {w['bytes']:,} bytes", flush=True)
+    print(f"next: logjam-relay pipeline stats --input {w['output']} --output OUT "
+          f"--report OUT/report.html", flush=True)
+    return 0

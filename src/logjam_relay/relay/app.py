@@ -599,9 +599,9 @@ class Relay:
             # upstream outputs skip heartbeats unless heartbeats=on
             def spool_frames(frames):
                 if self.commits is not None:    # in sequence order with the ingest's
-                    self.commits.submit(None, None, records=[frames])
+                    self.commits.submit(None, None, records=[frames], heartbeat=True)
                 else:   # no group commit, or not yet (the restart marker at start-up)
-                    self.spool.append_batch([frames])
+                    self.spool.append_batch([frames], heartbeat=True)
         return Ticker(pipeline=self.pipeline, publish=self.pub.publish, fqdn=self.fqdn,
                       device_id=s.device_id, pub_port=pub_port,
                       heartbeat_interval=s.heartbeat_interval,

@@ -89,7 +89,8 @@ def max_pending(batch_size: int) -> int:
 class _Entry:
     """One batch handed in: records to append (or the C pass's encoded ones, or nothing),
     the replies to send once they are on disk, an input waiting for them."""
-    __slots__ = ("records", "encoded", "n", "nbytes", "sock", "replies", "done", "mark", "t")
+    __slots__ = ("records", "encoded", "n", "nbytes", "sock", "replies", "done", "mark", "t",
+                 "heartbeat")
 
     def __init__(self, records, encoded, n, nbytes, sock, replies, done):
         self.records = records
@@ -101,6 +102,7 @@ class _Entry:
         self.done = done            # [trio.Event, result] of commit()/durable(), or None
         self.mark = -1              # spool.bytes_appended once appended (-1: not yet)
         self.t = 0.0                # handed in (time.perf_counter()), for the wait histogram
+        self.heartbeat = False      # the records are the relay's heartbeats (no events)
 
 
 class GroupCommit:
@@ -161,10 +163,12 @@ class GroupCommit:
         return self.spool.next_seq + self._unwritten_records
 
     def submit(self, sock, replies: list | None, records: list | None = None,
-               encoded: tuple | None = None, done: list | None = None) -> None:
+               encoded: tuple | None = None, done: list | None = None, *,
+               heartbeat: bool = False) -> None:
         """A batch: ``records`` (4-frame logjam messages, for ``append_batch``) or
         ``encoded`` (``(data, n, first_seq, last_meta)`` for ``append_encoded``) or neither,
-        and its ``replies`` on ``sock``, sent once the records are on disk."""
+        and its ``replies`` on ``sock``, sent once the records are on disk.  ``heartbeat``:
+        ``records`` are the relay's heartbeats (``Spool.append_batch``)."""
         n = nbytes = 0
         if records:
             n = len(records)
@@ -187,6 +191,7 @@ class GroupCommit:
                     self._send(sock, replies)       # nothing to wait for
             return
         e = _Entry(records, encoded, n, nbytes, sock, replies, done)
+        e.heartbeat = heartbeat
         if replies:
             e.t = time.perf_counter()
         self._entries.append(e)
@@ -343,7 +348,7 @@ class GroupCommit:
         while self._unwritten:
             e = entries[i]
             if e.records is not None:
-                spool.append_batch(e.records)
+                spool.append_batch(e.records, heartbeat=e.heartbeat)
             elif e.encoded is not None:
                 spool.append_encoded(*e.encoded)
             e.records = e.encoded = None

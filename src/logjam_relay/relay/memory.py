@@ -40,8 +40,10 @@ SUBSCRIPTION_OVERSHOOT_BYTES = SUBSCRIPTION_OVERSHOOT_PAIRS * (MAX_TOPIC_BYTES +
 #: the compressed bodies with -x
 BATCH_COPIES = 3
 #: what one ZeroMQ connection costs besides its queue: libzmq's engine, session and pipe,
-#: the 8 KiB decoder and encoder buffers, the guard's dup (measured idle: 11-25 KB)
-CONNECTION_BYTES = 64 * 1024
+#: the 8 KiB decoder and encoder buffers, the guard's dup (measured idle: 11-25 KB).
+#: (One name per term: until 2026-12 the input term below had this name too, and its
+#: later definition made ceiling() charge 160 KiB per ZeroMQ connection.)
+ZMQ_CONNECTION_BYTES = 64 * 1024
 #: the samwise endpoint's per-peer queue never exceeds libzmq's default
 SAMWISE_MAX_RCV_HWM = 1000
 #: allocator slack (glibc arenas, fragmentation) on top of the sum
@@ -112,9 +114,10 @@ def output_window_bytes(settings: Settings) -> int:
     return total
 
 
-#: what an input connection holds outside max_held_bytes: its objects (measured 7 KiB
-#: plain, 27 KiB with TLS), a read in flight and TLS's incoming buffer (64 KiB each)
-CONNECTION_BYTES = 160 * 1024
+#: what a Lumberjack/Courier input connection holds outside max_held_bytes: its objects
+#: (measured 7 KiB plain, 27 KiB with TLS), a read in flight and TLS's incoming buffer
+#: (64 KiB each)
+INPUT_CONNECTION_BYTES = 160 * 1024
 #: json.loads of one event (the input's mapping) at its worst: 27x its size for
 #: ``[{},{},...]`` (tracemalloc)
 JSON_EXPANSION = 32
@@ -123,7 +126,7 @@ JSON_EXPANSION = 32
 def input_bytes(settings: Settings) -> int:
     """What the Lumberjack/Courier inputs may hold (docs/inputs.md, "Memory"): per input,
     ``max_held_bytes`` shared by its connections plus ``max_connections`` x
-    :data:`CONNECTION_BYTES`; and once, for the one batch being decoded at a time (the
+    :data:`INPUT_CONNECTION_BYTES`; and once, for the one batch being decoded at a time (the
     event loop decodes one after the other), 3 x ``max_batch_bytes`` (an inflate's
     blocks, its output and the events decoded from it, before they are charged) and
     :data:`JSON_EXPANSION` x ``max_event_bytes`` (one event parsed to be mapped)."""
@@ -131,7 +134,7 @@ def input_bytes(settings: Settings) -> int:
     specs = parse_inputs(settings.inputs, max_event_bytes=settings.max_event_bytes)
     if not specs:
         return 0
-    return (sum(s.max_held_bytes + s.max_connections * CONNECTION_BYTES for s in specs)
+    return (sum(s.max_held_bytes + s.max_connections * INPUT_CONNECTION_BYTES for s in specs)
             + max(3 * s.max_batch_bytes + JSON_EXPANSION * s.max_event_bytes for s in specs))
 
 
@@ -189,7 +192,7 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int | None = None
     subs = sockets * (s.max_subscriptions * (MAX_TOPIC_BYTES + 12) + 4096
                       + SUBSCRIPTION_OVERSHOOT_BYTES) * TRIE_BYTES_PER_TOPIC_BYTE
     workers = output_workers(s) * worker_baseline
-    conns = (input_peers + subscriber_peers) * CONNECTION_BYTES
+    conns = (input_peers + subscriber_peers) * ZMQ_CONNECTION_BYTES
     inputs_held = input_bytes(s)
     cmdp = cmdp_bytes(s)
     subtotal = baseline + ingress + batches + pub + outputs + subs + workers + conns \

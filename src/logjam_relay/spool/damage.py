@@ -10,7 +10,8 @@ See docs/spool-format.md, "Damage found while reading" and "Loss accounting".
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 
 from . import segment as fmt
 from .ledger import Ledger, Seg
@@ -33,24 +34,30 @@ class Damage:
         self.corrupt_records = 0
 
     # -- loss accounting --------------------------------------------------------
-    def add_gap(self, lo: int, hi: int, reason: str) -> None:
+    def add_gap(self, lo: int, hi: int, reason: str, not_events: Sequence[int] = ()) -> None:
+        """Seqs ``lo..hi-1`` are gone for ``reason``; ``not_events``: the sorted seqs among
+        them that were no events (the relay's heartbeat records): a reader that passes over
+        the gap counts the others as lost, not these."""
         if hi > lo:
-            self.gaps.append([lo, hi, reason])
+            self.gaps.append([lo, hi, reason, tuple(not_events)])
 
     def lost_reasons(self, lo: int, hi: int, remainder: bool = True) -> list[tuple[str, int]]:
         """Split records ``lo..hi-1`` (passed over by a cursor) by the gap they are in;
-        records in no registered gap are ``missing`` (if ``remainder``)."""
+        records in no registered gap are ``missing`` (if ``remainder``).  The records a
+        gap names as no events are in no count."""
         if hi <= lo:
             return []
-        parts = sorted((max(lo, g[0]), min(hi, g[1]), g[2]) for g in self.gaps
+        parts = sorted((max(lo, g[0]), min(hi, g[1]), g[2], g[3]) for g in self.gaps
                        if max(lo, g[0]) < min(hi, g[1]))
         out: dict[str, int] = {}
         cur = lo
         covered = 0
-        for a, b, reason in parts:
+        for a, b, reason, skip in parts:
             a = max(a, cur)
             if a < b:
-                out[reason] = out.get(reason, 0) + b - a
+                n = b - a - (bisect_left(skip, b) - bisect_left(skip, a) if skip else 0)
+                if n:
+                    out[reason] = out.get(reason, 0) + n
                 covered += b - a
                 cur = b
         if remainder and hi - lo > covered:

@@ -14,6 +14,7 @@ import os
 import re
 import struct
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 
 import trio
@@ -107,6 +108,12 @@ class Spool:
         self._last_cursor_sync = 0.0
         self.dropped_segments = 0
         self.deleted_segments = 0
+        #: the seqs of the relay's heartbeat records appended since the spool was opened
+        #: and not yet deleted, in order (:meth:`append_batch` ``heartbeat``): a dropped
+        #: segment's gap names them, so that the loss counters count events only
+        self._heartbeat_seqs: list[int] = []
+        #: heartbeat records deleted with a dropped segment (counted apart from the loss)
+        self.dropped_heartbeats = 0
         self.writer: SegmentWriter | None = None
 
         self._lock_fd: int | None = lock_directory(self.directory, fs)
@@ -170,15 +177,21 @@ class Spool:
         self.writer.save_state()
 
     # -- writing ----------------------------------------------------------------
-    def append_batch(self, batch: Sequence[Sequence[bytes]]) -> Position | None:
+    def append_batch(self, batch: Sequence[Sequence[bytes]], *,
+                     heartbeat: bool = False) -> Position | None:
         """Append logjam messages (each exactly 4 frames: app_env, topic, body, meta)
         with one write.  Returns the position of the first record.  Raises
-        :class:`SpoolWriteError` if it could not be handed to the OS."""
+        :class:`SpoolWriteError` if it could not be handed to the OS.  ``heartbeat``: the
+        records are the relay's heartbeats, no events: if their segment is dropped, the
+        readers do not count them as lost (:attr:`dropped_heartbeats` does)."""
         if not batch:
             return None
-        data = fmt.encode_logjam_batch(batch, self.ledger.next_seq)
+        first = self.ledger.next_seq
+        data = fmt.encode_logjam_batch(batch, first)
         pos = self._append_bytes(data, len(batch))
         self.ledger.last_meta = batch[-1][3]
+        if heartbeat:
+            self._heartbeat_seqs.extend(range(first, first + len(batch)))
         return pos
 
     def append_encoded(self, data: bytes, n: int, first_seq: int,
@@ -368,7 +381,9 @@ class Spool:
         reader rewinds without acknowledging them)."""
         before = {r: r.drop_marks() for r in self.readers.values()}
         for seg in segs:
-            self.damage.add_gap(seg.first_seq, seg.end_seq, reason)
+            hb = self._heartbeats_in(seg.first_seq, seg.end_seq)
+            self.dropped_heartbeats += len(hb)
+            self.damage.add_gap(seg.first_seq, seg.end_seq, reason, not_events=hb)
             unacked = {r.name: max(0, seg.end_seq - max(r.acknowledged_seq, seg.first_seq))
                        for r in self.readers.values()}
             self._delete(seg)
@@ -421,6 +436,11 @@ class Spool:
             low = min([low] + [r.pending_from() for r in readers if r.pending()])
             self.damage.prune(low)
 
+    def _heartbeats_in(self, lo: int, hi: int) -> list[int]:
+        """The heartbeat seqs in ``lo..hi-1`` (those appended since the spool was opened)."""
+        hb = self._heartbeat_seqs
+        return hb[bisect_left(hb, lo):bisect_left(hb, hi)]
+
     def _delete(self, seg: Seg) -> None:
         for r in self.readers.values():
             r.forget(seg.segno)
@@ -431,6 +451,9 @@ class Spool:
         except OSError as e:
             raise self.errors.count(_write_error("deleting", seg.path, e)) from None
         self.ledger.remove(seg)
+        hb = self._heartbeat_seqs
+        if hb and hb[0] < self.ledger.first_seq():
+            del hb[:bisect_left(hb, self.ledger.first_seq())]   # live segments' only
         self.budget.freed()                   # space was freed: let ingress retry
 
     # -- damage -----------------------------------------------------------------
@@ -605,6 +628,7 @@ class Spool:
             "sealed_segments": w.sealed_segments,
             "deleted_segments": self.deleted_segments,
             "dropped_segments": self.dropped_segments,
+            "dropped_heartbeats": self.dropped_heartbeats,
             "appends": w.appends,
             "append_batches": w.append_batches,
             "bytes_appended": w.bytes_appended,
