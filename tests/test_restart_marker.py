@@ -168,7 +168,7 @@ def test_sigkill_restart_spools_one_marker_with_the_skipped_range(tmp_path, fsyn
     # the output (heartbeats=on) forwarded it like any heartbeat
     fwd = [e.fields for e in reader.events if e.fields["sequence"] == str(first)]
     assert fwd and all(f == {"line": marker[2].decode(), "app": "heartbeat", "env": "",
-                             "topic": "tcp://vm:%d" % settings.pub_port, "device": "7",
+                             "topic": f"tcp://vm:{settings.pub_port}", "device": "7",
                              "sequence": str(first), "created_ms": str(created),
                              "host": f["host"], "type": "logjam"} for f in fwd)
 
