@@ -19,6 +19,7 @@ import pytest
 import trio
 import zmq
 
+from conftest import free_port
 from logjam_relay.io import zmq_trio
 from peers.lumberjack_reader import LumberjackReader
 from relay_harness import meta, relay_settings, start_process, stop_process, sync_sub, unmeta
@@ -167,7 +168,7 @@ def test_sigkill_restart_spools_one_marker_with_the_skipped_range(tmp_path, fsyn
     # the output (heartbeats=on) forwarded it like any heartbeat
     fwd = [e.fields for e in reader.events if e.fields["sequence"] == str(first)]
     assert fwd and all(f == {"line": marker[2].decode(), "app": "heartbeat", "env": "",
-                             "topic": "tcp://vm:%d" % settings.pub_port, "device": "7",
+                             "topic": f"tcp://vm:{settings.pub_port}", "device": "7",
                              "sequence": str(first), "created_ms": str(created),
                              "host": f["host"], "type": "logjam"} for f in fwd)
 
@@ -223,3 +224,100 @@ def test_no_spool_no_marker_and_no_number_taken():
     assert spooled[0][:3] == [b"heartbeat", b"tcp://vm:9606",
                               b'{"restart":{"skipped_from":44,"skipped_to":100000}}']
     assert unmeta(spooled[0][3])[3:6:2] == (7, 100_001)
+
+
+# ------------------------------------------------- an edge into a central relay
+
+def test_every_number_of_an_edge_is_accounted_for_at_the_central_relay(tmp_path):
+    """An edge relay (heartbeats=on) into a central relay's Lumberjack input; the edge is
+    SIGKILLed and restarted.  In the central spool, the edge's numbers -- its requests,
+    heartbeats and restart marker, by their ``logjam_origin`` -- plus the marker's range
+    are every number from 1 to the edge's last, nothing left over.  The central relay
+    publishes the forwarded heartbeats on its PUB (docs/inputs.md)."""
+    lport = free_port()
+    central = relay_settings(tmp_path / "central", device_id=100, heartbeat_interval=0.2)
+    edge = relay_settings(tmp_path / "edge", device_id=7, heartbeat_interval=0.2)
+    c_spool, e_spool = tmp_path / "central-spool", tmp_path / "edge-spool"
+    c_args = ["--input", f"lumberjack://127.0.0.1:{lport}?tls=off&name=lj",
+              "--spool-dir", str(c_spool)]
+    e_args = ["--spool-dir", str(e_spool),
+              "--output", f"lumberjack://127.0.0.1:{lport}?tls=off&heartbeats=on&window=20"
+                          "&backoff_min=0.05&backoff_max=0.2&name=lj"]
+    log = tmp_path / "relays.log"
+    cproc = start_process(central, c_args, log_path=log)
+    eproc = start_process(edge, e_args, log_path=log)
+    pub: list[list[bytes]] = []
+
+    def edge_numbers():
+        return {_seq(f) for f in spooled_records([e_spool])}
+
+    def central_origins():
+        out = {}
+        for f in spooled_records([c_spool]):
+            if f[2].startswith(b'{"logjam_origin":'):
+                doc = json.loads(f[2])
+                out[doc["logjam_origin"]["sequence"]] = (f[0], f[1], doc)
+        return out
+
+    async def main():
+        nonlocal eproc
+        ctx = zmq.Context()
+        try:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{central.pub_port}")
+
+            async def send(n0, n):
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(f"tcp://127.0.0.1:{edge.router_port}")
+                for i in range(n0, n0 + n):
+                    await zmq_trio.send_multipart(dealer, [b"", b"restart-test", b"logs.restart",
+                                                           BODY % i, meta(dev=0)])
+                    with trio.fail_after(15):
+                        assert (await zmq_trio.recv_multipart(dealer))[-1] == b"202 Accepted"
+                dealer.close()
+
+            async with trio.open_nursery() as nursery:
+                async def subscriber():
+                    while True:
+                        pub.append(await zmq_trio.recv_multipart(sub))
+                nursery.start_soon(subscriber)
+                await send(0, 30)
+                await trio.sleep(0.5)
+                os.kill(eproc.pid, signal.SIGKILL)
+                eproc.wait()
+                eproc = await trio.to_thread.run_sync(start_process, edge, e_args, log)
+                await send(30, 30)
+                await trio.sleep(0.5)
+                with trio.fail_after(30):
+                    while not edge_numbers() <= set(await trio.to_thread.run_sync(
+                            central_origins)):
+                        await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+        finally:
+            ctx.destroy(linger=0)
+
+    try:
+        trio.run(main)
+    finally:
+        erc, crc = stop_process(eproc), stop_process(cproc)
+    assert (erc, crc) == (0, 0)
+    origins = central_origins()
+    markers = [doc["restart"] for stream, _t, doc in origins.values() if "restart" in doc]
+    assert len(markers) == 1
+    a, b = markers[0]["skipped_from"], markers[0]["skipped_to"]
+    numbers = set(origins) | set(range(a, b + 1))
+    assert numbers == set(range(1, max(origins) + 1))           # every number, once
+    assert not set(origins) & set(range(a, b + 1))
+    kinds = {}
+    for stream, topic, doc in origins.values():
+        assert doc["logjam_origin"]["device"] == 7 and doc["logjam_origin"]["input"] == "lj"
+        if stream == b"heartbeat":
+            assert topic == b"tcp://vm:%d" % edge.pub_port
+        kinds[stream] = kinds.get(stream, 0) + 1
+    assert kinds[b"restart-test"] == 60 and kinds[b"heartbeat"] >= 2
+    # the central publishes forwarded heartbeats (and the marker) like any mapped message
+    fwd = [m for m in pub if m[0] == b"heartbeat" and m[2].startswith(b'{"logjam_origin":')]
+    own = [m for m in pub if m[0] == b"heartbeat" and m[2] == b"{}"]
+    assert fwd and own and all(unmeta(m[3])[3] == 100 for m in fwd + own)
