@@ -218,6 +218,13 @@ def _quiet_py4j(gw) -> None:
     client.is_connected = False
 
 
+def driver_jvm():
+    """The py4j view of the Spark driver's JVM (pyspark keeps it on the class, set while a
+    classic SparkContext runs); None without one (Spark Connect, a stopped context)."""
+    from pyspark import SparkContext
+    return SparkContext._jvm
+
+
 def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:
     """Close the Spark driver JVM's stdin (it exits on EOF, writing a class archive if
     asked to) and wait for it; returns the class path it had, or None."""

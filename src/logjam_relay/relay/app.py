@@ -301,6 +301,10 @@ class Relay:
         """Register ``async starter(nursery)`` to start more tasks in the relay's nursery."""
         self._extra_tasks.append(starter)
 
+    def own_socket(self, sock: zmq.Socket) -> None:
+        """Close ``sock`` with the relay's own sockets when the relay stops."""
+        self._sockets.append(sock)
+
     async def ingest_external(self, acc: list[tuple]) -> bool:
         """Stamp, publish and spool messages from an input (Lumberjack/Courier server).
 

@@ -191,7 +191,7 @@ def attach_peers(relay: Relay, settings: Settings) -> None:
     from ..io.peers import PeerLimit, ZapServer
     limit = PeerLimit(settings.zmq_max_peers)
     zap = ZapServer(limit, relay.curve)
-    relay._sockets.append(zap.open(relay.ctx))
+    relay.own_socket(zap.open(relay.ctx))
     relay.peer_limit = limit
 
     async def start_zap(nursery):

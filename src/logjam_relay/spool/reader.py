@@ -371,6 +371,28 @@ class SpoolReader:
         return self._pending[0][0]
 
     @property
+    def ledger(self) -> Ledger:
+        """The spool's shared positions (read them; they change through the writer)."""
+        return self._ledger
+
+    def damage_found_elsewhere(self, seg: Seg, at: Position, seq: int,
+                               err: fmt.SegmentError) -> None:
+        """A worker process reading for this reader found damage at ``at`` (record
+        ``seq``) of ``seg``: the spool handles it as if this reader had found it.  The
+        handling starts at the read position; this reader does not read in that mode
+        (its read position is its acknowledged cursor), so it is put there for the
+        handling and back after."""
+        self._read_pos, self._read_seq = at, max(seq, self._ack_seq)
+        try:
+            self._spool.on_corrupt(self, seg, err)
+        finally:
+            self._read_pos, self._read_seq = self._ack_pos, self._ack_seq
+
+    def compact_cursor_log(self) -> None:
+        """Rewrite the cursor log as the acknowledged cursor alone (fsck)."""
+        self._log.compact(self._ack_pos.segment, self._ack_pos.offset, self._ack_seq)
+
+    @property
     def acknowledged(self) -> Position:
         """The position of the first unacknowledged record."""
         return self._ack_pos

@@ -178,7 +178,7 @@ class Spool:
             return None
         data = fmt.encode_logjam_batch(batch, self.ledger.next_seq)
         pos = self._append_bytes(data, len(batch))
-        self.ledger.last_meta = batch[-1][3]
+        self.ledger.note_meta(batch[-1][3])
         return pos
 
     def append_encoded(self, data: bytes, n: int, first_seq: int,
@@ -195,7 +195,7 @@ class Spool:
                 raise ValueError("append_encoded: data does not hold n logjam records")
             data = fmt.encode_logjam_batch([r[3] for r in recs], self.ledger.next_seq)
         pos = self._append_bytes(data, n)
-        self.ledger.last_meta = last_meta
+        self.ledger.note_meta(last_meta)
         return pos
 
     def append_records(self, records: Sequence[tuple[int, Sequence[bytes]]]) -> Position | None:
@@ -206,7 +206,7 @@ class Spool:
         pos = self._append_bytes(data, len(records))
         for kind, frames in reversed(records):
             if kind == KIND_LOGJAM and len(frames) == 4:
-                self.ledger.last_meta = frames[3]
+                self.ledger.note_meta(frames[3])
                 break
         return pos
 

@@ -202,7 +202,7 @@ class SealJob:
         self.attempts = 0
         self.runner: object | None = None   # the run_seals stage in a worker thread
 
-    def _changed(self) -> None:
+    def announce(self) -> None:
         ev, self.changed = self.changed, trio.Event()
         ev.set()
 
@@ -349,8 +349,7 @@ class SegmentWriter:
             self.writeback.submit(fd, self.writeback_from, seg.data_end - self.writeback_from)
             self.writeback_from = seg.data_end
         seg.count += n
-        led.next_seq += n
-        led.bytes += len(data)
+        led.count_appended(n, len(data))
         self.appends += n
         self.append_batches += 1
         self.bytes_appended += len(data)
@@ -402,8 +401,7 @@ class SegmentWriter:
                 raise
         seg = Seg(segno, path, now_ms, led.next_seq, 0, fmt.HEADER_LEN, fmt.HEADER_LEN, False)
         self.writeback_from = 0
-        led.add(seg)
-        led.next_segno = segno + 1
+        led.open_segment(seg)
         self.active, self.fd = seg, fd
 
     def _take_spare(self, path: str) -> int | None:
@@ -707,7 +705,7 @@ class SegmentWriter:
         the file to its sealed name.  An ``OSError`` of the rename is raised; False when
         the directory sync or the state save failed (counted and logged by them)."""
         seg.size = seg.data_end + rec_len
-        self._ledger.bytes += rec_len
+        self._ledger.count_bytes(rec_len)
         self.sealed_segments += 1
         new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
         self._fs.replace(seg.path, new)
@@ -831,7 +829,7 @@ class SegmentWriter:
                 self._seal_finish(job, err, gen)
             if job.stage == SealJob.DONE:
                 self.sealing.popleft()
-                job._changed()
+                job.announce()
                 await on_sealed()
             else:
                 await trio.sleep(retry_s)
@@ -859,7 +857,7 @@ class SegmentWriter:
                     job.fd = None
                 job.stage = SealJob.DONE
             self.sealing.popleft()
-            job._changed()
+            job.announce()
 
     def _seal_write(self, job: SealJob) -> OSError | None:
         """(worker thread) Append the seal record and fsync: every record of the
@@ -892,17 +890,17 @@ class SegmentWriter:
                     job.fd = None
                     job.stage = SealJob.DONE
                     job.error = None
-                    job._changed()
+                    job.announce()
                     return
                 err = e
         if err is not None:
             job.error = self._errors.count(write_error("sealing", seg.path, err))
-            job._changed()
+            job.announce()
             return
         self.fsyncs += 1
         job.error = None
         job.stage = SealJob.RENAME
-        job._changed()
+        job.announce()
 
     def _seal_rename(self, job: SealJob) -> None:
         """(loop) The seal record is durable: rename the segment to its sealed name."""
@@ -913,7 +911,7 @@ class SegmentWriter:
             job.stage = SealJob.DONE             # dropped meanwhile: nothing to announce
             return
         seg.size = seg.data_end + len(job.rec)
-        self._ledger.bytes += len(job.rec)
+        self._ledger.count_bytes(len(job.rec))
         self.sealed_segments += 1
         new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
         try:
