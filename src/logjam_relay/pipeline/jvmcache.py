@@ -218,10 +218,17 @@ def _quiet_py4j(gw) -> None:
     client.is_connected = False
 
 
-def driver_jvm():
-    """The py4j view of the Spark driver's JVM (pyspark keeps it on the class, set while a
-    classic SparkContext runs); None without one (Spark Connect, a stopped context)."""
+def driver_jvm(spark):
+    """The py4j view of the JVM of ``spark`` (a classic session) when its context is the
+    active one (pyspark keeps the view on the class); None otherwise (Spark Connect,
+    anything else)."""
     from pyspark import SparkContext
+    try:
+        sc = spark.sparkContext
+    except Exception:               # noqa: BLE001  (Spark Connect raises its own error)
+        return None
+    if sc is None or sc is not SparkContext._active_spark_context:
+        return None
     return SparkContext._jvm
 
 

@@ -90,7 +90,7 @@ def zlib_path(spark) -> tuple[str, int] | None:
     cls = "logjamrelay.spark.NativeInflate"
     try:
         if spark.sparkContext.master.startswith("local"):
-            ni = driver_jvm().logjamrelay.spark.NativeInflate
+            ni = driver_jvm(spark).logjamrelay.spark.NativeInflate
             return str(ni.status()), int(ni.answered())
         row = spark.range(1).selectExpr(f"reflect('{cls}', 'status')",
                                         f"reflect('{cls}', 'answered')").first()
@@ -267,7 +267,7 @@ def loaded(spark) -> bool:
         except Exception:               # reflect refused by the server: the Python source
             return False
     try:
-        jvm = driver_jvm()
+        jvm = driver_jvm(spark)
         if jvm is None:
             return False
         return bool(jvm.org.apache.spark.util.Utils.classIsLoadable(PROVIDER))

@@ -449,7 +449,7 @@ def compute_tables_jvm(spark, input_dir: str, apdex_ms: float = DEFAULT_APDEX_MS
 def take_loss_runs(spark, key: str) -> bytes:
     """The loss runs the JVM reader's tasks gathered under ``key`` (``LossRuns.take``)."""
     from .jvmcache import driver_jvm
-    return bytes(driver_jvm().logjamrelay.spark.LossRuns.take(key))
+    return bytes(driver_jvm(spark).logjamrelay.spark.LossRuns.take(key))
 
 
 #: Spark 4.3's switch for aggregations whose partial step reduces nothing: "skips the
