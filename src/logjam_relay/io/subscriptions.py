@@ -14,6 +14,8 @@ import time
 
 import zmq
 
+from .net import tcp_abort
+
 NOBLOCK = zmq.NOBLOCK
 
 #: Longest subscription topic an XPUB accepts: its MAXMSGSIZE is ``MAX_TOPIC_BYTES + 10``
@@ -40,24 +42,6 @@ def _malloc_trim():
 
 
 _trim = _malloc_trim()
-
-
-def _tcp_abort():
-    """``abort(fd)``: connect(fd, AF_UNSPEC) -- a TCP disconnect without closing the fd
-    (Linux); None where libc cannot be loaded."""
-    try:
-        import ctypes
-        connect = ctypes.CDLL(None, use_errno=True).connect
-    except (OSError, AttributeError):
-        return None
-    unspec = (ctypes.c_ubyte * 16)()          # struct sockaddr, sa_family = AF_UNSPEC
-
-    def abort(fd: int) -> None:
-        connect(fd, unspec, 16)
-    return abort
-
-
-_abort = _tcp_abort()
 
 
 def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
@@ -508,8 +492,8 @@ def abort_connection(fd: int, ports: set[int]) -> bool:
         if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in ports:
             return False
         s.shutdown(socket.SHUT_RDWR)
-        if _abort is not None:
-            _abort(s.fileno())
+        if tcp_abort is not None:
+            tcp_abort(s.fileno())
         return True
     except (OSError, IndexError, TypeError):
         return False
