@@ -29,6 +29,7 @@ from .cursors import CursorLog
 from .damage import Damage
 from .errors import SpoolError, WriteErrors, write_error
 from .fs import Filesystem
+from .fsyncpolicy import FsyncPolicy
 from .ledger import Ledger, Seg
 
 MiB = 1 << 20
@@ -49,7 +50,7 @@ class Owner(Protocol):
     errors: WriteErrors
     budget: _Space
     cursor_dir: str
-    fsync: str
+    fsync: FsyncPolicy
     cursor_flush_s: float
     clock: Callable[[], float]
     monotonic: Callable[[], float]
@@ -94,7 +95,7 @@ class SpoolReader:
         self._buf_seg = -1
         self._buf_base = 0
         self._short = False
-        self._log = CursorLog(spool.cursor_dir, name, spool.fsync != "never")
+        self._log = CursorLog(spool.cursor_dir, name, spool.fsync.syncs)
         self.lost = 0
         self.lost_by_reason: dict[str, int] = {}
         self.acks = 0
@@ -455,7 +456,7 @@ class SpoolReader:
 
     async def sync_cursor_async(self) -> bool:
         """:meth:`sync_cursor` in a worker thread (``fsync = "interval"`` with
-        ``defer_interval_sync``): an fdatasync no longer stalls the event loop.  True once
+        off the loop, ``FsyncPolicy.run_syncs_cursors``): an fdatasync no longer stalls the event loop.  True once
         the cursor log is durable, a sync that was still running included."""
         log = self._log
         try:

@@ -2,10 +2,10 @@
 
 It owns the active segment and its descriptor.  Appending writes the encoded records with
 one ``write()`` to the active ``.open`` segment (O_APPEND) and moves the ledger's
-positions; a failed write is cut off again (nothing of it is readable).  ``fsync``:
-``"batch"`` (fdatasync after every append, or by the owner through :meth:`sync_async`
-with ``defer_batch_sync``), ``"interval"`` (at most every ``fsync_interval_s``) or
-``"never"`` (on seal and close only).
+positions; a failed write is cut off again (nothing of it is readable).  When it
+fdatasyncs it asks the spool's :class:`~.fsyncpolicy.FsyncPolicy` (``self.fsync``):
+``"batch"`` (after every append, or by the owner through :meth:`sync_async` off the
+loop), ``"interval"`` (at most every ``interval_s``) or ``"never"`` (on close only).
 
 A segment is sealed by appending its seal record, fsyncing it and renaming ``.open`` to
 ``.seg``; the seal listeners (the archive output) are then told.  On a full disk the
@@ -53,6 +53,7 @@ from . import segment as fmt
 from .api import Position
 from .errors import SpoolWriteError, WriteErrors, is_disk_full, write_error
 from .fs import Filesystem, unlink_quiet, write_all
+from .fsyncpolicy import FsyncPolicy
 from .ledger import Ledger, Seg
 from .syncthread import SyncThread
 from .syncthread import make as make_sync_thread
@@ -221,7 +222,7 @@ class SyncJob:
 
 class SegmentWriter:
     def __init__(self, directory: str, fs: Filesystem, ledger: Ledger, errors: WriteErrors,
-                 budget: Reserve, *, fsync: str, fsync_interval_s: float,
+                 budget: Reserve, *, fsync: FsyncPolicy,
                  segment_age_s: float, clock: Callable[[], float],
                  monotonic: Callable[[], float]) -> None:
         self.directory = directory
@@ -229,8 +230,7 @@ class SegmentWriter:
         self._ledger = ledger
         self._errors = errors
         self._budget = budget
-        self.fsync = fsync
-        self.fsync_interval_s = fsync_interval_s
+        self.fsync = fsync                      # asked, never changed (fsyncpolicy.py)
         self.segment_age_s = segment_age_s
         self._clock = clock
         self._mono = monotonic
@@ -240,12 +240,6 @@ class SegmentWriter:
         self.dirty_tail = False                 # a failed write may have left bytes after data_end
         self.unsynced = False
         self.last_fsync = monotonic()
-        # fsync="batch" with defer_batch_sync: appends do not fsync themselves; the owner
-        # awaits sync_async() (fdatasync in the sync thread) before it answers.
-        self.defer_batch_sync = False
-        # fsync="interval" with defer_interval_sync: neither appends nor tick() fsync; the
-        # spool's run() does, every fsync_interval_s, in a worker thread.
-        self.defer_interval_sync = False
         self.writeback_from = 0            # the active segment's offset not yet handed over
         self.writeback = Writeback(fs)
         # sync_async's fdatasync thread in C (syncthread.py), made at the first sync_async
@@ -343,7 +337,7 @@ class SegmentWriter:
         led = self._ledger
         seg.data_end += len(data)
         seg.size = seg.data_end
-        if self.fsync == "interval" and seg.data_end - self.writeback_from >= WRITEBACK_BYTES:
+        if self.fsync.writeback and seg.data_end - self.writeback_from >= WRITEBACK_BYTES:
             # the interval's fdatasync would otherwise write a second of appends at once,
             # and the appends meanwhile wait for it (ext4's journal), holding the loop
             self.writeback.submit(fd, self.writeback_from, seg.data_end - self.writeback_from)
@@ -354,9 +348,7 @@ class SegmentWriter:
         self.append_batches += 1
         self.bytes_appended += len(data)
         self.unsynced = True
-        if (self.fsync == "batch" and not self.defer_batch_sync) or (
-                self.fsync == "interval" and not self.defer_interval_sync
-                and self._mono() - self.last_fsync >= self.fsync_interval_s):
+        if self.fsync.append_syncs(self._mono() - self.last_fsync):
             self.sync()
         led.announce_append()
         return Position(seg.segno, start)
@@ -390,9 +382,9 @@ class SegmentWriter:
             unlink_quiet(path, fs)
             raise self._errors.count(write_error("writing segment header to", path, e)) \
                 from None
-        if self.fsync != "never" and self.defer_seals:
+        if self.fsync.syncs and self.defer_seals:
             self.dir_gen += 1                   # by the seal job or the next sync
-        elif self.fsync != "never":
+        elif self.fsync.syncs:
             try:
                 self.sync_dir()
             except SpoolWriteError:
@@ -593,8 +585,7 @@ class SegmentWriter:
         return job.fd < 0 or (st is not None and st.done())
 
     def interval_sync_due(self) -> bool:
-        return self.fsync == "interval" and self.unsynced and \
-            self._mono() - self.last_fsync >= self.fsync_interval_s
+        return self.fsync.interval_due(self.unsynced, self._mono() - self.last_fsync)
 
     def sync_on_close(self) -> None:
         if self.active is not None:
@@ -624,7 +615,7 @@ class SegmentWriter:
         fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             write_all(fs, fd, data, path)    # a short write must not replace the file
-            if self.fsync != "never":
+            if self.fsync.syncs:
                 fs.fsync(fd)
         finally:
             fs.close(fd)
@@ -786,8 +777,7 @@ class SegmentWriter:
     def can_defer_seals(self) -> bool:
         """Background seals only where the owner's syncs wait off the loop too (else
         :meth:`sync` would wait for them on the loop anyway)."""
-        return self.fsync == "never" or (self.fsync == "batch" and self.defer_batch_sync) \
-            or (self.fsync == "interval" and self.defer_interval_sync)
+        return self.fsync.seals_off_loop
 
     async def run_seals(self, on_sealed: Callable[[], Awaitable[None]],
                         retry_s: float = 0.5) -> None:
