@@ -42,6 +42,7 @@ import trio
 
 from ..io.net import connect
 from ..protocols import lumberjack as lj
+from ..protocols import lumberjack_acks as lja
 from ..ratelimit import RateLimitedLog
 from ..spool.api import Position, Record, SpoolReader
 from .lumberjack_config import DEFAULT_PORT, LumberjackConfig, parse_url  # noqa: F401
@@ -69,7 +70,7 @@ log = logging.getLogger("logjam_relay.outputs.lumberjack")
 
 #: Compress a window in a worker thread (zlib releases the GIL) when it is larger than this.
 THREAD_COMPRESS_MIN = 256 * 1024
-PIPELINE_RETRY_AFTER = lj.PIPELINE_RETRY_AFTER       # (re-exported)
+PIPELINE_RETRY_AFTER = lja.PIPELINE_RETRY_AFTER       # (re-exported)
 
 
 # ------------------------------------------------------------------------ output
@@ -133,7 +134,7 @@ class LumberjackOutput(SendStats):
         self._pending: deque[_Window] = deque()   # unacked windows, oldest first
         # the ACK state (sans-IO): which of _pending are in flight on this connection (the
         # first acks.in_flight), what an ACK does, the hosts on stop-and-wait
-        self.acks = lj.WriterAcks(config.pipeline)
+        self.acks = lja.WriterAcks(config.pipeline)
         self._host_index = 0
         self._space = trio.Event()
         self._recv_scope: trio.CancelScope | None = None
@@ -473,7 +474,7 @@ class LumberjackOutput(SendStats):
         now = trio.current_time()
         suspect = bool(self._pending) and self._pending[0].suspect
         ev = self.acks.receive_ack(value, host, now, pipelining=not suspect)
-        if type(ev) is lj.PartialAck:
+        if type(ev) is lja.PartialAck:
             if ev.fell_back:
                 self._fell_back(host, f"partial ACK {value} for a window of {ev.count}")
             if ev.end:
