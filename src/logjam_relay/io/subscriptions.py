@@ -14,6 +14,7 @@ import time
 
 import zmq
 
+from ..gc_tuning import malloc_trim
 from .net import tcp_abort
 
 NOBLOCK = zmq.NOBLOCK
@@ -31,17 +32,6 @@ def xpub_options() -> dict[int, int]:
     # RCVHWM: libzmq moves at most this many of a peer's subscriptions into its trie per
     # look at the socket, so a flood is taken in no faster than the guard reads it
     return {zmq.MAXMSGSIZE: MAX_TOPIC_BYTES + 10, zmq.RCVHWM: 32}
-
-
-def _malloc_trim():
-    try:
-        import ctypes
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):     # not glibc
-        return None
-
-
-_trim = _malloc_trim()
 
 
 def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
@@ -300,14 +290,14 @@ class SubscriptionGuard:
         with lock:
             self.busy = False
             self._poll_monitor(out)
-            trim = self._freed >= self.TRIM_AFTER and _trim is not None
+            trim = self._freed >= self.TRIM_AFTER and malloc_trim is not None
             if trim:
                 self.trims += 1
                 self._freed = 0
         if trim:
             # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise);
             # outside the lock: it can take long on a big heap
-            _trim(0)
+            malloc_trim(0)
         return out
 
     def _take(self, msg: zmq.Frame, out: list[bytes]) -> None:
