@@ -8,7 +8,12 @@ level or inside a function, absolute or relative, and so does a C twin loaded by
   ``outputs.courier``) or of a part on a lower floor of :data:`FLOORS`;
 * no import cycle between modules;
 * no module imports another module's ``_private`` names (``from .x import _y``, or
-  ``x._y`` on an imported module).
+  ``x._y`` on an imported module);
+* parts talk through methods: no ``x._name`` where ``x`` is not ``self``, ``cls`` or the
+  module itself (:func:`reaches`).  What the import check cannot see, an object's private
+  state reached from outside it (``reader._read_pos``, ``r._log.compact``), fails here.
+  Names bound by importing another project (``os._exit``, ``SparkContext._jvm``) are that
+  project's interface, not a part of this package, and are not counted.
 
 The floors are listed once, here; docs/architecture.md shows the same table (checked
 below).  Run: ``.venv/dev/bin/python -m pytest tests/test_architecture.py -q``.
@@ -178,6 +183,50 @@ def walk(src: Path = SRC, pkg: str = PKG) -> tuple[dict[str, Path], set[str], li
     return mods, native, edges, private
 
 
+@dataclass(frozen=True)
+class Reach:
+    mod: str
+    expr: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{_show(self.mod)} line {self.line}: {self.expr}"
+
+
+def reaches(src: Path = SRC, pkg: str = PKG) -> list[Reach]:
+    """Every ``x._name`` (attribute read, write or call) in ``pkg`` whose ``x`` is not
+    ``self``, ``cls``, the module itself, or a name the module binds by importing from
+    outside ``pkg``.  ``self.other._name`` counts: ``self.other`` is another object."""
+    mods, _ = modules(src, pkg)
+    out: list[Reach] = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        foreign: set[str] = set()           # names bound to another project's objects
+        itself: set[str] = set()            # names bound to this very module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    local = a.asname or a.name.partition(".")[0]
+                    if a.name == pkg or a.name.startswith(pkg + "."):
+                        if a.asname and a.name == ".".join(filter(None, (pkg, mod))):
+                            itself.add(local)
+                    else:
+                        foreign.add(local)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                name = node.module or ""
+                if name != pkg and not name.startswith(pkg + "."):
+                    foreign.update(a.asname or a.name for a in node.names)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            v = node.value
+            if isinstance(v, ast.Name) and (v.id in ("self", "cls") or v.id in foreign
+                                            or v.id in itself):
+                continue
+            out.append(Reach(mod, ast.unparse(node), node.lineno))
+    return out
+
+
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -283,6 +332,13 @@ def test_no_module_uses_another_modules_private_names(package):
     assert not stale, f"KNOWN_PRIVATE lists uses that are gone (remove them): {stale}"
 
 
+def test_no_part_reaches_into_another_objects_private_state():
+    """Parts talk through methods: every ``x._name`` is on ``self``/``cls``/the module."""
+    found = reaches()
+    assert not found, ("private state reached from outside its object (give the owner a "
+                       "method or a property):\n" + "\n".join(map(str, found)))
+
+
 def test_docs_show_the_same_floors():
     """docs/architecture.md's layer table: one row per floor, bottom first, same parts."""
     rows = []
@@ -338,3 +394,60 @@ def test_the_walk_finds_every_kind_of_import_and_each_violation(tmp_path):
     assert {(p.src, p.module, p.name) for p in private} == {("high.app", "base", "_SECRET")}
     assert len(private) == 2      # the from-import and the attribute
 
+
+
+def test_the_reach_rule_sees_each_kind_of_access(tmp_path):
+    """Reads, writes and calls of another object's private names fail the rule, through
+    a parameter, an attribute chain or a call; ``self``/``cls``, the module itself and
+    another project's names (``os._exit``) do not."""
+    files = {
+        "__init__.py": "",
+        "a.py": ("import os\nfrom pyspark import SparkContext\nimport fake.a as me\n"
+                 "_X = 1\n"
+                 "class A:\n"
+                 "    def __init__(self):\n        self._p = 1\n"
+                 "    @classmethod\n    def k(cls):\n        return cls._q\n"
+                 "    def f(self, r):\n"
+                 "        r._pos = 2\n"                      # a write: counted
+                 "        self.reader._spool.x()\n"          # a chain: counted
+                 "        r._log.compact()\n"                # a call through it: counted
+                 "        make()._y\n"                       # on a call: counted
+                 "        os._exit(0)\n"                     # another project
+                 "        SparkContext._jvm\n"              # another project
+                 "        return me._X + self._p\n"),        # the module itself, self
+    }
+    for name, text in files.items():
+        p = tmp_path / "fake" / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    got = sorted((r.line, r.expr) for r in reaches(tmp_path, "fake"))
+    assert got == [(12, "r._pos"), (13, "self.reader._spool"), (14, "r._log"),
+                   (15, "make()._y")], got
+
+
+# ------------------------------------------------------------------ module sizes
+
+#: a module longer than this needs its reason in docs/architecture.md ("Module size")
+MAX_LINES = 600
+
+
+def test_every_module_over_600_lines_has_a_written_reason():
+    """docs/architecture.md's table of long modules: one row per module over
+    :data:`MAX_LINES` lines, with a reason; no row for a module that is no longer long."""
+    mods, _ = modules(SRC, PKG)
+    long = {str(p.relative_to(SRC / PKG)) for p in mods.values()
+            if len(p.read_text().splitlines()) > MAX_LINES}
+    text = DOC.read_text()
+    section = text[text.index("### Module size"):]
+    section = section[:section.index("\n#", 1)] if "\n#" in section[1:] else section
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\|\s*`([\w/.]+\.py)`\s*\|\s*(\d+)\s*\|([^|]*)\|", line)
+        if m:
+            rows[m.group(1)] = m.group(3).strip()
+    missing = sorted(long - set(rows))
+    assert not missing, f"modules over {MAX_LINES} lines without a reason in {DOC.name}: {missing}"
+    stale = sorted(set(rows) - long)
+    assert not stale, f"{DOC.name} gives a reason for modules that are not long: {stale}"
+    empty = sorted(p for p, why in rows.items() if len(why) < 40)
+    assert not empty, f"no real reason given for: {empty}"

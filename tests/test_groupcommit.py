@@ -20,6 +20,7 @@ from conftest import free_port
 from logjam_relay.io import zmq_trio
 from logjam_relay.relay.service import build
 from logjam_relay.spool.errors import SpoolWriteError
+from logjam_relay.spool.fsyncpolicy import FsyncPolicy
 from relay_harness import Clients, meta, recv, relay_settings
 
 APP, TOPIC = b"bench-test", b"logs.gc"
@@ -287,8 +288,7 @@ async def test_when_the_rounds_end_no_one_waits_forever(tmp_path):
     from logjam_relay.relay.groupcommit import GroupCommit
     from logjam_relay.spool.spool import Spool
 
-    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch")
-    sp.defer_batch_sync = True
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=FsyncPolicy("batch", off_loop=True))
     gate = trio.Event()
     real_sync = sp.sync_async
     syncing = trio.Event()
@@ -410,8 +410,7 @@ async def test_a_rounds_replies_leave_while_the_next_sync_runs_and_despite_its_f
             "LOGJAM_RELAY_"), syncthread.OFF_REASON
         pytest.skip(f"no C sync thread: {syncthread.OFF_REASON}")
 
-    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch")
-    sp.defer_batch_sync = True
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=FsyncPolicy("batch", off_loop=True))
     real_begin, real_end = sp.sync_begin, sp.sync_end
     log: list = []
     hold: list[trio.Event] = []              # while set: the next sync_end waits for it
@@ -525,8 +524,7 @@ async def test_a_finished_sync_is_seen_before_its_round_takes_it(tmp_path):
     from logjam_relay.spool import syncthread
     from logjam_relay.spool.spool import Spool
 
-    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch")
-    sp.defer_batch_sync = True
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=FsyncPolicy("batch", off_loop=True))
     gc = GroupCommit(sp, lambda sock, replies: None)
     assert not gc.round_ready()
     t0 = trio.current_time()

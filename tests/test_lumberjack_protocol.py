@@ -6,6 +6,7 @@ import zlib
 import pytest
 
 from logjam_relay.protocols import lumberjack as lj
+from logjam_relay.protocols import lumberjack_acks as lja
 from logjam_relay.protocols.lumberjack import (
     NEED_DATA,
     Ack,
@@ -300,3 +301,137 @@ def test_non_utf8_values_survive():
     frame = lj.encode_data_frame(1, [(b"line", b"\xff\xfeok")])
     ev = events_of(W(1) + frame)[1]
     assert ev.fields["line"].encode("utf-8", "surrogateescape") == b"\xff\xfeok"
+
+
+# ------------------------------------------------- the writer's ACK state (WriterAcks)
+
+H, H2 = ("10.0.0.1", 5044), ("10.0.0.2", 5044)
+
+
+def acks_of(data: bytes, acks: lja.WriterAcks, now: float = 0.0, host=H, eof=False):
+    """Feed reader bytes through the writer role and the ACK state, as the output does."""
+    out = []
+    for ev in events_of(data, role=Role.WRITER, eof=eof):
+        out.append(acks.receive_ack(ev.seq, host, now) if type(ev) is Ack else ev)
+    return out
+
+
+def test_writer_acks_complete_windows_in_order_by_count_or_last_seq():
+    a = lja.WriterAcks(pipeline=4)
+    a.connected()
+    a.sent(3)
+    a.sent(2)
+    # go-lumber's ACK of the reference capture (count) and a jls-style one for 2 (seq 1..2)
+    assert acks_of(bytes.fromhex("31 41 00 00 00 03 31 41 00 00 00 02"), a) == \
+        [lja.WindowAcked(3), lja.WindowAcked(2)]
+    assert a.in_flight == 0 and a.acked_on_connection == 2 and a.partial_acks == 0
+
+
+def test_writer_acks_keepalive_completes_nothing():
+    a = lja.WriterAcks(pipeline=1)
+    a.sent(5)
+    assert acks_of(bytes.fromhex("32 41 00 00 00 00"), a) == [KeepAlive(2)]
+    assert a.in_flight == 1 and a.acked_on_connection == 0
+
+
+@pytest.mark.parametrize("value", [6, 0xFFFFFFFF])
+def test_writer_acks_an_ack_larger_than_the_window_is_an_error(value):
+    a = lja.WriterAcks(pipeline=2)
+    a.sent(5)
+    with pytest.raises(LumberjackError) as ei:
+        acks_of(lj.encode_ack(value), a)
+    assert ei.value.reason == "unexpected_ack" and a.in_flight == 1
+
+
+def test_writer_acks_an_ack_with_nothing_in_flight_is_an_error():
+    a = lja.WriterAcks(pipeline=2)
+    with pytest.raises(LumberjackError) as ei:
+        acks_of(lj.encode_ack(1), a)
+    assert ei.value.reason == "unexpected_ack"
+    a.sent(1)
+    assert acks_of(lj.encode_ack(1), a) == [lja.WindowAcked(1)]
+    with pytest.raises(LumberjackError):            # one ACK per window, not two
+        acks_of(lj.encode_ack(1), a)
+
+
+def test_writer_acks_short_and_malformed_acks_acknowledge_nothing():
+    """logstash-forwarder takes any 6 bytes after a window as its ACK (reference,
+    "Senders into a reader"); the writer here takes only a whole 1A/2A frame: a short
+    one is a truncated stream, another type or version an error, and neither completes
+    the window in flight."""
+    cases = [
+        (b"1A\x00\x00\x00", True, "truncated"),          # 5 of 6 bytes, then FIN
+        (b"1", True, "truncated"),
+        (b"1W\x00\x00\x00\x02", False, "unknown_frame_type"),   # 6 bytes, not an ACK
+        (b"1D\x00\x00\x00\x02", False, "unknown_frame_type"),
+        (b"\x00\x00\x00\x00\x00\x02", False, "bad_version"),
+        (b"3A\x00\x00\x00\x02", False, "bad_version"),
+    ]
+    for data, eof, reason in cases:
+        a = lja.WriterAcks(pipeline=1)
+        a.sent(2)
+        with pytest.raises(LumberjackError) as ei:
+            acks_of(data, a, eof=eof)
+        assert ei.value.reason == reason, data
+        assert a.in_flight == 1 and a.acked_on_connection == 0, data
+    # a short ACK that is completed later is one ACK
+    a = lja.WriterAcks(pipeline=1)
+    a.sent(2)
+    conn = Connection(Role.WRITER)
+    conn.receive_data(b"1A\x00\x00")
+    assert conn.next_event() is NEED_DATA
+    conn.receive_data(b"\x00\x02")
+    assert a.receive_ack(conn.next_event().seq, H, 0.0) == lja.WindowAcked(2)
+
+
+def test_writer_acks_partial_ack_falls_back_to_stop_and_wait():
+    a = lja.WriterAcks(pipeline=4, retry_after=600.0)
+    a.sent(5)
+    # one window in flight: wait for the rest; the host goes stop-and-wait
+    assert acks_of(lj.encode_ack(3), a, now=10.0) == [lja.PartialAck(3, 5, False, True)]
+    assert a.in_flight == 1 and a.partial_acks == 1 and a.fallbacks == 1
+    assert a.depth(H, 10.0) == (1, False) and a.depth(H2, 10.0) == (4, False)
+    assert acks_of(lj.encode_ack(5), a, now=11.0) == [lja.WindowAcked(5)]
+    # several in flight: the ACKs that follow would be ambiguous, the connection ends;
+    # already stop-and-wait: not counted again
+    a.connected()
+    a.sent(5)
+    a.sent(5)
+    assert acks_of(lj.encode_ack(2), a, now=12.0) == [lja.PartialAck(2, 5, True, False)]
+    assert a.partial_acks == 2 and a.fallbacks == 1
+    # a bisection sends one window at a time for its own reason: no fallback
+    b = lja.WriterAcks(pipeline=4)
+    b.sent(2)
+    assert b.receive_ack(1, H, 0.0, pipelining=False) == lja.PartialAck(1, 2, False, False)
+    assert b.fallbacks == 0 and b.depth(H, 0.0) == (4, False)
+
+
+def test_writer_acks_stop_and_wait_is_retried_after_a_while():
+    a = lja.WriterAcks(pipeline=4, retry_after=600.0)
+    assert a.depth(H, 0.0) == (4, False)
+    assert a.fall_back(H, 0.0) is True
+    assert a.depth(H, 0.0) == (1, False) and a.depth(H2, 0.0) == (4, False)
+    assert a.fall_back(H, 1.0) is False               # already stop-and-wait
+    assert a.fallbacks == 1
+    assert a.depth(H, 599.0) == (1, False)
+    assert a.depth(H, 601.0) == (4, True)             # resumes, once
+    assert a.depth(H, 602.0) == (4, False)
+    assert a.fall_back(H, 602.0) is True and a.fallbacks == 2
+    assert lja.WriterAcks(pipeline=1).fall_back(H, 0.0) is False    # nothing to fall from
+
+
+def test_writer_acks_timeout_with_windows_in_flight_and_no_ack_falls_back():
+    a = lja.WriterAcks(pipeline=4)
+    a.connected()
+    a.sent(1)
+    assert a.timed_out(H, 0.0) is False               # one window: just a timeout
+    a.sent(1)
+    assert a.timed_out(H, 0.0) is True and a.depth(H, 1.0) == (1, False)
+    b = lja.WriterAcks(pipeline=4)
+    b.sent(1)
+    b.sent(1)
+    b.receive_ack(1, H, 0.0)
+    b.sent(1)
+    assert b.timed_out(H, 0.0) is False               # it did pipeline on this connection
+    b.connected()
+    assert b.in_flight == 0 and b.acked_on_connection == 0

@@ -540,20 +540,19 @@ def test_zlib_window_is_one_c_frame():
 
 
 async def test_stop_and_wait_fallback_is_retried_after_a_while(mock_clock):
+    """The output asks its ACK state (sans-IO tests: test_lumberjack_protocol.py) with
+    trio's clock."""
     from logjam_relay.outputs.lumberjack import PIPELINE_RETRY_AFTER, LumberjackOutput
     out = LumberjackOutput(make_source(1), config(5044, pipeline=4))
     host, other = ("127.0.0.1", 5044), ("127.0.0.2", 5044)
     assert out._depth(host) == 4
-    out._fallback(host, "partial ACK")
+    assert out.acks.fall_back(host, trio.current_time())
     assert out._depth(host) == 1 and out._depth(other) == 4
-    out._fallback(host, "again")                      # already stop-and-wait: not counted
     assert out.stats()["pipeline_fallbacks"] == 1
     mock_clock.jump(PIPELINE_RETRY_AFTER - 1)
     assert out._depth(host) == 1
     mock_clock.jump(2)
     assert out._depth(host) == 4
-    out._fallback(host, "partial ACK")
-    assert out._depth(host) == 1 and out.stats()["pipeline_fallbacks"] == 2
 
 
 # ------------------------------------------------- the C event mapping (_ljencode.c)

@@ -335,7 +335,7 @@ def test_segment_tail_reads_acks_and_rewinds_across_segments(tmp_path):
     acks, reports = [], []
     tail = _tail(reader, acks, reports)
     _append(sp, 0, 100)
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     assert len({e[0] for e in tail._segs.values()}) >= 3
     got = []
     while recs := tail.read(7):
@@ -343,7 +343,7 @@ def test_segment_tail_reads_acks_and_rewinds_across_segments(tmp_path):
     assert _numbers(got) == list(range(100))
     _append(sp, 100, 10)                          # not announced yet: not read
     assert tail.read(100) == []
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     got += tail.read(100)
     assert _numbers(got) == list(range(110))
     tail.ack(got[40].position)
@@ -371,12 +371,12 @@ def test_segment_tail_skips_dropped_segments_and_the_relay_counts_them(tmp_path)
     acks, reports = [], []
     tail = _tail(reader, acks, reports)
     _append(sp, 0, 10)
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     first = tail.read(5)
     tail.ack(first[-1].position)
     reader.ack(acks[-1])
     _append(sp, 10, 600)                          # far more than 16 KiB: oldest dropped
-    tail.update(snapshot(sp, reader._ack_pos.segment))
+    tail.update(snapshot(sp.ledger, reader.acknowledged.segment))
     rest = []
     while recs := tail.read(50):
         rest += recs
@@ -413,13 +413,13 @@ def test_records_a_worker_read_from_a_dropped_segment_count_only_if_never_acked(
     reader = sp.reader("t")
     tail = _linked_tail(reader)
     _append(sp, 0, 30)
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     window = tail.read(25)                         # in flight, not acknowledged
     tail.ack(window[9].position)                   # a partial ack: the first 10
     _append(sp, 30, 600)                           # the window's segments are dropped
     assert sp.dropped_segments > 0 and window[-1].position.segment not in sp._segs
     assert reader.lost == 0 and reader.pending() > 0
-    tail.update(snapshot(sp, reader._ack_pos.segment))
+    tail.update(snapshot(sp.ledger, reader.acknowledged.segment))
     delivered = window[:10]
     if gives_up:
         tail.rewind()                              # the window was never delivered
@@ -456,7 +456,7 @@ def test_segment_tail_reports_a_damaged_record_and_the_relay_registers_the_gap(t
         b = f.read(1)
         f.seek(offs[7] + 40)
         f.write(bytes([b[0] ^ 0xFF]))
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     got = tail.read(100)
     assert _numbers(got) == list(range(7))
     assert tail.read(100) == [] and len(reports) == 1
@@ -464,7 +464,7 @@ def test_segment_tail_reports_a_damaged_record_and_the_relay_registers_the_gap(t
     assert (segno, off, seq, reason) == (seg.segno, offs[7], 7, "crc")
     handle_damage(reader, *reports[0])
     handle_damage(reader, *reports[0])           # a repeated report changes nothing
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     got += tail.read(100)
     assert _numbers(got) == [i for i in range(20) if i != 7]
     tail.ack(got[-1].position)
@@ -525,7 +525,7 @@ def test_segment_tail_acks_carry_the_record_end_and_seq(tmp_path):
     sent = []
     tail = SegmentTail("t", reader._ack_pos, reader._ack_seq,
                        lambda pos, known: sent.append((pos, known)), lambda *d: None)
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     got = []
     while recs := tail.read(7):
         got += recs
@@ -537,7 +537,7 @@ def test_segment_tail_acks_carry_the_record_end_and_seq(tmp_path):
         assert (reader._ack_pos, reader._ack_seq) == (other._ack_pos, other._ack_seq)
     assert _numbers(got) == list(range(100)) and reader.stats()["backlog_records"] == 0
     _append(sp, 100, 10)
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     more = tail.read(10)
     tail.ack(more[2].position)                       # not the last of a block: found
     pos, known = sent[-1]                            # in the parse that read it

@@ -13,6 +13,7 @@ from logjam_relay.spool import fs as fs_mod
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool.api import KIND_LOGJAM, KIND_SAMWISE, Position
 from logjam_relay.spool.spool import Spool, SpoolError, SpoolLockedError
+from logjam_relay.spool.fsyncpolicy import FsyncPolicy
 from spool_helpers import drain, fill, msg, open_spool, segment_files, seq_of
 
 # ---------------------------------------------------------------------------- basics
@@ -315,8 +316,8 @@ async def test_batch_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
         real(fd)
 
     monkeypatch.setattr(fs_mod, "_fdatasync", spy)
-    sp = Spool(tmp_path / "sp", readers=["a"], fsync="batch", segment_bytes=64 * 1024)
-    sp.defer_batch_sync = True
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=FsyncPolicy("batch", off_loop=True),
+               segment_bytes=64 * 1024)
     sp.append_batch([msg(i) for i in range(10)])
     assert synced == [] and sp.fsyncs == 0          # the append itself did not fsync
     await sp.sync_async()
@@ -334,8 +335,9 @@ async def test_batch_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
 
 
 async def test_interval_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
-    """defer_interval_sync (the relay sets it): appends and tick() never fdatasync on the
-    event loop; run() does, once the interval has passed, in a worker thread."""
+    """"interval" off the loop (the relay's policy): appends and tick() never fdatasync
+    on the event loop; run() does, once the interval has passed, in a worker thread.
+    Inline (the samwise spool's), the append syncs itself."""
     synced = []
     real = fs_mod._fdatasync
 
@@ -345,9 +347,8 @@ async def test_interval_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch)
 
     monkeypatch.setattr(fs_mod, "_fdatasync", spy)
     now = [100.0]
-    sp = Spool(tmp_path / "sp", readers=["a"], fsync="interval", fsync_interval_s=1.0,
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=FsyncPolicy("interval", 1.0, True),
                segment_bytes=64 * 1024, monotonic=lambda: now[0])
-    sp.defer_interval_sync = True
     sp.append_batch([msg(i) for i in range(10)])
     now[0] += 5
     sp.append_batch([msg(i) for i in range(10, 20)])
@@ -360,15 +361,19 @@ async def test_interval_fsync_deferred_to_a_worker_thread(tmp_path, monkeypatch)
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
     assert synced == [False] and sp.fsyncs == 1 and not sp._unsynced
-    sp.defer_interval_sync = False                  # without it: the append syncs itself
+    sp.close()
+    synced.clear()
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=FsyncPolicy("interval", 1.0),
+               segment_bytes=64 * 1024, monotonic=lambda: now[0])
+    sp.append_batch([msg(20)])                      # inline: the append syncs itself
     now[0] += 5
-    sp.append_batch([msg(20)])
-    assert synced == [False, True] and sp.fsyncs == 2
+    sp.append_batch([msg(21)])
+    assert synced == [True] and sp.fsyncs == 1
     sp.close()
 
 
 async def test_interval_cursor_sync_deferred_to_a_worker_thread(tmp_path, monkeypatch):
-    """With defer_interval_sync the cursor logs are fdatasynced by run(), in a worker
+    """"interval" off the loop: the cursor logs are fdatasynced by run(), in a worker
     thread, once per interval and only when an ack wrote to them; tick() does not."""
     from logjam_relay.spool import reader as reader_mod
     synced = []
@@ -381,9 +386,8 @@ async def test_interval_cursor_sync_deferred_to_a_worker_thread(tmp_path, monkey
     monkeypatch.setattr(reader_mod, "_fdatasync", spy)
     monkeypatch.setattr(fs_mod, "_fdatasync", lambda fd: None)
     now = [100.0]
-    sp = Spool(tmp_path / "sp", readers=["a"], fsync="interval", fsync_interval_s=1.0,
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=FsyncPolicy("interval", 1.0, True),
                segment_bytes=64 * 1024, monotonic=lambda: now[0])
-    sp.defer_interval_sync = True
     r = sp.reader("a")
     sp.append_batch([msg(i) for i in range(10)])
     recs = r.read(5)
@@ -588,3 +592,49 @@ def test_no_deletion_when_the_cursor_cannot_be_made_durable(tmp_path, monkeypatc
     sp.delete_acknowledged()
     assert sp.stats()["segments"] < before
     sp.close()
+
+
+def test_the_fsync_policy_is_one_object_fixed_when_the_spool_is_built(tmp_path):
+    """spool/fsyncpolicy.py: the spool, its writer and its readers ask the same policy;
+    it cannot be changed afterwards; a mode string is short for the inline policy."""
+    import dataclasses
+    pol = FsyncPolicy("batch", 0.5, off_loop=True)
+    sp = Spool(tmp_path / "sp", readers=["a"], fsync=pol)
+    try:
+        assert sp.fsync is pol and sp.writer.fsync is pol
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            pol.off_loop = False
+        assert not hasattr(sp, "defer_batch_sync") and not hasattr(sp.writer,
+                                                                   "defer_batch_sync")
+    finally:
+        sp.close()
+    sp = Spool(tmp_path / "sp2", readers=[], fsync="never", fsync_interval_s=2.0)
+    assert sp.fsync == FsyncPolicy("never", 2.0, off_loop=False)
+    sp.close()
+    with pytest.raises(ValueError):
+        FsyncPolicy("sometimes")
+    with pytest.raises(ValueError):
+        FsyncPolicy("interval", -1.0)
+    assert FsyncPolicy("interval", 0.0).append_syncs(0.0)      # spool_fsync_interval = 0
+    # the decisions, mode by mode
+    inline_b, loop_b = FsyncPolicy("batch"), FsyncPolicy("batch", off_loop=True)
+    assert inline_b.append_syncs(0.0) and not loop_b.append_syncs(99.0)
+    assert loop_b.owner_syncs_batches and not inline_b.owner_syncs_batches
+    inline_i, loop_i = FsyncPolicy("interval", 1.0), FsyncPolicy("interval", 1.0, True)
+    assert not inline_i.append_syncs(0.5) and inline_i.append_syncs(1.0)
+    assert not loop_i.append_syncs(5.0) and loop_i.run_syncs_interval
+    assert inline_i.tick_syncs_cursors(1.0) and not loop_i.tick_syncs_cursors(5.0)
+    assert loop_i.run_syncs_cursors(1.0) and not inline_i.run_syncs_cursors(5.0)
+    never = FsyncPolicy("never")
+    assert not never.syncs and never.seals_off_loop and not never.append_syncs(99.0)
+    assert not inline_b.seals_off_loop and loop_b.seals_off_loop and loop_i.seals_off_loop
+
+
+def test_the_relay_and_the_samwise_spool_policies():
+    """The relay's spool syncs off the loop (group commit / Spool.run), the samwise
+    spool inline (its endpoint answers when append returns): docs/architecture.md."""
+    from logjam_relay.config import Settings
+    from logjam_relay.relay.spoolwrite import relay_fsync_policy, samwise_fsync_policy
+    s = Settings(spool_fsync="batch", spool_fsync_interval=0.25)
+    assert relay_fsync_policy(s) == FsyncPolicy("batch", 0.25, off_loop=True)
+    assert samwise_fsync_policy(s) == FsyncPolicy("batch", 0.25, off_loop=False)

@@ -13,6 +13,7 @@ import pytest
 from logjam_relay.spool import segment as fmt
 from logjam_relay.spool.spool import Spool, SpoolWriteError
 from logjam_relay.spool.writer import SPARE_FILE
+from logjam_relay.spool.fsyncpolicy import FsyncPolicy
 from model_fs import ModelFS
 
 
@@ -246,8 +247,8 @@ async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
     fs = SlowSyncFS()
     d = str(tmp_path / "spool")
     sealed = []
-    sp = open_spool(d, fs, fsync="batch", on_seal=lambda no, path: sealed.append(no))
-    sp.defer_batch_sync = True
+    sp = open_spool(d, fs, fsync=FsyncPolicy("batch", off_loop=True),
+                    on_seal=lambda no, path: sealed.append(no))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sp.run)
         await trio.testing.wait_all_tasks_blocked()
@@ -305,8 +306,7 @@ async def test_sync_async_after_a_roll_does_not_wait_for_the_whole_seal(tmp_path
     import trio.testing
     fs = HeldStateFS()
     d = str(tmp_path / "spool")
-    sp = open_spool(d, fs, fsync="batch")
-    sp.defer_batch_sync = True
+    sp = open_spool(d, fs, fsync=FsyncPolicy("batch", off_loop=True))
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sp.run)

@@ -21,6 +21,7 @@ from conftest import require_native
 from logjam_relay.spool import fs as fs_mod
 from logjam_relay.spool import syncthread
 from logjam_relay.spool.spool import Spool
+from logjam_relay.spool.fsyncpolicy import FsyncPolicy
 
 
 def _named(name: str = "spool-fdatasync") -> int:
@@ -256,9 +257,8 @@ async def test_dropped_without_close_ends_its_thread_and_closes_its_eventfd(tmp_
 
 async def test_the_writer_uses_it_on_the_real_file_system_only(tmp_path, monkeypatch):
     require_native(syncthread._c, "logjam_relay.spool._syncthread")
-    sp = Spool(str(tmp_path / "a"), readers=[], fsync="batch")
+    sp = Spool(str(tmp_path / "a"), readers=[], fsync=FsyncPolicy("batch", off_loop=True))
     try:
-        sp.defer_batch_sync = True
         sp.append_batch([[b"app-env", b"logs", b"{}", b"\0" * 24]])
         await sp.sync_async()
         st = sp.writer.sync_thread

@@ -166,7 +166,7 @@ def test_segment_tail_reads_records_larger_than_its_chunk(tmp_path):
     r = sp.reader("t")
     tail = SegmentTail("t", r._ack_pos, r._ack_seq, lambda p, known: None, lambda *d: None)
     tail.CHUNK = 64 * 1024
-    tail.update(snapshot(sp, 0))
+    tail.update(snapshot(sp.ledger, 0))
     got = []
     while recs := tail.read(3):
         got += recs

@@ -1,7 +1,22 @@
 """The cyclic garbage collector off the hot paths: one policy for the relay and the output
-workers (the bottom floor: both call it once their start-up is done)."""
+workers (the bottom floor: both call it once their start-up is done); and glibc's
+``malloc_trim``, which gives freed heap back to the OS."""
 
 from __future__ import annotations
+
+
+def _load_malloc_trim():
+    try:
+        import ctypes
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):     # not glibc
+        return None
+
+
+#: ``malloc_trim(pad)``: glibc returns free heap memory to the OS; None where the C
+#: library has none.  The inputs call it after a connection that held much ends, the XPUB
+#: subscription limit after many entries were freed.
+malloc_trim = _load_malloc_trim()
 
 
 def tune_gc() -> None:

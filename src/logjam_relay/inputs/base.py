@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import trio
 
+from ..gc_tuning import malloc_trim
 from ..io.net import RefusingListener, server_context
 from ..ratelimit import RateLimitedLog
 from .spec import InputSpec
@@ -18,17 +19,6 @@ log = logging.getLogger("logjam_relay.inputs")
 #: what a connection reads ahead while its batch waits for the spool (enough to see the
 #: sender close the connection; a sender that sends more is simply not read meanwhile)
 READ_AHEAD = 65536
-
-
-def _malloc_trim():
-    try:
-        import ctypes
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):     # not glibc
-        return None
-
-
-_trim = _malloc_trim()
 
 
 class HeldBytes:
@@ -74,9 +64,9 @@ class HeldBytes:
     def trim(self, after: int = TRIM_AFTER) -> None:
         """Where what was given back is no longer referenced: between batches, and when a
         connection ends (there after 1 MiB: the last of a burst is given back too)."""
-        if self.freed >= after and _trim is not None:
+        if self.freed >= after and malloc_trim is not None:
             self.freed = 0
-            _trim(0)
+            malloc_trim(0)
 
 
 class BaseInput:

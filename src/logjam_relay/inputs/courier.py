@@ -25,7 +25,7 @@ class CourierInput(BaseInput):
         finally:
             self.held.give(charged[0])
 
-    def _charge(self, conn, charged: list) -> None:
+    def charge(self, conn, charged: list) -> None:
         """Charge the change in what ``conn`` buffers; over max_held_bytes: closed."""
         n = conn.held_bytes - charged[0]
         if n > 0 and not self.held.take(n):
@@ -45,7 +45,7 @@ class CourierInput(BaseInput):
                 out = conn.data_to_send()       # VERS, PONG, ????
                 if out:
                     await stream.send_all(out)
-            self._charge(conn, charged)
+            self.charge(conn, charged)
             if ev is None:
                 data, started = await self.read_more(stream, conn.busy, started)
                 if not data:
@@ -53,7 +53,7 @@ class CourierInput(BaseInput):
                         raise CourierError("truncated", "connection closed inside a message")
                     return
                 conn.receive_data(data)
-                self._charge(conn, charged)
+                self.charge(conn, charged)
                 continue
             if type(ev) is Payload:
                 started = None
@@ -90,4 +90,4 @@ class _Reader:
 
     def receive_data(self, data: bytes) -> None:
         self.conn.receive_data(data)
-        self.inp._charge(self.conn, self.charged)
+        self.inp.charge(self.conn, self.charged)

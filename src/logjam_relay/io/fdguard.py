@@ -51,6 +51,7 @@ import trio
 
 from ..fdreserve import RESERVE, FdReserve
 from ..ratelimit import RateLimitedLog
+from .net import tcp_abort
 
 log = logging.getLogger("logjam_relay.fdguard")
 
@@ -90,24 +91,6 @@ _keep: list = []
 _DROP_ALL = _drop_all_filter()
 SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
 SO_DETACH_FILTER = getattr(socket, "SO_DETACH_FILTER", 27)
-
-
-def _tcp_abort():
-    """``abort(fd)``: connect(fd, AF_UNSPEC), a TCP disconnect that does not close the fd
-    (Linux); None where libc cannot be loaded."""
-    try:
-        import ctypes
-        connect = ctypes.CDLL(None, use_errno=True).connect
-    except (OSError, AttributeError):
-        return None
-    unspec = (ctypes.c_ubyte * 16)()            # struct sockaddr, sa_family = AF_UNSPEC
-
-    def abort(fd: int) -> None:
-        connect(fd, unspec, 16)
-    return abort
-
-
-_abort = _tcp_abort()
 
 
 def soft_limit() -> int:
@@ -193,8 +176,8 @@ def drop(fd: int, port: int, peer, ports, silent_ms: int, kind: str = "silent") 
     s = socket.socket(fileno=fd)
     try:
         s.shutdown(socket.SHUT_RDWR)
-        if _abort is not None:
-            _abort(fd)
+        if tcp_abort is not None:
+            tcp_abort(fd)
         return True
     except OSError:
         return False

@@ -12,6 +12,25 @@ import trio
 from ..fdreserve import RESERVE, out_of_fds
 
 
+def _load_tcp_abort() -> Callable[[int], None] | None:
+    try:
+        import ctypes
+        connect = ctypes.CDLL(None, use_errno=True).connect
+    except (OSError, AttributeError):
+        return None
+    unspec = (ctypes.c_ubyte * 16)()            # struct sockaddr, sa_family = AF_UNSPEC
+
+    def abort(fd: int) -> None:
+        connect(fd, unspec, 16)
+    return abort
+
+
+#: ``tcp_abort(fd)``: connect(fd, AF_UNSPEC), a TCP disconnect that does not close the fd
+#: (Linux); None where libc cannot be loaded.  The fd guard and the XPUB subscription
+#: limit end a peer's connection with it.
+tcp_abort = _load_tcp_abort()
+
+
 @dataclass(frozen=True, slots=True)
 class TLSSettings:
     """TLS options of one output (client side)."""

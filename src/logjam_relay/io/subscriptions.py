@@ -14,6 +14,9 @@ import time
 
 import zmq
 
+from ..gc_tuning import malloc_trim
+from .net import tcp_abort
+
 NOBLOCK = zmq.NOBLOCK
 
 #: Longest subscription topic an XPUB accepts: its MAXMSGSIZE is ``MAX_TOPIC_BYTES + 10``
@@ -29,35 +32,6 @@ def xpub_options() -> dict[int, int]:
     # RCVHWM: libzmq moves at most this many of a peer's subscriptions into its trie per
     # look at the socket, so a flood is taken in no faster than the guard reads it
     return {zmq.MAXMSGSIZE: MAX_TOPIC_BYTES + 10, zmq.RCVHWM: 32}
-
-
-def _malloc_trim():
-    try:
-        import ctypes
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):     # not glibc
-        return None
-
-
-_trim = _malloc_trim()
-
-
-def _tcp_abort():
-    """``abort(fd)``: connect(fd, AF_UNSPEC) -- a TCP disconnect without closing the fd
-    (Linux); None where libc cannot be loaded."""
-    try:
-        import ctypes
-        connect = ctypes.CDLL(None, use_errno=True).connect
-    except (OSError, AttributeError):
-        return None
-    unspec = (ctypes.c_ubyte * 16)()          # struct sockaddr, sa_family = AF_UNSPEC
-
-    def abort(fd: int) -> None:
-        connect(fd, unspec, 16)
-    return abort
-
-
-_abort = _tcp_abort()
 
 
 def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
@@ -316,14 +290,14 @@ class SubscriptionGuard:
         with lock:
             self.busy = False
             self._poll_monitor(out)
-            trim = self._freed >= self.TRIM_AFTER and _trim is not None
+            trim = self._freed >= self.TRIM_AFTER and malloc_trim is not None
             if trim:
                 self.trims += 1
                 self._freed = 0
         if trim:
             # the trie nodes libzmq freed go back to the OS (glibc keeps them otherwise);
             # outside the lock: it can take long on a big heap
-            _trim(0)
+            malloc_trim(0)
         return out
 
     def _take(self, msg: zmq.Frame, out: list[bytes]) -> None:
@@ -510,8 +484,8 @@ def abort_connection(fd: int, ports: set[int]) -> bool:
         if s.type != socket.SOCK_STREAM or s.getsockname()[1] not in ports:
             return False
         s.shutdown(socket.SHUT_RDWR)
-        if _abort is not None:
-            _abort(s.fileno())
+        if tcp_abort is not None:
+            tcp_abort(s.fileno())
         return True
     except (OSError, IndexError, TypeError):
         return False

@@ -58,6 +58,7 @@ from .poison import (
     refusal_action,
     skip_non_events,
 )
+from .sendstats import SendStats
 
 log = logging.getLogger("logjam_relay.outputs.courier")
 
@@ -95,11 +96,14 @@ def _new_nonce() -> bytes:
     return os.urandom(16)
 
 
-class CourierOutput:
+class CourierOutput(SendStats):
     """The Courier writer on one spool reader. ``await output.run()`` until cancelled."""
+
+    UNIT = "payload"
 
     def __init__(self, config: CourierConfig, reader: SpoolReader, *, clock=None,
                  dead_letters=None):
+        super().__init__()
         self.config = config
         self.reader = reader
         self.dead_letters = DeadLetterSink(config.name, dead_letters)
@@ -108,10 +112,7 @@ class CourierOutput:
         self._evidence = False                # something after the held event was acked
         self._acked_upto: Position | None = None
         self._limiter = trio.CapacityLimiter(1)
-        self.connect_failures = 0
         self.partial_acks = 0
-        self.refusals = 0
-        self.bisections = 0
         self._clock = clock or trio.current_time
         self._ssl = config.tls.client_context()
         self._batches: deque[_Batch] = deque()
@@ -124,25 +125,13 @@ class CourierOutput:
         self._rl = RateLimitedLog(log)
         self.connected_to: tuple[str, int] | None = None
         self.streaming = False
-        # counters
-        self.events_sent = 0
-        self.payloads_sent = 0
-        self.bytes_sent = 0
-        self.events_acked = 0
-        self.payloads_acked = 0
-        self.events_resent = 0
-        self.payloads_resent = 0
+        # counters (the shared ones: SendStats)
         self.reconnects = 0
-        self.connections = 0
         self.keepalive_acks = 0
         self.pings_sent = 0
         self.events_skipped = 0
         self.events_dropped = 0
         self.errors: dict[str, int] = {}
-        self.rtt_last = 0.0
-        self.rtt_max = 0.0
-        self.rtt_sum = 0.0
-        self.rtt_count = 0
 
     # ---------------------------------------------------------------- public
 
@@ -163,31 +152,17 @@ class CourierOutput:
         return {
             "connected": int(self.connected_to is not None),
             "streaming": int(self.streaming),
-            "events_sent": self.events_sent,
-            "payloads_sent": self.payloads_sent,
-            "bytes_sent": self.bytes_sent,
-            "events_acked": self.events_acked,
-            "payloads_acked": self.payloads_acked,
-            "events_resent": self.events_resent,
-            "payloads_resent": self.payloads_resent,
+            **self.send_stats(),
             "reconnects": self.reconnects,
-            "connections": self.connections,
             "keepalive_acks": self.keepalive_acks,
             "pings_sent": self.pings_sent,
             "events_skipped": self.events_skipped,
             "events_dropped": self.events_dropped,
-            "connect_failures": self.connect_failures,
             "partial_acks": self.partial_acks,
-            "refusals": self.refusals,
-            "bisections": self.bisections,
             "dead_letters": self.dead_letters.counts(),
             "pending_payloads": len(self._batches),
             "unacked_events": self.unacked_events,
             "backlog_records": spool.get("backlog_records", 0),
-            "payload_rtt_last_seconds": self.rtt_last,
-            "payload_rtt_max_seconds": self.rtt_max,
-            "payload_rtt_sum_seconds": self.rtt_sum,
-            "payload_rtt_count": self.rtt_count,
             "errors": dict(self.errors),
         }
 
@@ -379,17 +354,11 @@ class CourierOutput:
         if b is None:    # pragma: no cover - the core only reports nonces we registered
             return
         b.acked = b.base + ev.sequence
-        self.events_acked += ev.advanced
         if self._held is not None:
             self._evidence = True
         if ev.complete:
             b.acked = len(b.events)
-            rtt = now - b.sent_at
-            self.rtt_last = rtt
-            self.rtt_sum += rtt
-            self.rtt_count += 1
-            if rtt > self.rtt_max:
-                self.rtt_max = rtt
+        self.count_acked(ev.advanced, rtt=now - b.sent_at if ev.complete else None)
         self._pop_done()
 
     def _pop_done(self) -> None:
@@ -403,7 +372,7 @@ class CourierOutput:
             done = batches.popleft()
             del self._by_nonce[done.nonce]
             if done.events:
-                self.payloads_acked += 1
+                self.count_acked(units=1)
             self._ack(done.last)
         if batches and batches[0].acked:
             head = batches[0]
@@ -502,12 +471,7 @@ class CourierOutput:
         b.sent = True
         b.sent_at = now
         b.transmissions += 1
-        if b.transmissions > 1:
-            self.payloads_resent += 1
-            self.events_resent += len(events)
-        self.payloads_sent += 1
-        self.events_sent += len(events)
-        self.bytes_sent += len(data)
+        self.count_sent(len(events), len(data), b.transmissions > 1)
         await stream.send_all(data)
 
     async def _send_loop(self, stream, conn: ClientConnection) -> None:

@@ -42,6 +42,7 @@ import trio
 
 from ..io.net import connect
 from ..protocols import lumberjack as lj
+from ..protocols import lumberjack_acks as lja
 from ..ratelimit import RateLimitedLog
 from ..spool.api import Position, Record, SpoolReader
 from .lumberjack_config import DEFAULT_PORT, LumberjackConfig, parse_url  # noqa: F401
@@ -63,13 +64,13 @@ from .poison import (
     scan,
     skip_non_events,
 )
+from .sendstats import SendStats
 
 log = logging.getLogger("logjam_relay.outputs.lumberjack")
 
 #: Compress a window in a worker thread (zlib releases the GIL) when it is larger than this.
 THREAD_COMPRESS_MIN = 256 * 1024
-# after a fallback to stop-and-wait, a host gets pipelined windows again after this long
-PIPELINE_RETRY_AFTER = 600.0
+PIPELINE_RETRY_AFTER = lja.PIPELINE_RETRY_AFTER       # (re-exported)
 
 
 # ------------------------------------------------------------------------ output
@@ -103,12 +104,15 @@ _NET_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError,
                trio.TooSlowError, ssl.SSLError, lj.LumberjackError, _SessionEnd)
 
 
-class LumberjackOutput:
+class LumberjackOutput(SendStats):
     """One Lumberjack output task: ``await LumberjackOutput(source, config).run()``."""
+
+    UNIT = "window"
 
     def __init__(self, source: SpoolReader, config: LumberjackConfig, *,
                  rng: random.Random | None = None, dead_letters=None,
                  max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES):
+        super().__init__()
         self.source = source
         self.config = config
         self._rng = rng or random.Random()
@@ -126,73 +130,41 @@ class LumberjackOutput:
         self._held: _Window | None = None       # an isolated refused event (see _refused)
         self._event_at_head = False             # _skip_idle found an event: until an ack
         self._release_upto: Position | None = None
-        self.refusals = 0
-        self.bisections = 0
         self._ssl_context = config.tls.client_context()
         self._pending: deque[_Window] = deque()   # unacked windows, oldest first
-        self._sent = 0                  # how many of _pending were sent on this connection
+        # the ACK state (sans-IO): which of _pending are in flight on this connection (the
+        # first acks.in_flight), what an ACK does, the hosts on stop-and-wait
+        self.acks = lja.WriterAcks(config.pipeline)
         self._host_index = 0
-        # hosts on stop-and-wait after a fallback -> trio time when pipelining is tried again
-        self._stop_and_wait_until: dict[tuple[str, int], float] = {}
         self._space = trio.Event()
         self._recv_scope: trio.CancelScope | None = None
         self._head_since = 0.0
-        self._acks_this_conn = 0
         self._failures = 0              # consecutive failed attempts (for the backoff)
         self._rlog = RateLimitedLog(log)
         self.connected_to: tuple[str, int] | None = None
-        # plain counters
-        self.events_sent = 0
-        self.events_acked = 0
-        self.events_resent = 0
-        self.windows_sent = 0
-        self.windows_acked = 0
-        self.windows_resent = 0
-        self.bytes_sent = 0
+        # plain counters (the shared ones: SendStats; the ACK state's: self.acks)
         self.connect_attempts = 0
-        self.connect_failures = 0
-        self.connections = 0
         self.disconnects: dict[str, int] = {}
-        self.partial_acks = 0
         self.keepalives = 0
         self.skipped_records = 0
-        self.pipeline_fallbacks = 0
-        self.rtt_last = 0.0
-        self.rtt_sum = 0.0
-        self.rtt_max = 0.0
-        self.rtt_count = 0
 
     # -- metrics ------------------------------------------------------------
 
     def stats(self) -> dict:
         c = self.config
         return {
-            "events_sent": self.events_sent,
-            "events_acked": self.events_acked,
-            "events_resent": self.events_resent,
-            "windows_sent": self.windows_sent,
-            "windows_acked": self.windows_acked,
-            "windows_resent": self.windows_resent,
+            **self.send_stats(),
             "windows_in_flight": len(self._pending),
-            "bytes_sent": self.bytes_sent,
             "connect_attempts": self.connect_attempts,
-            "connect_failures": self.connect_failures,
-            "connections": self.connections,
             "connected": 1 if self.connected_to else 0,
             "disconnects": dict(self.disconnects),
-            "partial_acks": self.partial_acks,
+            "partial_acks": self.acks.partial_acks,
             "keepalives": self.keepalives,
             "decode_errors": self._encoder.decode_errors,
             "skipped_records": self.skipped_records,
-            "pipeline_fallbacks": self.pipeline_fallbacks,
-            "refusals": self.refusals,
-            "bisections": self.bisections,
+            "pipeline_fallbacks": self.acks.fallbacks,
             "windows_cut": self.windows_cut,
             "dead_letters": self.dead_letters.counts(),
-            "window_rtt_last_seconds": self.rtt_last,
-            "window_rtt_sum_seconds": self.rtt_sum,
-            "window_rtt_max_seconds": self.rtt_max,
-            "window_rtt_count": self.rtt_count,
             "config": {"window": c.window, "compression": c.compression,
                        "pipeline": c.pipeline, "hosts": len(c.hosts)},
         }
@@ -230,7 +202,7 @@ class LumberjackOutput:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(stream)
             self.disconnects[reason] = self.disconnects.get(reason, 0) + 1
-            if self._acks_this_conn:
+            if self.acks.acked_on_connection:
                 self._failures = 0
             else:
                 self._host_index += 1
@@ -322,8 +294,7 @@ class LumberjackOutput:
 
     async def _session(self, stream: trio.abc.Stream, host: tuple[str, int]) -> str:
         """Run one connection until it fails; returns the reason (a metric label)."""
-        self._sent = 0
-        self._acks_this_conn = 0
+        self.acks.connected()
         self._head_since = self._session_start = trio.current_time()
         failure: list[BaseException] = []
 
@@ -350,13 +321,12 @@ class LumberjackOutput:
         source = self.source
         while True:
             depth = self._depth(host)
-            if self._sent < len(self._pending):
-                if self._sent < depth:
-                    win = self._pending[self._sent]
+            sent = self.acks.in_flight
+            if sent < len(self._pending):
+                if sent < depth:
+                    win = self._pending[sent]
                     if win.sent_at is not None:
                         win.resends += 1
-                        self.windows_resent += 1
-                        self.events_resent += win.count
                     await self._send_window(stream, win)
                     continue
                 await self._wait_space()
@@ -400,12 +370,11 @@ class LumberjackOutput:
         return records
 
     async def _send_window(self, stream, win: _Window) -> None:
-        self._sent += 1
+        self.acks.sent(win.count)
+        resent = win.sent_at is not None
         win.sent_at = trio.current_time()
         await stream.send_all(win.data)
-        self.windows_sent += 1
-        self.events_sent += win.count
-        self.bytes_sent += len(win.data)
+        self.count_sent(win.count, len(win.data), resent)
 
     async def _make_window(self, records: list[Record]) -> _Window | None:
         last = records[-1].position
@@ -467,8 +436,9 @@ class LumberjackOutput:
                 data = await stream.receive_some(4096)
             self._recv_scope = None
             if scope.cancelled_caught:
-                if self._acks_this_conn == 0 and self._sent > 1:
-                    self._fallback(host, f"no ACK with {self._sent} windows in flight")
+                n = self.acks.in_flight
+                if self.acks.timed_out(host, trio.current_time()):
+                    self._fell_back(host, f"no ACK with {n} windows in flight")
                 raise _SessionEnd("timeout", f"no ACK within {self.config.timeout}s")
             conn.receive_data(data)
             while True:
@@ -487,58 +457,33 @@ class LumberjackOutput:
                     raise _SessionEnd("closed_by_peer", "connection closed by the reader")
 
     def _depth(self, host) -> int:
-        """Windows allowed in flight to ``host``: ``pipeline``, or 1 for a while after a
-        fallback (a reader restarted or replaced may well pipeline again), or 1 while a
-        refused window is bisected."""
+        """Windows allowed in flight to ``host``: what the ACK state allows
+        (:meth:`WriterAcks.depth`), or 1 while a refused window is bisected."""
         if self._pending and self._pending[0].suspect:
             return 1
-        until = self._stop_and_wait_until.get(host)
-        if until is None:
-            return self.config.pipeline
-        if trio.current_time() < until:
-            return 1
-        del self._stop_and_wait_until[host]
-        log.info("lumberjack %s: trying %d windows in flight to %s:%d again",
-                 self.config.name, self.config.pipeline, host[0], host[1])
-        return self.config.pipeline
+        depth, resumed = self.acks.depth(host, trio.current_time())
+        if resumed:
+            log.info("lumberjack %s: trying %d windows in flight to %s:%d again",
+                     self.config.name, depth, host[0], host[1])
+        return depth
 
-    def _fallback(self, host, why: str) -> None:
-        if self._depth(host) > 1:
-            self._stop_and_wait_until[host] = trio.current_time() + PIPELINE_RETRY_AFTER
-            self.pipeline_fallbacks += 1
-            log.warning("lumberjack %s: %s from %s:%d; stop-and-wait for the next %.0f s",
-                        self.config.name, why, host[0], host[1], PIPELINE_RETRY_AFTER)
+    def _fell_back(self, host, why: str) -> None:
+        log.warning("lumberjack %s: %s from %s:%d; stop-and-wait for the next %.0f s",
+                    self.config.name, why, host[0], host[1], self.acks.retry_after)
 
     def _on_ack(self, value: int, host) -> None:
-        if not self._pending or self._sent == 0:
-            raise _SessionEnd("unexpected_ack", f"ACK {value} with no window in flight")
-        win = self._pending[0]
-        if not lj.ack_completes(value, 1, win.count):
-            if value > win.count:
-                raise _SessionEnd("unexpected_ack", f"ACK {value} for a window of {win.count}")
-            # A partial ACK.  No known v1 reader sends one for a window it understood
-            # (go-lumber does for a C frame with more events than W).  As every window
-            # restarts at seq 1, ACKs of pipelined windows would become ambiguous: go
-            # stop-and-wait for this host; with one window in flight wait for the rest
-            # (or the timeout), with more reconnect and resend.
-            self.partial_acks += 1
-            self._fallback(host, f"partial ACK {value} for a window of {win.count}")
-            if self._sent > 1:
-                raise _SessionEnd("partial_ack", f"partial ACK {value} with "
-                                  f"{self._sent} windows in flight")
-            return
-        self._pending.popleft()
-        self._sent -= 1
-        self._acks_this_conn += 1
         now = trio.current_time()
-        rtt = now - win.sent_at
-        self.rtt_last = rtt
-        self.rtt_sum += rtt
-        self.rtt_count += 1
-        if rtt > self.rtt_max:
-            self.rtt_max = rtt
-        self.windows_acked += 1
-        self.events_acked += win.count
+        suspect = bool(self._pending) and self._pending[0].suspect
+        ev = self.acks.receive_ack(value, host, now, pipelining=not suspect)
+        if type(ev) is lja.PartialAck:
+            if ev.fell_back:
+                self._fell_back(host, f"partial ACK {value} for a window of {ev.count}")
+            if ev.end:
+                raise _SessionEnd("partial_ack", f"partial ACK {value} with "
+                                  f"{self.acks.in_flight} windows in flight")
+            return
+        win = self._pending.popleft()
+        self.count_acked(win.count, 1, now - win.sent_at)
         self._head_since = now
         self._event_at_head = False
         if self._held is not None:

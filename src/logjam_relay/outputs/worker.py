@@ -207,7 +207,7 @@ class ProcessOutput:
                 # from the acknowledged cursor; what a previous worker held of dropped
                 # segments is lost now (this one starts after it)
                 r.rewind()
-                start = (tuple(r._ack_pos), r._ack_seq)
+                start = (tuple(r.acknowledged), r.acknowledged_seq)
             cfg = (self.spec.name, self.spec.scheme, self.spec.url, self.relay_host,
                    self.max_event_bytes, self.dead_letters is not None, self.log_level,
                    start, self.log_format)
@@ -266,7 +266,7 @@ class ProcessOutput:
     async def _send_snapshot(self, stream, force: bool = False) -> None:
         from ..spool.tail import snapshot
         r = self.reader
-        snap = snapshot(r._spool, r._ack_pos.segment)
+        snap = snapshot(r.ledger, r.acknowledged.segment)
         if snap == self._snap_sent and not force:
             return
         self._snap_sent = snap
@@ -277,11 +277,11 @@ class ProcessOutput:
     async def _notify(self, stream) -> None:
         """Tail mode: tell the worker which segments exist and how far each is
         committed, after appends (coalesced) and now and then (seals, deletions)."""
-        sp = self.reader._spool
+        ledger = self.reader.ledger
         try:
             while not self._stop_requested:
                 with trio.move_on_after(IDLE_CHECK):
-                    await sp.ledger.appended.wait()
+                    await ledger.appended.wait()
                 await trio.sleep(NOTIFY_EVERY)
                 await self._send_snapshot(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

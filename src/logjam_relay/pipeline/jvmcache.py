@@ -218,6 +218,20 @@ def _quiet_py4j(gw) -> None:
     client.is_connected = False
 
 
+def driver_jvm(spark):
+    """The py4j view of the JVM of ``spark`` (a classic session) when its context is the
+    active one (pyspark keeps the view on the class); None otherwise (Spark Connect,
+    anything else)."""
+    from pyspark import SparkContext
+    try:
+        sc = spark.sparkContext
+    except Exception:               # noqa: BLE001  (Spark Connect raises its own error)
+        return None
+    if sc is None or sc is not SparkContext._active_spark_context:
+        return None
+    return SparkContext._jvm
+
+
 def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:
     """Close the Spark driver JVM's stdin (it exits on EOF, writing a class archive if
     asked to) and wait for it; returns the class path it had, or None."""

@@ -35,7 +35,7 @@ import time
 import zipfile
 import zlib
 
-from .jvmcache import default_dir, find_java, remove_stale_parts, spark_jars
+from .jvmcache import default_dir, driver_jvm, find_java, remove_stale_parts, spark_jars
 
 log = logging.getLogger("logjam_relay.pipeline.jvmreader")
 
@@ -90,7 +90,7 @@ def zlib_path(spark) -> tuple[str, int] | None:
     cls = "logjamrelay.spark.NativeInflate"
     try:
         if spark.sparkContext.master.startswith("local"):
-            ni = spark._jvm.logjamrelay.spark.NativeInflate
+            ni = driver_jvm(spark).logjamrelay.spark.NativeInflate
             return str(ni.status()), int(ni.answered())
         row = spark.range(1).selectExpr(f"reflect('{cls}', 'status')",
                                         f"reflect('{cls}', 'answered')").first()
@@ -267,7 +267,7 @@ def loaded(spark) -> bool:
         except Exception:               # reflect refused by the server: the Python source
             return False
     try:
-        jvm = spark._jvm
+        jvm = driver_jvm(spark)
         if jvm is None:
             return False
         return bool(jvm.org.apache.spark.util.Utils.classIsLoadable(PROVIDER))

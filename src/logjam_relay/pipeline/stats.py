@@ -498,7 +498,8 @@ def compute_tables_jvm(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS, ind
 
 def take_loss_runs(spark, key: str) -> bytes:
     """The loss runs the JVM reader's tasks gathered under ``key`` (``LossRuns.take``)."""
-    return bytes(spark.sparkContext._jvm.logjamrelay.spark.LossRuns.take(key))
+    from .jvmcache import driver_jvm
+    return bytes(driver_jvm(spark).logjamrelay.spark.LossRuns.take(key))
 
 
 #: Spark 4.3's switch for aggregations whose partial step reduces nothing: "skips the

@@ -51,6 +51,9 @@ class MetricType(enum.IntEnum):
     RATE = 4
 
 
+_METRIC_TYPES = {m.value: m for m in MetricType}
+
+
 class LogLevel(enum.IntEnum):
     """CMDP log levels, valued like ConstellationDAQ's (Python logging numbers)."""
 
@@ -280,7 +283,7 @@ def decode(frames: list[bytes] | tuple[bytes, ...]) -> CMDPMessage:
     payload = bytes(payload)
     if kind == "STAT":
         value, flag, unit = decode_stat_payload(payload)
-        mtype = MetricType(flag) if flag in MetricType._value2member_map_ else None
+        mtype = _METRIC_TYPES.get(flag)
         return StatMessage(sender, time_ns, rest, value, unit, mtype, tags)
     if kind == "LOG":
         level_s, _, component = rest.partition("/")

@@ -250,6 +250,17 @@ class FrameReader:
     def buffered(self) -> int:
         return len(self._buf)
 
+    @property
+    def mid_message(self) -> bool:
+        """A message is partly received: bytes buffered, an unknown body still being
+        skipped, or a streamed EVNT being inflated."""
+        return bool(self._buf or self._skip or self._stream is not None)
+
+    @property
+    def inflated(self) -> int:
+        """What a streamed EVNT has inflated so far (0 outside one)."""
+        return self._stream[3] if self._stream is not None else 0
+
     def next_event(self):
         """The next complete message event, or None when more data is needed."""
         buf = self._buf

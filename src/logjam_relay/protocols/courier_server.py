@@ -41,15 +41,14 @@ class InputConnection(ServerConnection):
     @property
     def busy(self) -> bool:
         """A message is partly received (its deadline should run)."""
-        r = self.reader
-        return bool(r.buffered or r._skip or r._stream is not None)
+        return self.reader.mid_message
 
     @property
     def held_bytes(self) -> int:
         """Bytes received and not yet handed out as a payload: the read buffer, and what
         a streamed EVNT has inflated so far."""
         r = self.reader
-        return r.buffered + (r._stream[3] if r._stream is not None else 0)
+        return r.buffered + r.inflated
 
     def next_event(self, now: float):
         ev = super().next_event(now)

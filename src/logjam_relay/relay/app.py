@@ -201,7 +201,7 @@ class Relay:
                 nursery.start_soon(ingest_tasks)
                 if self.spool is not None:
                     nursery.start_soon(self.spool.run)
-                    if self.spool.defer_batch_sync:
+                    if self.spool.fsync.owner_syncs_batches:
                         # group commit: the 202s leave after the fdatasync that covers them
                         self.commits = GroupCommit(
                             self.spool, self._send_released,
@@ -306,6 +306,10 @@ class Relay:
     def add_task(self, starter) -> None:
         """Register ``async starter(nursery)`` to start more tasks in the relay's nursery."""
         self._extra_tasks.append(starter)
+
+    def own_socket(self, sock: zmq.Socket) -> None:
+        """Close ``sock`` with the relay's own sockets when the relay stops."""
+        self._sockets.append(sock)
 
     async def ingest_external(self, acc: list[tuple]) -> bool:
         """Stamp, publish and spool messages from an input (Lumberjack/Courier server).
@@ -566,7 +570,7 @@ class Relay:
         returned True.  Not used under spool_fsync=batch while the group commit runs."""
         return await self.spool_writes.write(
             self.spool, records, encoded,
-            sync=self.spool.defer_batch_sync and self.commits is None)
+            sync=self.spool.fsync.owner_syncs_batches and self.commits is None)
 
     spool_write_failures = property(lambda self: self.spool_writes.failures)
     spool_blocked_seconds = property(lambda self: self.spool_writes.blocked_seconds)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..config import Settings
 from ..io.subscriptions import MAX_TOPIC_BYTES
+from .spoolwrite import relay_fsync_policy
 
 MiB = 1024 * 1024
 
@@ -175,7 +176,7 @@ def ceiling(settings: Settings, *, baseline: int, input_peers: int | None = None
     inputs = input_sockets(s)
     # one batch per input socket in process: ingest_max_bytes + the message that crossed it
     batches = inputs * BATCH_COPIES * (s.ingest_max_bytes + message)
-    if s.spool_fsync == "batch":
+    if relay_fsync_policy(s).owner_syncs_batches:
         # what waits for the group commit's next round (relay/groupcommit.py): replies,
         # and records until ingest_max_bytes (+ the batch that crossed it)
         from .groupcommit import REPLY_BYTES, max_pending

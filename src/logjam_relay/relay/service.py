@@ -17,6 +17,7 @@ from ..redact import redact_text
 from .app import Relay, bind_cause
 from .configure import check_settings
 from .memory import samwise_rcv_hwm
+from .spoolwrite import relay_fsync_policy, samwise_fsync_policy
 
 log = logging.getLogger("logjam_relay.service")
 
@@ -95,7 +96,7 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
                       segment_age_s=settings.archive_seal_after,
                       on_seal=archive.on_seal if archive is not None else None,
                       max_bytes=settings.spool_max_bytes, policy=settings.spool_policy,
-                      fsync=settings.spool_fsync, fsync_interval_s=settings.spool_fsync_interval)
+                      fsync=relay_fsync_policy(settings))
     except SpoolLockedError:
         raise settings.startup_error(spool_setting, "spool locked: in use by another relay "
                                      "(give each relay its own spool_dir)",
@@ -103,8 +104,6 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
     except SpoolError as e:
         raise settings.startup_error(spool_setting, f"cannot open the spool: {e}",
                                      value=spool_dir) from None
-    spool.defer_batch_sync = settings.spool_fsync == "batch"   # fdatasync off the event loop
-    spool.defer_interval_sync = settings.spool_fsync == "interval"      # (Spool.run does it)
     relay.spool = spool
     if archive is not None:
         # segments sealed during the spool's own recovery were not announced: take them now
@@ -191,7 +190,7 @@ def attach_peers(relay: Relay, settings: Settings) -> None:
     from ..io.peers import PeerLimit, ZapServer
     limit = PeerLimit(settings.zmq_max_peers)
     zap = ZapServer(limit, relay.curve)
-    relay._sockets.append(zap.open(relay.ctx))
+    relay.own_socket(zap.open(relay.ctx))
     relay.peer_limit = limit
 
     async def start_zap(nursery):
@@ -275,7 +274,7 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
         spool = Spool(spool_dir, readers=cfg.reader_names(),
                       segment_bytes=settings.spool_segment_bytes,
                       max_bytes=settings.spool_max_bytes, policy=settings.spool_policy,
-                      fsync=settings.spool_fsync, fsync_interval_s=settings.spool_fsync_interval)
+                      fsync=samwise_fsync_policy(settings))
     except SpoolError as e:
         raise settings.startup_error(spool_setting, f"cannot open the samwise spool: {e}",
                                      value=spool_dir) from None

@@ -17,10 +17,25 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from ..ratelimit import RateLimitedLog
+from ..spool.fsyncpolicy import FsyncPolicy
 from ..spool.spool import SpoolWriteError
 
 log = logging.getLogger("logjam_relay.relay")
 rlog = RateLimitedLog(log)
+
+
+def relay_fsync_policy(settings) -> FsyncPolicy:
+    """The relay spool's fsync policy (spool_fsync, spool_fsync_interval): off the loop.
+    ``batch``: the group commit awaits the fdatasync before the replies leave
+    (relay/groupcommit.py); ``interval``: ``Spool.run`` syncs in a worker thread."""
+    return FsyncPolicy(settings.spool_fsync, settings.spool_fsync_interval, off_loop=True)
+
+
+def samwise_fsync_policy(settings) -> FsyncPolicy:
+    """The samwise spool's: the same settings, inline.  Its endpoint answers a request
+    once ``append`` returned, and no group commit waits for an off-loop fdatasync, so
+    the append syncs itself (docs/architecture.md, "Who owns what")."""
+    return FsyncPolicy(settings.spool_fsync, settings.spool_fsync_interval)
 
 
 class SpoolWrites:

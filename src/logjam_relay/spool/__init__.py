@@ -5,8 +5,12 @@ parts).
 The parts, each owning its own state (modelled on Vector's disk buffer v2)::
 
     spool.py     Spool: composes the parts below; the API the relay and outputs use
-    ledger.py    Ledger: the shared positions (segments on disk, next segno/seq, bytes)
-    writer.py    SegmentWriter: append, the fsync policy, sealing, spool.state
+    ledger.py    Ledger: the shared positions (segments on disk, next segno/seq, bytes);
+                 the others read them, they change only through its methods
+    fsyncpolicy.py  FsyncPolicy: when fdatasync is called and who waits for it; given to
+                 the spool when it is built, asked by the writer, readers, tick/run and
+                 the relay's group commit (never set afterwards)
+    writer.py    SegmentWriter: append (syncing as the policy says), sealing, spool.state
     space.py     SpaceBudget: max_bytes, the reserve file, the full disk, drop_oldest
     damage.py    Damage: the gaps (seq ranges known to be gone) and damaged records
     recovery.py  recover(directory, cursors) -> Recovered: what is on disk and the loss
@@ -42,5 +46,6 @@ Design invariants:
    out.  (Reading the cursors at start-up, ``cursors.load``, uses ``open()``.)
 8. Parts talk through small interfaces: the writer asks the budget only for the segment
    limit and the reserve; recovery is a function that returns what it found; only
-   :class:`spool.Spool` knows the readers and the writer together.
+   :class:`spool.Spool` knows the readers and the writer together.  No part reaches
+   into another's private state (tests/test_architecture.py checks every ``x._name``).
 """

@@ -190,7 +190,7 @@ def repair(directory: str) -> list[str]:
             _rewrite_header(seg.path, seg.segno, seg.created_ms, seg.first_seq)
             done.append(f"rewrote the damaged header of segment {seg.segno}")
         for r in sp.readers.values():
-            r._log.compact(r._ack_pos.segment, r._ack_pos.offset, r._ack_seq)
+            r.compact_cursor_log()
             if r.lost:
                 done.append(f"output {r.name}: {r.lost} records not on disk counted as lost "
                             f"({', '.join(f'{k} {v}' for k, v in r.lost_by_reason.items())})")

@@ -43,7 +43,11 @@ class Seg:
 
 class Ledger:
     """The positions every part of the spool shares.  ``segs`` is in ascending segment
-    number (insertion order); ``bytes`` is what they take on disk."""
+    number (insertion order); ``bytes`` is what they take on disk.
+
+    The other parts read the slots; they change only through the methods below (as
+    Vector's disk_v2 ledger), so that ``bytes`` always sums the segments' sizes and
+    ``next_segno``/``next_seq`` only move forward."""
 
     __slots__ = ("segs", "next_segno", "next_seq", "bytes", "last_meta", "appended")
 
@@ -64,6 +68,25 @@ class Ledger:
     def remove(self, seg: Seg) -> None:
         del self.segs[seg.segno]
         self.bytes -= seg.size
+
+    def open_segment(self, seg: Seg) -> None:
+        """``seg`` is the new active segment: added, and its number taken."""
+        self.add(seg)
+        self.next_segno = seg.segno + 1
+
+    def count_appended(self, n: int, nbytes: int) -> None:
+        """``n`` records of ``nbytes`` were appended to the active segment (its ``count``
+        and ``data_end`` moved by the writer): the next seq and the bytes follow."""
+        self.next_seq += n
+        self.bytes += nbytes
+
+    def count_bytes(self, nbytes: int) -> None:
+        """A segment on disk grew by ``nbytes`` that are not records (its seal record)."""
+        self.bytes += nbytes
+
+    def note_meta(self, meta: bytes) -> None:
+        """The logjam meta of the last logjam record appended."""
+        self.last_meta = meta
 
     def oldest(self) -> Seg | None:
         return next(iter(self.segs.values()), None)

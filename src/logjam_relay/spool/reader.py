@@ -29,6 +29,7 @@ from .cursors import CursorLog
 from .damage import Damage
 from .errors import SpoolError, WriteErrors, write_error
 from .fs import Filesystem
+from .fsyncpolicy import FsyncPolicy
 from .ledger import Ledger, Seg
 
 MiB = 1 << 20
@@ -49,7 +50,7 @@ class Owner(Protocol):
     errors: WriteErrors
     budget: _Space
     cursor_dir: str
-    fsync: str
+    fsync: FsyncPolicy
     cursor_flush_s: float
     clock: Callable[[], float]
     monotonic: Callable[[], float]
@@ -94,7 +95,7 @@ class SpoolReader:
         self._buf_seg = -1
         self._buf_base = 0
         self._short = False
-        self._log = CursorLog(spool.cursor_dir, name, spool.fsync != "never")
+        self._log = CursorLog(spool.cursor_dir, name, spool.fsync.syncs)
         self.lost = 0
         self.lost_by_reason: dict[str, int] = {}
         self.acks = 0
@@ -371,6 +372,28 @@ class SpoolReader:
         return self._pending[0][0]
 
     @property
+    def ledger(self) -> Ledger:
+        """The spool's shared positions (read them; they change through the writer)."""
+        return self._ledger
+
+    def damage_found_elsewhere(self, seg: Seg, at: Position, seq: int,
+                               err: fmt.SegmentError) -> None:
+        """A worker process reading for this reader found damage at ``at`` (record
+        ``seq``) of ``seg``: the spool handles it as if this reader had found it.  The
+        handling starts at the read position; this reader does not read in that mode
+        (its read position is its acknowledged cursor), so it is put there for the
+        handling and back after."""
+        self._read_pos, self._read_seq = at, max(seq, self._ack_seq)
+        try:
+            self._spool.on_corrupt(self, seg, err)
+        finally:
+            self._read_pos, self._read_seq = self._ack_pos, self._ack_seq
+
+    def compact_cursor_log(self) -> None:
+        """Rewrite the cursor log as the acknowledged cursor alone (fsck)."""
+        self._log.compact(self._ack_pos.segment, self._ack_pos.offset, self._ack_seq)
+
+    @property
     def acknowledged(self) -> Position:
         """The position of the first unacknowledged record."""
         return self._ack_pos
@@ -433,7 +456,7 @@ class SpoolReader:
 
     async def sync_cursor_async(self) -> bool:
         """:meth:`sync_cursor` in a worker thread (``fsync = "interval"`` with
-        ``defer_interval_sync``): an fdatasync no longer stalls the event loop.  True once
+        off the loop, ``FsyncPolicy.run_syncs_cursors``): an fdatasync no longer stalls the event loop.  True once
         the cursor log is durable, a sync that was still running included."""
         log = self._log
         try:

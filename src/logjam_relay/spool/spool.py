@@ -33,6 +33,7 @@ from .errors import (  # noqa: F401  (re-exported)
 from .errors import reason_of as _reason  # noqa: F401
 from .errors import write_error as _write_error
 from .fs import OS, Filesystem
+from .fsyncpolicy import FsyncPolicy  # noqa: F401  (re-exported)
 from .ledger import Ledger, Seg
 from .reader import SpoolReader
 from .recovery import (  # noqa: F401  (re-exported)
@@ -65,15 +66,16 @@ class Spool:
     * ``policy="drop_oldest"``: appending deletes the oldest sealed segments to
       stay under ``max_bytes``; unacknowledged records in them are counted as
       ``lost`` per reader.
-    * ``fsync``: ``"batch"`` (fdatasync after every append), ``"interval"``
-      (at most every ``fsync_interval_s``, on append or :meth:`tick`) or
-      ``"never"`` (on seal and close only).
+    * ``fsync``: the :class:`~.fsyncpolicy.FsyncPolicy` (when fdatasync is called, and
+      whether the owner does it off the loop), fixed for the spool's life.  A mode
+      string (``"batch"``, ``"interval"``, ``"never"``) is short for
+      ``FsyncPolicy(mode, fsync_interval_s)`` (inline).
     * ``fs``: the file system (:data:`fs.OS`; tests pass a model).
     """
 
     def __init__(self, directory, *, readers: Sequence[str], segment_bytes: int = 64 * MiB,
                  segment_age_s: float = 300.0, max_bytes: int = 8 << 30,
-                 policy: str = "block", fsync: str = "interval",
+                 policy: str = "block", fsync: FsyncPolicy | str = "interval",
                  fsync_interval_s: float = 1.0, cursor_flush_s: float = 0.0,
                  on_seal: Callable[[int, str], None] | None = None,
                  clock: Callable[[], float] = time.time,
@@ -81,8 +83,8 @@ class Spool:
                  fs: Filesystem = OS):
         if policy not in ("block", "drop_oldest"):
             raise ValueError(f"spool policy must be 'block' or 'drop_oldest', not {policy!r}")
-        if fsync not in ("batch", "interval", "never"):
-            raise ValueError(f"spool fsync must be 'batch', 'interval' or 'never', not {fsync!r}")
+        if not isinstance(fsync, FsyncPolicy):
+            fsync = FsyncPolicy(fsync, fsync_interval_s)
         for name in readers:
             if not _NAME_OK.match(name):
                 raise ValueError(f"bad spool reader name {name!r} (use [A-Za-z0-9_.-])")
@@ -97,8 +99,7 @@ class Spool:
         self.segment_age_s = segment_age_s
         self.max_bytes = max_bytes
         self.policy = policy
-        self.fsync = fsync
-        self.fsync_interval_s = fsync_interval_s
+        self.fsync: FsyncPolicy = fsync
         self.cursor_flush_s = cursor_flush_s
         self.clock = clock
         self.monotonic = monotonic
@@ -129,7 +130,6 @@ class Spool:
                                       monotonic=monotonic, live_bytes=self._live_bytes)
             self.writer = SegmentWriter(self.directory, fs, self.ledger, self.errors,
                                         self.budget, fsync=fsync,
-                                        fsync_interval_s=fsync_interval_s,
                                         segment_age_s=segment_age_s, clock=clock,
                                         monotonic=monotonic)
             if on_seal:
@@ -189,7 +189,7 @@ class Spool:
         first = self.ledger.next_seq
         data = fmt.encode_logjam_batch(batch, first)
         pos = self._append_bytes(data, len(batch))
-        self.ledger.last_meta = batch[-1][3]
+        self.ledger.note_meta(batch[-1][3])
         if heartbeat:
             self._heartbeat_seqs.extend(range(first, first + len(batch)))
         return pos
@@ -208,7 +208,7 @@ class Spool:
                 raise ValueError("append_encoded: data does not hold n logjam records")
             data = fmt.encode_logjam_batch([r[3] for r in recs], self.ledger.next_seq)
         pos = self._append_bytes(data, n)
-        self.ledger.last_meta = last_meta
+        self.ledger.note_meta(last_meta)
         return pos
 
     def append_records(self, records: Sequence[tuple[int, Sequence[bytes]]]) -> Position | None:
@@ -219,7 +219,7 @@ class Spool:
         pos = self._append_bytes(data, len(records))
         for kind, frames in reversed(records):
             if kind == KIND_LOGJAM and len(frames) == 4:
-                self.ledger.last_meta = frames[3]
+                self.ledger.note_meta(frames[3])
                 break
         return pos
 
@@ -299,26 +299,6 @@ class Spool:
     def sync_ready(self, job: SyncJob) -> bool:
         """``sync_end(job)`` would return without waiting."""
         return self.writer.sync_ready(job)
-
-    @property
-    def defer_batch_sync(self) -> bool:
-        """fsync="batch": appends do not fsync themselves; the owner awaits
-        :meth:`sync_async` before it answers."""
-        return self.writer.defer_batch_sync
-
-    @defer_batch_sync.setter
-    def defer_batch_sync(self, on: bool) -> None:
-        self.writer.defer_batch_sync = on
-
-    @property
-    def defer_interval_sync(self) -> bool:
-        """fsync="interval": neither appends nor :meth:`tick` fsync; :meth:`run` does,
-        every ``fsync_interval_s``, in a worker thread (the event loop goes on)."""
-        return self.writer.defer_interval_sync
-
-    @defer_interval_sync.setter
-    def defer_interval_sync(self, on: bool) -> None:
-        self.writer.defer_interval_sync = on
 
     # -- sealing ----------------------------------------------------------------
     def seal(self) -> None:
@@ -477,7 +457,8 @@ class Spool:
         if self._closed:
             return
         w = self.writer
-        if w.interval_sync_due() and not w.defer_interval_sync:
+        fsync = self.fsync
+        if fsync.tick_syncs_interval() and w.interval_sync_due():
             w.sync()
         act = w.active
         if act is not None and act.count and \
@@ -490,10 +471,9 @@ class Spool:
         for r in self.readers.values():
             if now - r.last_persist >= self.cursor_flush_s:
                 r.persist_quiet()
-        # cursor logs: write() on every ack; fdatasync per the fsync policy (interval with
-        # defer_interval_sync: run() does it, in a worker thread)
-        if self.fsync == "batch" or (self.fsync == "interval" and not w.defer_interval_sync
-                                     and now - self._last_cursor_sync >= self.fsync_interval_s):
+        # cursor logs: write() on every ack; fdatasync per the fsync policy (interval off
+        # the loop: run() does it, in a worker thread)
+        if fsync.tick_syncs_cursors(now - self._last_cursor_sync):
             self._last_cursor_sync = now
             for r in self.readers.values():
                 r.sync_cursor()
@@ -504,10 +484,9 @@ class Spool:
 
     async def run(self, period: float = 0.25) -> None:
         """Call :meth:`tick` every ``period`` seconds (run it in the spool owner's nursery);
-        with ``defer_interval_sync``, the interval fdatasync too, in a worker thread.
-        Where the syncs are off the loop (``defer_batch_sync``, ``defer_interval_sync``,
-        ``fsync="never"``), segment seals run off the loop too while it runs
-        (:meth:`SegmentWriter.run_seals`)."""
+        with ``"interval"`` off the loop, the interval fdatasync too, in a worker thread.
+        Where the syncs are off the loop (``fsync.seals_off_loop``), segment seals run
+        off the loop too while it runs (:meth:`SegmentWriter.run_seals`)."""
         w = self.writer
         async with trio.open_nursery() as nursery:
             if not w.defer_seals and w.can_defer_seals():
@@ -573,11 +552,11 @@ class Spool:
         w = self.writer
         while True:
             try:
-                if w.defer_interval_sync and not self._closed and w.interval_sync_due():
+                fsync = self.fsync
+                if fsync.run_syncs_interval and not self._closed and w.interval_sync_due():
                     await w.sync_async()
-                if w.defer_interval_sync and self.fsync == "interval" and \
-                        not self._closed and \
-                        self.monotonic() - self._last_cursor_sync >= self.fsync_interval_s:
+                if not self._closed and \
+                        fsync.run_syncs_cursors(self.monotonic() - self._last_cursor_sync):
                     self._last_cursor_sync = self.monotonic()
                     for r in list(self.readers.values()):
                         await r.sync_cursor_async()
@@ -690,7 +669,7 @@ class Spool:
                     step()
                 except SpoolError:
                     pass                    # counted and logged; close releases everything
-            if self.fsync != "never":
+            if self.fsync.syncs:
                 for r in self.readers.values():
                     r.sync_cursor()
         finally:

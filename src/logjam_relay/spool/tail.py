@@ -37,6 +37,7 @@ import trio
 from .. import _native
 from . import segment as fmt
 from .api import Position, Record
+from .ledger import Ledger
 
 MiB = 1 << 20
 _SERVED_MAX = 4096
@@ -93,12 +94,13 @@ def _read_into_c(block, buf, pos: int, end: int, max_records: int, base: int, se
 #   still runs: a worker reads on in the next one, and a path .open may be .seg by now)
 
 
-def snapshot(spool, from_segment: int) -> tuple:
-    """The segments from ``from_segment`` on, as the relay announces them to a worker."""
+def snapshot(ledger: Ledger, from_segment: int) -> tuple:
+    """The segments from ``from_segment`` on (of a spool's ``ledger``), as the relay
+    announces them to a worker."""
     return tuple((s.segno, s.path, s.limit, s.sealed or s.closed, s.first_seq,
                   tuple(sorted((o, h[0], h[1]) for o, h in s.holes.items())) if s.holes
                   else ())
-                 for s in spool.ledger.segs.values() if s.segno >= from_segment)
+                 for s in ledger.segs.values() if s.segno >= from_segment)
 
 
 def handle_damage(reader, segno: int, off: int, seq: int, reason: str, message: str) -> None:
@@ -107,8 +109,7 @@ def handle_damage(reader, segno: int, off: int, seq: int, reason: str, message: 
     as lost), as if the reader itself had found it.  A stale report (already handled,
     or its segment deleted meanwhile) changes nothing; the worker gets a new snapshot
     either way."""
-    sp = reader._spool
-    seg = sp.ledger.segs.get(segno)
+    seg = reader.ledger.segs.get(segno)
     if seg is None or off >= seg.limit or off in seg.holes:
         return
     if reason in ("torn", "short_file"):
@@ -117,13 +118,7 @@ def handle_damage(reader, segno: int, off: int, seq: int, reason: str, message: 
         err = fmt.SegmentError(reason, message, off)
     else:
         err = fmt.SegmentCorrupt(reason, message, off)
-    # the damage handling starts at the reader's read position (the relay's reader does
-    # not read in this mode: its read position is its acknowledged cursor)
-    reader._read_pos, reader._read_seq = Position(segno, off), max(seq, reader._ack_seq)
-    try:
-        sp.on_corrupt(reader, seg, err)
-    finally:
-        reader._read_pos, reader._read_seq = reader._ack_pos, reader._ack_seq
+    reader.damage_found_elsewhere(seg, Position(segno, off), seq, err)
 
 
 class SegmentTail:

@@ -2,10 +2,10 @@
 
 It owns the active segment and its descriptor.  Appending writes the encoded records with
 one ``write()`` to the active ``.open`` segment (O_APPEND) and moves the ledger's
-positions; a failed write is cut off again (nothing of it is readable).  ``fsync``:
-``"batch"`` (fdatasync after every append, or by the owner through :meth:`sync_async`
-with ``defer_batch_sync``), ``"interval"`` (at most every ``fsync_interval_s``) or
-``"never"`` (on seal and close only).
+positions; a failed write is cut off again (nothing of it is readable).  When it
+fdatasyncs it asks the spool's :class:`~.fsyncpolicy.FsyncPolicy` (``self.fsync``):
+``"batch"`` (after every append, or by the owner through :meth:`sync_async` off the
+loop), ``"interval"`` (at most every ``interval_s``) or ``"never"`` (on close only).
 
 A segment is sealed by appending its seal record, fsyncing it and renaming ``.open`` to
 ``.seg``; the seal listeners (the archive output) are then told.  On a full disk the
@@ -41,8 +41,6 @@ import json
 import logging
 import os
 import threading
-import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -53,6 +51,15 @@ from . import segment as fmt
 from .api import Position
 from .errors import SpoolWriteError, WriteErrors, is_disk_full, write_error
 from .fs import Filesystem, unlink_quiet, write_all
+from .fsyncpolicy import FsyncPolicy
+from .writeback import (  # noqa: F401  (re-exported: relay/groupcommit.py, the tests)
+    SYNC_BUCKETS,
+    WRITEBACK_BYTES,
+    WRITEBACK_PENDING,
+    SyncTimes,
+    Writeback,
+    timed_fdatasync,
+)
 from .ledger import Ledger, Seg
 from .syncthread import SyncThread
 from .syncthread import make as make_sync_thread
@@ -63,114 +70,6 @@ STATE_FILE = "spool.state"
 #: the next segment's file, created ahead by run_seals (in a worker thread) and renamed to
 #: its segment name when a roll needs it; the recovery deletes it (``*.tmp``)
 SPARE_FILE = "next-segment.tmp"
-#: fsync="interval": the appends are handed to the kernel's writeback every this many bytes
-#: (2026-11-26, 200k msg/s of 300 B: the interval fdatasync 4-31 ms -> 1-1.5 ms, the
-#: relay's one-way p99.9 7.1 -> 3.4-3.8 ms, bench_latency.py)
-WRITEBACK_BYTES = 1 << 20
-#: ranges handed over and not yet started: more are skipped (advisory)
-WRITEBACK_PENDING = 4
-
-
-class Writeback:
-    """The thread that starts the kernel's writeback of appended ranges
-    (:meth:`Filesystem.start_writeback`): the call does the block layer's and the file
-    system's allocation work in the caller, which is not to be the event loop (on the
-    loop it cost the durable ingest ~0.15 us of CPU per message).  A range is handed over
-    with the segment's descriptor number, not a duplicate: a duplicate would take a
-    descriptor (or the fd reserve's last ones) from a relay at its limit.  Should the
-    segment be closed before the thread gets to it, the call fails or starts the writeback
-    of whatever file now has that number: harmless, it writes nothing of its own.  At most
-    ``WRITEBACK_PENDING`` wait, more are skipped (the hint is advisory)."""
-
-    def __init__(self, fs: Filesystem):
-        self._fs = fs
-        self._q: deque = deque()
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self.started = 0          # ranges handed to the kernel
-        self.skipped = 0          # not handed over: the thread was behind, or no descriptor
-
-    @property
-    def pending(self) -> int:
-        return len(self._q)
-
-    def submit(self, fd: int, offset: int, size: int) -> None:
-        if self._stop or len(self._q) >= WRITEBACK_PENDING:
-            self.skipped += 1
-            return
-        with self._cv:
-            self._q.append((fd, offset, size))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="spool-writeback",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._q and not self._stop:
-                    self._cv.wait()
-                if not self._q:
-                    return
-                fd, offset, size = self._q.popleft()
-            try:
-                self._fs.start_writeback(fd, offset, size)
-                self.started += 1
-            except OSError:
-                self.skipped += 1
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Start what is queued, then end the thread."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-
-#: upper bounds (seconds) of the buckets of :class:`SyncTimes`, as etcd's WAL fsync histogram
-SYNC_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256,
-                0.512, 1.024, 2.048, 4.096)
-
-
-class SyncTimes:
-    """How long the fdatasyncs of appended records took (the syscall alone: what a 202
-    under ``batch`` waits for at least), as a histogram: counts per bucket of
-    :data:`SYNC_BUCKETS` and above, their sum."""
-
-    __slots__ = ("counts", "sum", "count", "max")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(SYNC_BUCKETS) + 1)
-        self.sum = 0.0
-        self.count = 0
-        self.max = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.counts[bisect_left(SYNC_BUCKETS, seconds)] += 1   # the first bound >= it
-        self.sum += seconds
-        self.count += 1
-        if seconds > self.max:
-            self.max = seconds
-
-    def stats(self) -> dict:
-        """``{"buckets": {upper bound: cumulative count, ..., inf: count}, "sum", "count"}``."""
-        buckets, n = {}, 0
-        for le, c in zip((*SYNC_BUCKETS, float("inf")), self.counts, strict=True):
-            n += c
-            buckets[le] = n
-        return {"buckets": buckets, "sum": self.sum, "count": self.count}
-
-
-def timed_fdatasync(fs: Filesystem, fd: int) -> float:
-    """``fs.fdatasync(fd)`` (in a worker thread); returns the seconds it took."""
-    t0 = time.perf_counter()
-    fs.fdatasync(fd)
-    return time.perf_counter() - t0
-
-
 class Reserve(Protocol):
     """What the writer asks of the space budget."""
 
@@ -202,7 +101,7 @@ class SealJob:
         self.attempts = 0
         self.runner: object | None = None   # the run_seals stage in a worker thread
 
-    def _changed(self) -> None:
+    def announce(self) -> None:
         ev, self.changed = self.changed, trio.Event()
         ev.set()
 
@@ -221,7 +120,7 @@ class SyncJob:
 
 class SegmentWriter:
     def __init__(self, directory: str, fs: Filesystem, ledger: Ledger, errors: WriteErrors,
-                 budget: Reserve, *, fsync: str, fsync_interval_s: float,
+                 budget: Reserve, *, fsync: FsyncPolicy,
                  segment_age_s: float, clock: Callable[[], float],
                  monotonic: Callable[[], float]) -> None:
         self.directory = directory
@@ -229,8 +128,7 @@ class SegmentWriter:
         self._ledger = ledger
         self._errors = errors
         self._budget = budget
-        self.fsync = fsync
-        self.fsync_interval_s = fsync_interval_s
+        self.fsync = fsync                      # asked, never changed (fsyncpolicy.py)
         self.segment_age_s = segment_age_s
         self._clock = clock
         self._mono = monotonic
@@ -240,12 +138,6 @@ class SegmentWriter:
         self.dirty_tail = False                 # a failed write may have left bytes after data_end
         self.unsynced = False
         self.last_fsync = monotonic()
-        # fsync="batch" with defer_batch_sync: appends do not fsync themselves; the owner
-        # awaits sync_async() (fdatasync in the sync thread) before it answers.
-        self.defer_batch_sync = False
-        # fsync="interval" with defer_interval_sync: neither appends nor tick() fsync; the
-        # spool's run() does, every fsync_interval_s, in a worker thread.
-        self.defer_interval_sync = False
         self.writeback_from = 0            # the active segment's offset not yet handed over
         self.writeback = Writeback(fs)
         # sync_async's fdatasync thread in C (syncthread.py), made at the first sync_async
@@ -343,21 +235,18 @@ class SegmentWriter:
         led = self._ledger
         seg.data_end += len(data)
         seg.size = seg.data_end
-        if self.fsync == "interval" and seg.data_end - self.writeback_from >= WRITEBACK_BYTES:
+        if self.fsync.writeback and seg.data_end - self.writeback_from >= WRITEBACK_BYTES:
             # the interval's fdatasync would otherwise write a second of appends at once,
             # and the appends meanwhile wait for it (ext4's journal), holding the loop
             self.writeback.submit(fd, self.writeback_from, seg.data_end - self.writeback_from)
             self.writeback_from = seg.data_end
         seg.count += n
-        led.next_seq += n
-        led.bytes += len(data)
+        led.count_appended(n, len(data))
         self.appends += n
         self.append_batches += 1
         self.bytes_appended += len(data)
         self.unsynced = True
-        if (self.fsync == "batch" and not self.defer_batch_sync) or (
-                self.fsync == "interval" and not self.defer_interval_sync
-                and self._mono() - self.last_fsync >= self.fsync_interval_s):
+        if self.fsync.append_syncs(self._mono() - self.last_fsync):
             self.sync()
         led.announce_append()
         return Position(seg.segno, start)
@@ -391,9 +280,9 @@ class SegmentWriter:
             unlink_quiet(path, fs)
             raise self._errors.count(write_error("writing segment header to", path, e)) \
                 from None
-        if self.fsync != "never" and self.defer_seals:
+        if self.fsync.syncs and self.defer_seals:
             self.dir_gen += 1                   # by the seal job or the next sync
-        elif self.fsync != "never":
+        elif self.fsync.syncs:
             try:
                 self.sync_dir()
             except SpoolWriteError:
@@ -402,8 +291,7 @@ class SegmentWriter:
                 raise
         seg = Seg(segno, path, now_ms, led.next_seq, 0, fmt.HEADER_LEN, fmt.HEADER_LEN, False)
         self.writeback_from = 0
-        led.add(seg)
-        led.next_segno = segno + 1
+        led.open_segment(seg)
         self.active, self.fd = seg, fd
 
     def _take_spare(self, path: str) -> int | None:
@@ -595,8 +483,7 @@ class SegmentWriter:
         return job.fd < 0 or (st is not None and st.done())
 
     def interval_sync_due(self) -> bool:
-        return self.fsync == "interval" and self.unsynced and \
-            self._mono() - self.last_fsync >= self.fsync_interval_s
+        return self.fsync.interval_due(self.unsynced, self._mono() - self.last_fsync)
 
     def sync_on_close(self) -> None:
         if self.active is not None:
@@ -626,7 +513,7 @@ class SegmentWriter:
         fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             write_all(fs, fd, data, path)    # a short write must not replace the file
-            if self.fsync != "never":
+            if self.fsync.syncs:
                 fs.fsync(fd)
         finally:
             fs.close(fd)
@@ -707,7 +594,7 @@ class SegmentWriter:
         the file to its sealed name.  An ``OSError`` of the rename is raised; False when
         the directory sync or the state save failed (counted and logged by them)."""
         seg.size = seg.data_end + rec_len
-        self._ledger.bytes += rec_len
+        self._ledger.count_bytes(rec_len)
         self.sealed_segments += 1
         new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
         self._fs.replace(seg.path, new)
@@ -788,8 +675,7 @@ class SegmentWriter:
     def can_defer_seals(self) -> bool:
         """Background seals only where the owner's syncs wait off the loop too (else
         :meth:`sync` would wait for them on the loop anyway)."""
-        return self.fsync == "never" or (self.fsync == "batch" and self.defer_batch_sync) \
-            or (self.fsync == "interval" and self.defer_interval_sync)
+        return self.fsync.seals_off_loop
 
     async def run_seals(self, on_sealed: Callable[[], Awaitable[None]],
                         retry_s: float = 0.5) -> None:
@@ -831,7 +717,7 @@ class SegmentWriter:
                 self._seal_finish(job, err, gen)
             if job.stage == SealJob.DONE:
                 self.sealing.popleft()
-                job._changed()
+                job.announce()
                 await on_sealed()
             else:
                 await trio.sleep(retry_s)
@@ -859,7 +745,7 @@ class SegmentWriter:
                     job.fd = None
                 job.stage = SealJob.DONE
             self.sealing.popleft()
-            job._changed()
+            job.announce()
 
     def _seal_write(self, job: SealJob) -> OSError | None:
         """(worker thread) Append the seal record and fsync: every record of the
@@ -892,17 +778,17 @@ class SegmentWriter:
                     job.fd = None
                     job.stage = SealJob.DONE
                     job.error = None
-                    job._changed()
+                    job.announce()
                     return
                 err = e
         if err is not None:
             job.error = self._errors.count(write_error("sealing", seg.path, err))
-            job._changed()
+            job.announce()
             return
         self.fsyncs += 1
         job.error = None
         job.stage = SealJob.RENAME
-        job._changed()
+        job.announce()
 
     def _seal_rename(self, job: SealJob) -> None:
         """(loop) The seal record is durable: rename the segment to its sealed name."""
@@ -913,7 +799,7 @@ class SegmentWriter:
             job.stage = SealJob.DONE             # dropped meanwhile: nothing to announce
             return
         seg.size = seg.data_end + len(job.rec)
-        self._ledger.bytes += len(job.rec)
+        self._ledger.count_bytes(len(job.rec))
         self.sealed_segments += 1
         new = os.path.join(self.directory, fmt.segment_name(seg.segno, True))
         try:
