@@ -241,6 +241,37 @@ class DeviceLoss:
         return out
 
 
+def state_arrays(d: DeviceLoss, key: str) -> dict[str, np.ndarray]:
+    """``d``'s runs and rows as the arrays ``KEY_runs`` and ``KEY_rows`` of a ``.npz``
+    state file (:func:`write_npz`, :func:`read_state`)."""
+    return {f"{key}_runs": np.stack([d.lo, d.hi, d.hm]) if len(d.lo) else
+            np.empty((3, 0), dtype=np.int64),
+            f"{key}_rows": np.array([[m, *r] for m, r in sorted(d.rows.items())],
+                                    dtype=np.int64).reshape(-1, 1 + len(ROW_FIELDS))}
+
+
+def read_state(z, key: str) -> DeviceLoss:
+    """The :class:`DeviceLoss` that :func:`state_arrays` saved under ``key``."""
+    d = DeviceLoss()
+    runs = z[f"{key}_runs"]
+    d.lo, d.hi, d.hm = (runs[0].copy(), runs[1].copy(), runs[2].copy())
+    # (a state saved before ``skipped`` existed has one column less)
+    d.rows = {int(r[0]): ([int(x) for x in r[1:]] + [0])[:len(ROW_FIELDS)]
+              for r in z[f"{key}_rows"]}
+    return d
+
+
+def write_npz(path: str, arrays: dict) -> None:
+    """``arrays`` into the ``.npz`` file ``path``, replaced atomically once synced."""
+    import os
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 def parse_runs(blob: bytes) -> dict[int, list[tuple]]:
     """The entries of ``LossRuns.take`` (little-endian int64s: count, then per entry its
     length and the entry ``segment, start, stop, ended, overflow, records, devices, then
@@ -406,20 +437,10 @@ class LossState:
         return pa.concat_tables(parts) if parts else OUT_SCHEMA.empty_table()
 
     def save(self, path: str, batch: int) -> None:
-        import os
         arrays = {"batch": np.array([batch], dtype=np.int64)}
         for dev, d in self.devices.items():
-            rows = np.array([[m, *r] for m, r in sorted(d.rows.items())],
-                            dtype=np.int64).reshape(-1, 1 + len(ROW_FIELDS))
-            arrays[f"{dev}_runs"] = np.stack([d.lo, d.hi, d.hm]) if len(d.lo) else \
-                np.empty((3, 0), dtype=np.int64)
-            arrays[f"{dev}_rows"] = rows
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+            arrays.update(state_arrays(d, str(dev)))
+        write_npz(path, arrays)
 
     @classmethod
     def load(cls, path: str) -> tuple[LossState, int]:
@@ -435,11 +456,5 @@ class LossState:
                 if not key.endswith("_runs"):
                     continue
                 dev = int(key[:-5])
-                d = DeviceLoss()
-                runs = z[key]
-                d.lo, d.hi, d.hm = (runs[0].copy(), runs[1].copy(), runs[2].copy())
-                # (a state saved before ``skipped`` existed has one column less)
-                d.rows = {int(r[0]): ([int(x) for x in r[1:]] + [0])[:len(ROW_FIELDS)]
-                          for r in z[f"{dev}_rows"]}
-                st.devices[dev] = d
+                st.devices[dev] = read_state(z, str(dev))
         return st, batch

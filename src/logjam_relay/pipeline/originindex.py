@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .loss import DeviceLoss, LossState
+from .loss import DeviceLoss, LossState, read_state, state_arrays, write_npz
 from .minutes import minutes_of
 from .origin import encode_ranges, origin_columns
 
@@ -233,22 +233,12 @@ class OriginIndex:
 
     def save(self, path: str, batch: int) -> None:
         """The origin state (runs and rows of every origin) in one ``.npz`` file."""
-        import os
         keys = sorted(self.origin)
         arrays = {"batch": np.array([batch], dtype=np.int64),
                   "keys": np.array([json.dumps([[h, d] for h, d in keys])])}
         for i, k in enumerate(keys):
-            d = self.origin[k]
-            arrays[f"{i}_runs"] = np.stack([d.lo, d.hi, d.hm]) if len(d.lo) else \
-                np.empty((3, 0), dtype=np.int64)
-            arrays[f"{i}_rows"] = np.array([[m, *r] for m, r in sorted(d.rows.items())],
-                                           dtype=np.int64).reshape(-1, 7)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+            arrays.update(state_arrays(self.origin[k], str(i)))
+        write_npz(path, arrays)
 
     @classmethod
     def load(cls, path: str) -> tuple[OriginIndex, int]:
@@ -261,11 +251,7 @@ class OriginIndex:
         with z:
             batch = int(z["batch"][0])
             for i, (h, dev) in enumerate(json.loads(str(z["keys"][0]))):
-                d = DeviceLoss()
-                runs = z[f"{i}_runs"]
-                d.lo, d.hi, d.hm = (runs[0].copy(), runs[1].copy(), runs[2].copy())
-                d.rows = {int(r[0]): [int(x) for x in r[1:]] for r in z[f"{i}_rows"]}
-                idx.origin[(h, int(dev))] = d
+                idx.origin[(h, int(dev))] = read_state(z, str(i))
                 idx.hosts.setdefault(int(dev), set()).add(h)
         return idx, batch
 
