@@ -9,7 +9,7 @@ own.  Each edge's output lists both centrals (failover) and forwards its heartbe
 One agent per edge sends logjam requests one at a time, each at its own scheduled time,
 and records which were answered ``202 Accepted``.  The faults, in order:
 
-* edge 7 is SIGKILLed and started again;
+* edge 7 is SIGKILLed and started again, ``edge_kills`` times;
 * central 100 is SIGKILLed and started again (the edges fail over, then come back);
 * edge 8's link goes down for ``link_down_s``; meanwhile it is SIGKILLed, one sealed
   segment of its spool (never delivered) is deleted, and it is started again;
@@ -43,6 +43,7 @@ PORT_IN = 5044
 class Plan:
     rate: float = 40.0              # requests per second per edge, each on its own
     before_s: float = 3.0           # steady traffic before the first fault
+    edge_kills: int = 4             # SIGKILLs of edge 7, one after the other
     between_s: float = 3.0          # between faults
     link_down_s: float = 8.0
     full_disk_s: float = 4.0
@@ -274,9 +275,11 @@ def standard_faults(fleet: Fleet) -> dict:
     """The faults of the module's docstring; returns what was deleted."""
     p = fleet.plan
     time.sleep(p.before_s)
-    fleet.kill("edge7")
-    fleet.start("edge7")
-    time.sleep(p.between_s)
+    for _ in range(p.edge_kills):
+        fleet.kill("edge7")
+        fleet.start("edge7")
+        time.sleep(p.between_s / 2)
+    time.sleep(p.between_s / 2)
     fleet.kill("centralA")
     time.sleep(1.0)
     fleet.start("centralA")
