@@ -205,6 +205,20 @@ class Fleet:
                 if line.startswith(metric + "{") or line.startswith(metric + " ")]
         return sum(vals) if vals else None
 
+    def archived(self, want: set, timeout: float = 60.0) -> None:
+        """Until every request id of ``want`` is in the central archives: the archive holds
+        sealed segments only, so what the centrals received last is there once
+        ``--archive-seal-after`` (1 s) has sealed their open segments."""
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = want - set(archived_request_ids(self))
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(missing)} requests never reached the archives: "
+                                   f"{sorted(missing)[:10]}")
+            time.sleep(0.5)
+
     def drained(self, timeout: float = 120.0) -> None:
         """Until every edge's output has nothing left to send."""
         deadline = time.monotonic() + timeout

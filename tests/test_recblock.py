@@ -272,7 +272,7 @@ def test_segment_tail_reads_blocks_equal_to_list_reads(tmp_path):
         t = tail.SegmentTail(r.name, r._ack_pos, r._ack_seq, lambda *a: None, lambda *a: None)
         t.CHUNK = 5000                  # many chunk boundaries
         t._blocks = blocks
-        t.update(tail.snapshot(sp, 0))
+        t.update(tail.snapshot(sp.ledger, 0))
         tails.append(t)
     got = [[], []]
     sizes = (1, 999, 37, 1000, 250)
