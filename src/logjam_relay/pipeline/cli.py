@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.quiet:
         # at once, before Spark's imports and its JVM (seconds; 18 s on a loaded machine):
         # a run whose output goes to a pipe or a file has no progress line to show it began
-        print(f"[{time.strftime('%H:%M:%S')}] pipeline stats: {a.input} -> {a.output}"
+        print(f"[{time.strftime('%H:%M:%S')}] pipeline stats: {', '.join(a.input)} -> "
+              f"{a.output}"
               f"{' (streaming)' if a.stream else ''}", flush=True)
     from .connect import RemoteError, remote_url
     try:
