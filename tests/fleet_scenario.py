@@ -53,16 +53,6 @@ class Plan:
     spark: bool = True
 
 
-@dataclasses.dataclass
-class Agent:
-    edge: str
-    answered: set = dataclasses.field(default_factory=set)      # request ids, 202
-    unknown: set = dataclasses.field(default_factory=set)       # no reply in time
-    refused: int = 0
-    sent: int = 0
-    latencies: list = dataclasses.field(default_factory=list)   # (id, sent at, 202 at)
-
-
 def relay_cmd(name: str, device: int, state: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "logjam_relay", "-d", str(device), "--fqdn", name,
             "--state-dir", state, "--heartbeat-interval", "0.5", *extra]

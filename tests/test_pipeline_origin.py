@@ -13,7 +13,6 @@ from logjam_relay.inputs.mapping import MappingOptions, lumberjack_v1  # noqa: E
 from logjam_relay.pipeline import origin, originindex, sample, stats  # noqa: E402
 from logjam_relay.pipeline.loss import DeviceLoss  # noqa: E402
 
-
 # ------------------------------------------------------------------ parsing
 
 def test_origin_columns_parse_what_the_inputs_write():
@@ -159,8 +158,8 @@ def test_origin_index_of_a_fleet(tmp_path):
 
 @pytest.fixture(scope="module")
 def spark():
-    from logjam_relay.pipeline import jvmreader
     from conftest import local_spark_session
+    from logjam_relay.pipeline import jvmreader
     s = local_spark_session("logjam-relay-origin-tests")
     if not jvmreader.loaded(s):
         s.stop()

@@ -799,10 +799,14 @@ def update_loss(spark, output: str, files: list[str], state, log=print) -> dict:
                            seg, t["record"].to_numpy(), minutes_of(created))
     written: dict[str, int] = {}
     if "skipped_from" in t.column_names:
+        import pyarrow.compute as pc
+
         from .loss import DeviceLoss
-        own = t.filter(pc_and_valid(t["skipped_from"], t["skipped_to"],
-                                    t["origin_device"], invert_last=True))
-        for r in own.to_pylist():        # the archiving relay's own restart markers
+        # the archiving relay's own restart markers: a declared range and no origin
+        own = t.filter(pc.and_(pc.and_(pc.is_valid(t["skipped_from"]),
+                                       pc.is_valid(t["skipped_to"])),
+                               pc.is_null(t["origin_device"])))
+        for r in own.to_pylist():
             m = int(minutes_of(np.array([r["created_ms"]]))[0])
             state.devices.setdefault(r["device"], DeviceLoss()).declare(
                 r["skipped_from"], r["skipped_to"], m)
@@ -821,13 +825,6 @@ def update_loss(spark, output: str, files: list[str], state, log=print) -> dict:
 def pa_concat(parts):
     import pyarrow as pa
     return pa.concat_tables(parts, promote_options="permissive")
-
-
-def pc_and_valid(a, b, c, invert_last: bool = False):
-    """``a`` and ``b`` valid, and ``c`` valid (or, ``invert_last``, null)."""
-    import pyarrow.compute as pc
-    last = pc.is_null(c) if invert_last else pc.is_valid(c)
-    return pc.and_(pc.and_(pc.is_valid(a), pc.is_valid(b)), last)
 
 
 def pc_valid(t):

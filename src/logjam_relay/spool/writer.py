@@ -52,6 +52,9 @@ from .api import Position
 from .errors import SpoolWriteError, WriteErrors, is_disk_full, write_error
 from .fs import Filesystem, unlink_quiet, write_all
 from .fsyncpolicy import FsyncPolicy
+from .ledger import Ledger, Seg
+from .syncthread import SyncThread
+from .syncthread import make as make_sync_thread
 from .writeback import (  # noqa: F401  (re-exported: relay/groupcommit.py, the tests)
     SYNC_BUCKETS,
     WRITEBACK_BYTES,
@@ -60,9 +63,6 @@ from .writeback import (  # noqa: F401  (re-exported: relay/groupcommit.py, the 
     Writeback,
     timed_fdatasync,
 )
-from .ledger import Ledger, Seg
-from .syncthread import SyncThread
-from .syncthread import make as make_sync_thread
 
 log = logging.getLogger("logjam_relay.spool")
 
