@@ -364,6 +364,19 @@ def test_cli_setup_errors_are_one_line_before_the_job(archive, tmp_path):
          f"--checkpoint {afile / 'c'}: "),
         (["--output", str(tmp_path / "o3"), "--conf", "spark.driver.memory=bogus"],
          "Spark did not start: its JVM exited before it began"),
+        # the Python readers take a path or file:// only; the JVM reader any Hadoop URI
+        (["--output", str(tmp_path / "o4"), "--input", "hdfs://nn/x", "--stream",
+          "--checkpoint", str(tmp_path / "c4")],
+         "--stream reads local archives only (a path or file://), not hdfs://nn/x"),
+        (["--output", str(tmp_path / "o5"), "--input", "s3a://b/x", "--engine", "python"],
+         "--engine python reads local archives only (a path or file://), not s3a://b/x"),
+        (["--output", str(tmp_path / "o8"), "--input", "hdfs://nn/x", "--remote",
+          "sc://127.0.0.1:1"], "--remote (the Connect server's Python tasks) reads local "
+         "archives only (a path or file://), not hdfs://nn/x"),
+        (["--output", str(tmp_path / "o6"), "--input", f"file://{afile}"],
+         f"input file://{afile} is not a directory"),
+        (["--output", str(tmp_path / "o7"), "--input", f"file://{archive}"],
+         "--input: the same archive is given twice"),
     ]
     for args, want in cases:
         r = subprocess.run(base + args, capture_output=True, timeout=120)

@@ -172,9 +172,30 @@ def _rows(df, cols):
     return sorted(tuple(r[c] for c in cols) for r in df.collect())
 
 
-@pytest.mark.parametrize("engine", ["jvm", "sql", "python"])
-def test_every_engine_counts_each_origin_once(spark, tmp_path, engine):
+def _viewfs(spark, dirs, name):
+    """``dirs`` as ``viewfs://NAME/aK`` URIs: Hadoop's view file system, mounted on the
+    local directories by Spark's Hadoop configuration only (no Python reader knows the
+    scheme: what reads them reads through Hadoop)."""
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    out = []
+    for k, d in enumerate(dirs):
+        conf.set(f"fs.viewfs.mounttable.{name}.link./a{k}", f"file://{d}")
+        out.append(f"viewfs://{name}/a{k}")
+    return out
+
+
+@pytest.mark.parametrize("engine,where", [("jvm", "path"), ("sql", "path"),
+                                          ("python", "path"), ("jvm", "file"),
+                                          ("sql", "file"), ("python", "file"),
+                                          ("jvm", "viewfs")])
+def test_every_engine_counts_each_origin_once(spark, tmp_path, engine, where):
+    """... from plain paths, from file:// URIs (the JVM reader and the walk read through
+    Hadoop; the python engine reads their paths) and from a Hadoop-only scheme."""
     dirs, unique, (_a, _b, lost_b), _sizes = fleet(tmp_path)
+    if where == "file":
+        dirs = [f"file://{d}" for d in dirs]
+    elif where == "viewfs":
+        dirs = _viewfs(spark, dirs, f"engines{engine}")
     ref = reference(unique)
     tables, summary, agg = stats.compute_tables(spark, dirs, 300.0, engine)
     try:
@@ -204,6 +225,41 @@ def test_every_engine_counts_each_origin_once(spark, tmp_path, engine):
         assert sum(r["skipped"] for r in ol if r["device"] == 7) == 1000
     finally:
         agg.unpersist()
+
+
+def test_the_walk_through_spark_equals_the_walk_here(spark, tmp_path):
+    """An archive given as a URI is walked by a Spark job (the executors read through
+    Hadoop); everything the walk gives equals the driver's own walk of the same files."""
+    dirs, _unique, _x, _sizes = fleet(tmp_path)
+    here = originindex.OriginIndex().add_archives(dirs)
+    for uris in ([f"file://{d}" for d in dirs], _viewfs(spark, dirs, "walk"),
+                 [dirs[0], f"file://{dirs[1]}"]):
+        there = originindex.OriginIndex().add_archives(uris, spark=spark)
+        assert (there.records, there.segments, there.excluded) == \
+            (here.records, here.segments, here.excluded), uris
+        assert there.excluded == 70
+        for u, d in zip(uris, dirs, strict=True):
+            assert there.exclusions_of(u) == here.exclusions_of(d) != "", u
+        assert there.origin_table().equals(here.origin_table())
+        assert there.gaps_table().equals(here.gaps_table())
+        assert there.last.table().equals(here.last.table())
+        assert (there.collisions, there.shared_devices) == \
+            (here.collisions, here.shared_devices)
+    with pytest.raises(ValueError, match="a URI is read by a Spark job"):
+        originindex.OriginIndex().add_archives([f"file://{dirs[0]}"])
+
+
+def test_a_scheme_hadoop_lacks_or_the_python_engine_says_so_in_one_line(spark, tmp_path):
+    dirs, _unique, _x, _sizes = fleet(tmp_path)
+    with pytest.raises(Exception, match="cannot be read through Hadoop: "
+                       "UnsupportedFileSystemException"):
+        stats.compute_tables(spark, ["nosuchfs://x/archive"], 300.0, "jvm")
+    uris = _viewfs(spark, dirs, "python")
+    with pytest.raises(stats.EngineUnavailable,
+                       match="the python engine reads local archives only .* not viewfs://"):
+        stats.compute_tables(spark, uris, 300.0, "python")
+    with pytest.raises(Exception, match="is not a directory"):
+        stats.compute_tables(spark, [f"file://{tmp_path}/none"], 300.0, "jvm")
 
 
 def test_data_source_origin_columns_and_exclude(spark, tmp_path):

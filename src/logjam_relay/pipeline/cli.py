@@ -88,14 +88,6 @@ def local_batch_jvm_options(engine: str, input_dir) -> str:
     return C1_ONLY if engine == "python" else C2_LATE
 
 
-def _local_path(p: str) -> str:
-    """An archive given as a ``file://`` URI or a plain path -> the path."""
-    if p.startswith("file://"):
-        from urllib.parse import unquote, urlsplit
-        return unquote(urlsplit(p).path)
-    return p
-
-
 def _is_local(master: str | None) -> bool:
     return master is None or master.startswith("local")
 
@@ -249,7 +241,9 @@ def _parser() -> argparse.ArgumentParser:
                                "spark-submit --jars")
     st = sub.add_parser("stats", help="request stats, exceptions, loss report, topic counts")
     st.add_argument("--input", required=True, action="append", metavar="DIR",
-                    help="archive directory (a file:// URI too); repeat it to read the "
+                    help="archive directory: a local path, or a Hadoop URI (file://, hdfs://, "
+                         "s3a://: read through Spark's Hadoop configuration); repeat it to "
+                         "read the "
                          "archives of several relays as one (a fleet's central relays: "
                          "each event counts once, docs/fleet.md)")
     st.add_argument("--output", required=True, metavar="DIR", help="output directory")
@@ -378,12 +372,25 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if remote:
         return _main_remote(a, ap, remote, conf)
-    a.input = [_local_path(p) for p in a.input]
+    # a plain path is read here and by every executor at that path; a URI (file://, hdfs://,
+    # s3a://, ...) through Hadoop by the JVM reader (archives.py); the Python readers take
+    # a plain path or file:// only
+    from .archives import local_only, local_path
+    for what, asked in (("--stream", a.stream), ("--engine python", a.engine == "python")):
+        if asked:
+            try:
+                a.input = local_only(a.input, what)
+            except ValueError as e:
+                print(f"logjam-relay pipeline: {e}", file=sys.stderr)
+                return 2
     for p in a.input:
-        if not os.path.isdir(p):
+        lp = local_path(p)
+        if lp is not None and not os.path.isdir(lp):
             print(f"logjam-relay pipeline: input {p} is not a directory", file=sys.stderr)
             return 2
-    if len(set(map(os.path.realpath, a.input))) != len(a.input):
+    keys = {os.path.realpath(local_path(p)) if local_path(p) is not None else p.rstrip("/")
+            for p in a.input}
+    if len(keys) != len(a.input):
         print("logjam-relay pipeline: --input: the same archive is given twice",
               file=sys.stderr)
         return 2
@@ -465,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                           engine=None if a.engine == "auto" else a.engine)
     except EngineUnavailable as e:      # --engine jvm/sql that cannot be had: one line
         progress.close()
-        print(f"logjam-relay pipeline: --engine {e.engine}: {e.why} "
-              "(--engine auto or python reads this archive)", file=sys.stderr)
+        hint = "" if e.engine == "python" else " (--engine auto or python reads this archive)"
+        print(f"logjam-relay pipeline: --engine {e.engine}: {e.why}{hint}", file=sys.stderr)
         return 2
     except Exception as e:
         progress.close()
@@ -586,6 +593,12 @@ def _main_remote(a, ap, remote: str, conf: dict) -> int:
     if a.stream:
         print(f"logjam-relay pipeline: {connect.STREAM_REFUSED}", file=sys.stderr)
         return 2
+    from .archives import local_only
+    try:
+        inputs = local_only(a.input, "--remote (the Connect server's Python tasks)")
+    except ValueError as e:
+        print(f"logjam-relay pipeline: {e}", file=sys.stderr)
+        return 2
     if a.report:
         ap.error("--report with --remote: the tables are written on the server's side; run "
                  "`logjam-relay pipeline report --tables OUT` where OUT can be read")
@@ -614,7 +627,7 @@ def _main_remote(a, ap, remote: str, conf: dict) -> int:
         spark = make_session(extra_conf=conf, ship=a.ship_package == "always",
                              datasource=False, remote=remote, retry_s=retry_s)
         cwd = connect.server_cwd(spark)
-        src = [connect.server_path(spark, p, cwd) for p in a.input]
+        src = [connect.server_path(spark, p, cwd) for p in inputs]
         out = connect.server_path(spark, a.output, cwd)
         src = src[0] if len(src) == 1 else src
         log(f"Spark {spark.version} on the server; reading {src}, writing {out}")

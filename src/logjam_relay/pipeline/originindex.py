@@ -110,6 +110,54 @@ def segment_origins(path: str, segno: int = 0, stats=None) -> SegmentOrigins:
                           oseq, skips)
 
 
+def origins_of(t: pa.Table) -> SegmentOrigins:
+    """:class:`SegmentOrigins` of one segment's walk rows (columns of
+    :func:`spark_walk_frame`, in record order, valid meta only)."""
+    o = origin_columns(t["app"], t["env"], t["head"])
+    has = np.asarray(o["origin_device"].is_valid(), dtype=bool)
+    skips = []
+    sf = o["skipped_from"]
+    if sf.null_count < len(sf):
+        st = o["skipped_to"].to_pylist()
+        skips = [(i, a, st[i]) for i, a in enumerate(sf.to_pylist()) if a is not None]
+
+    def ints(c):
+        return np.asarray(c.to_numpy(zero_copy_only=False), dtype=np.int64)
+    return SegmentOrigins(
+        ints(t["record"]), ints(t["device"]), ints(t["sequence"]),
+        minutes_of(ints(t["created_ms"])), has, o["origin_host"].to_pylist(),
+        ints(pc.fill_null(o["origin_device"], 0)), ints(pc.fill_null(o["origin_sequence"], 0)),
+        skips)
+
+
+def _java_regex(python_re: str) -> str:
+    return python_re.replace("(?P<", "(?<")
+
+
+def spark_walk_frame(spark, uri: str):
+    """The rows the origin walk needs of an archive, read by the JVM reader on the
+    executors: ``segment, record, app, env, device, sequence, created_ms`` of each record
+    with a valid meta frame, and ``head``: the body's origin prefix (what
+    :data:`.origin.ORIGIN_RE` matches at its start), a space, and a heartbeat's restart
+    marker (what :data:`.origin.RESTART_RE` finds), each empty when absent, both searched
+    in the first :data:`.origin.HEAD_CHARS` characters as :func:`.origin.origin_columns`
+    does.  :func:`.origin.origin_columns` of ``head`` equals that of the body."""
+    from pyspark.sql import functions as F
+
+    from .origin import HEAD_CHARS, ORIGIN_PREFIX, ORIGIN_RE, RESTART_RE
+    df = spark.read.format("logjam").load(uri)
+    body = F.substring(F.col("body"), 1, HEAD_CHARS)
+    o = F.when(F.col("body").startswith(ORIGIN_PREFIX),
+               F.regexp_extract(body, _java_regex(ORIGIN_RE), 0))
+    hb = (F.col("app") == "heartbeat") & (F.col("env") == "") \
+        & F.col("body").contains('"restart":')
+    r = F.when(hb, F.regexp_extract(body, _java_regex(RESTART_RE), 0))
+    head = F.concat(F.coalesce(o, F.lit("")), F.lit(" "), F.coalesce(r, F.lit("")))
+    return df.where(F.col("device").isNotNull() & F.col("created_ms").isNotNull()) \
+        .select("segment", "record", "app", "env", "device", "sequence", "created_ms",
+                head.alias("head"))
+
+
 class OriginIndex:
     """What :mod:`.stats` needs before it aggregates: the copies to leave out and the loss
     state of every origin device and of the last hop (see the module's docstring)."""
@@ -128,11 +176,31 @@ class OriginIndex:
         self.records = 0
 
     # ------------------------------------------------------------------ the walk
-    def add_archives(self, input_dirs: Iterable[str], threads: int = 2) -> OriginIndex:
+    def add_archives(self, input_dirs: Iterable[str], threads: int = 2,
+                     spark=None) -> OriginIndex:
         """Walk every sealed segment of the archives (in the order given, segments in
-        number order), reading up to ``threads`` segments ahead."""
+        number order).  A local directory is read here, up to ``threads`` segments
+        ahead; a URI (:mod:`.archives`) by a Spark job through Hadoop
+        (:meth:`add_archive_spark`, ``spark`` needed)."""
+        from .archives import is_uri
+        dirs = list(input_dirs)
+        run: list[str] = []
+        for k, d in enumerate(dirs):
+            if not is_uri(d):
+                run.append(d)
+                continue
+            self._add_local(run, k - len(run), threads)
+            run = []
+            if spark is None:
+                raise ValueError(f"{d}: a URI is read by a Spark job (no session given)")
+            self.add_archive_spark(spark, k, d)
+        self._add_local(run, len(dirs) - len(run), threads)
+        return self
+
+    def _add_local(self, input_dirs: list[str], first: int, threads: int) -> None:
+        """Local archives ``first``, ``first + 1``, ... read here."""
         from .decode import list_segments
-        todo = [(k, segno, path) for k, d in enumerate(input_dirs)
+        todo = [(first + k, segno, path) for k, d in enumerate(input_dirs)
                 for segno, path in list_segments(d)]
 
         def read(item):
@@ -152,7 +220,31 @@ class OriginIndex:
                     self.add_segment(k, p, fut.result())
             for (k, _s, p), fut in window:
                 self.add_segment(k, p, fut.result())
-        return self
+
+    def add_archive_spark(self, spark, archive: int, uri: str) -> None:
+        """Walk one archive given as a URI with a Spark job: the JVM reader lists and
+        reads its segments through Hadoop on the executors, which send back per record
+        only the meta numbers and the part of the body an origin or a restart marker is
+        read from (:func:`spark_walk_frame`); the walk itself then runs here, in arrival
+        order, as for a local archive.  The driver holds these columns of the whole
+        archive at once (about 60 bytes per record, plus about 100 per forwarded one)."""
+        from ..spool import segment as fmt
+        from .archives import segment_key
+        t = spark_walk_frame(spark, uri).toArrow()
+        if t.num_rows == 0:
+            return
+        seg = t["segment"].to_numpy(zero_copy_only=False).astype(np.int64)
+        rec = t["record"].to_numpy(zero_copy_only=False).astype(np.int64)
+        order = np.lexsort((rec, seg))
+        t = t.take(pa.array(order))
+        seg = seg[order]
+        bounds = np.flatnonzero(np.diff(seg)) + 1
+        for a, z in zip(np.concatenate(([0], bounds)).tolist(),
+                        np.concatenate((bounds, [len(seg)])).tolist(), strict=True):
+            part = t.slice(a, z - a)
+            segno = int(seg[a])
+            so = origins_of(part.combine_chunks())
+            self.add_segment(archive, segment_key(uri, fmt.segment_name(segno, True)), so)
 
     def add_segment(self, archive: int, path: str | None, so: SegmentOrigins | None,
                     last: bool = True) -> None:
@@ -299,12 +391,15 @@ class OriginIndex:
         import os
 
         from ..spool import segment as fmt
+        from .archives import dir_key, is_uri
         out = []
-        d = os.path.abspath(input_dir)
+        d = dir_key(input_dir)
         for path, recs in sorted(self.exclude.items()):
-            if os.path.dirname(os.path.abspath(path)) != d:
+            home, name = path.rsplit("/", 1) if is_uri(path) else \
+                (os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+            if home != d:
                 continue
-            parsed = fmt.parse_segment_name(os.path.basename(path))
+            parsed = fmt.parse_segment_name(name)
             if parsed is None:
                 continue
             out.append(f"{parsed[0]}:{encode_ranges(recs)}")

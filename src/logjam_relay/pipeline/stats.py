@@ -332,8 +332,12 @@ def choose_engine(spark, input_dir) -> tuple[str, str]:
 def too_big_for_the_jvm(input_dir: str) -> str | None:
     """The first segment of the archive the JVM reader cannot read (one Java array per
     file), or None."""
+    from .archives import local_path
     from .decode import list_segments
     from .jvmreader import MAX_SEGMENT_BYTES
+    input_dir = local_path(input_dir)
+    if input_dir is None:               # another file system: the JVM reader checks it
+        return None
     for _segno, path in list_segments(input_dir):
         try:
             if os.path.getsize(path) > MAX_SEGMENT_BYTES:
@@ -370,11 +374,17 @@ def compute_tables(spark, input_dir, apdex_ms: float = DEFAULT_APDEX_MS,
             raise EngineUnavailable(engine, why)
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    if engine == "python":
+        from .archives import local_only
+        try:
+            local_only(dirs, "the python engine")
+        except ValueError as e:
+            raise EngineUnavailable("python", str(e)) from None
     # the walk first (its threads read ahead), then one run of the engine that leaves
     # the copies out: a walk beside the engine would need a second run whenever an event
     # arrived twice, which in a fleet is every restart of an edge
     from .originindex import OriginIndex
-    index = OriginIndex().add_archives(dirs)
+    index = OriginIndex().add_archives(dirs, spark=spark)
     if index.excluded:
         import logging
         logging.getLogger("logjam_relay.pipeline.stats").info(
@@ -393,7 +403,12 @@ def _run_engine(spark, dirs: list[str], apdex_ms: float, engine: str, index):
         got = run(spark, dirs, apdex_ms, index)
         if got is not None:
             return got
-    return compute_tables_python(spark, dirs, apdex_ms, index)
+    from .archives import local_only
+    try:
+        local = local_only(dirs, "the python engine")
+    except ValueError as e:
+        raise EngineUnavailable("python", str(e)) from None
+    return compute_tables_python(spark, local, apdex_ms, index)
 
 
 def summary_of_agg(agg) -> dict:

@@ -56,6 +56,7 @@ final class LogjamReaderFactory implements PartitionReaderFactory {
             batch = new ColumnarBatch(cols);
             decoder = new SegmentDecoder(part.path, part.segno, part.start, part.stop, byCode);
             decoder.skip = part.skip;
+            decoder.conf = part.conf();
         }
 
         public boolean next() {

@@ -1,6 +1,5 @@
 package logjamrelay.spark;
 
-import java.io.File;
 import java.util.ArrayList;
 import java.util.List;
 
@@ -56,13 +55,22 @@ final class LogjamScan implements Scan, Batch {
         return n.bitLength() < 63 ? n.longValue() : Long.MAX_VALUE;
     }
 
+    /** The archive directory of option path: a local path, or a URI read through Hadoop
+     *  (Store); checked to be a directory. */
     static String path(CaseInsensitiveStringMap o) {
         String p = o.get("path");
         if (p == null || p.isEmpty())
             throw new IllegalArgumentException("logjam data source: give the archive directory, "
                 + "e.g. spark.read.format('logjam').load('/path/to/archive')");
-        if (p.startsWith("file://")) p = p.substring("file://".length());
-        if (!new File(p).isDirectory())
+        boolean dir;
+        try {
+            dir = Store.isDirectory(p, Store.isUri(p) ? Store.driverConf() : null);
+        } catch (java.io.IOException e) {
+            // a scheme the cluster's Hadoop has no file system for, a store that refuses
+            throw new IllegalArgumentException("logjam data source: " + p + " cannot be read "
+                + "through Hadoop: " + e.getClass().getSimpleName() + ": " + e.getMessage());
+        }
+        if (!dir)
             throw new IllegalArgumentException("logjam data source: " + p + " is not a directory");
         return p;
     }
@@ -114,7 +122,9 @@ final class LogjamScan implements Scan, Batch {
         String dir = path(options);
         long per = intOption(options, "recordsPerPartition", 0);
         java.util.Map excl = exclusions(options);
-        List segs = Segments.list(dir);
+        org.apache.spark.util.SerializableConfiguration hadoop = Store.ship(dir);
+        org.apache.hadoop.conf.Configuration conf = Store.conf(hadoop);
+        List segs = Segments.list(dir, conf);
         List parts = new ArrayList();
         for (int i = 0; i < segs.size(); i++) {
             Object[] s = (Object[]) segs.get(i);
@@ -122,15 +132,15 @@ final class LogjamScan implements Scan, Batch {
             String p = (String) s[1];
             long[] skip = (long[]) excl.get(Long.valueOf(segno));
             if (per > 0) {
-                long count = Segments.recordCount(p);
+                long count = Segments.recordCount(p, conf);
                 if (count <= per) parts.add(new LogjamPartition(p, segno, 0, count,
-                                                                within(skip, 0, count)));
+                                                                within(skip, 0, count), hadoop));
                 else for (long a = 0; a < count; a += per) {
                     long z = Math.min(a + per, count);
-                    parts.add(new LogjamPartition(p, segno, a, z, within(skip, a, z)));
+                    parts.add(new LogjamPartition(p, segno, a, z, within(skip, a, z), hadoop));
                 }
             } else {
-                parts.add(new LogjamPartition(p, segno, 0, -1, within(skip, 0, -1)));
+                parts.add(new LogjamPartition(p, segno, 0, -1, within(skip, 0, -1), hadoop));
             }
         }
         InputPartition[] out = new InputPartition[parts.size()];

@@ -122,6 +122,7 @@ final class PartialScan implements Scan, Batch {
                 SegmentDecoder d = new SegmentDecoder(part.path, part.segno, part.start,
                                                       part.stop, agg);
                 d.skip = part.skip;
+                d.conf = part.conf();
                 if (loss != null) d.loss = new LossRuns.Slice(part.segno, part.start, part.stop);
                 try {
                     while (d.fill(1 << 20) > 0) { }

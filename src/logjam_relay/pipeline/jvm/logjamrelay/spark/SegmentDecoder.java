@@ -58,6 +58,8 @@ final class SegmentDecoder {
     private final Bodies bodies = new Bodies();
     private final CRC32 crc = new CRC32();
 
+    /** Hadoop's configuration for a URI path (LogjamPartition.conf()); null: a local path */
+    org.apache.hadoop.conf.Configuration conf;
     private byte[] buf;
     private int size;
     private int pos;
@@ -169,7 +171,7 @@ final class SegmentDecoder {
 
     private boolean open() {
         try {
-            buf = readFile(path);
+            buf = readFile(path, conf);
         } catch (IOException e) {
             return unreadable(e);
         } catch (OutOfMemoryError e) {             // a file over 2 GiB, or no heap left
@@ -190,8 +192,11 @@ final class SegmentDecoder {
     /** The whole file, read 1 MiB at a time: Files.readAllBytes reads it at once
      *  through a temporary direct buffer of the file's size, so every byte is copied
      *  twice through memory that is not in any cache (0.38-0.46 us per record of the
-     *  walk's 0.40-0.46 went there; in 1 MiB pieces 0.22-0.26). */
-    static byte[] readFile(String path) throws IOException {
+     *  walk's 0.40-0.46 went there; in 1 MiB pieces 0.22-0.26).  A URI: through Hadoop
+     *  ({@link Store}, {@code conf} not null). */
+    static byte[] readFile(String path, org.apache.hadoop.conf.Configuration conf)
+            throws IOException {
+        if (conf != null) return Store.readAll(path, conf);
         java.nio.channels.FileChannel ch = java.nio.channels.FileChannel.open(Paths.get(path),
                 java.nio.file.StandardOpenOption.READ);
         try {
@@ -337,7 +342,7 @@ final class SegmentDecoder {
         ended = true;
         if (start <= idx && idx < stop) {
             String body = "{\"offset\": " + pos;
-            long[] seal = Segments.readSeal(path);
+            long[] seal = Segments.readSeal(path, conf);
             if (seal != null) body += ", \"records_lost\": " + Math.max(0, seal[0] - idx);
             else if (reason.equals("no_seal"))
                 body += ", \"message\": \"segment has no valid seal record (incomplete copy?)\"";

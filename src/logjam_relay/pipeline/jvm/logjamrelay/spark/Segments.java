@@ -1,21 +1,22 @@
 package logjamrelay.spark;
 
-import java.io.File;
 import java.io.IOException;
-import java.io.RandomAccessFile;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.List;
 import java.util.zip.CRC32;
 
+import org.apache.hadoop.conf.Configuration;
+
 /** Segment files: the listing (segment.sealed_segments), the seal record (read_seal) and
- *  record counts (decode.record_count), as the Python side has them. */
+ *  record counts (decode.record_count), as the Python side has them; read through
+ *  {@link Store} ({@code conf} null: a plain local path). */
 final class Segments {
     private Segments() {}
 
     /** {segno, path} of every NNNNNNNNNNNNNNNNNNNN.seg in dir, ascending (a list of Object[]). */
-    static List list(String dir) {
-        String[] names = new File(dir).list();
+    static List list(String dir, Configuration conf) {
+        String[] names = Store.names(dir, conf);
         List out = new ArrayList();
         if (names == null) return out;
         Arrays.sort(names);
@@ -29,17 +30,17 @@ final class Segments {
             }
             if (!digits) continue;
             out.add(new Object[] {Long.valueOf(Long.parseLong(n.substring(0, 20))),
-                new File(dir, n).getPath()});
+                Store.child(dir, n)});
         }
         return out;
     }
 
     /** The size of the largest segment file in dir (0 when there is none). */
-    static long largest(String dir) {
-        List segs = list(dir);
+    static long largest(String dir, Configuration conf) {
+        List segs = list(dir, conf);
         long max = 0;
         for (int i = 0; i < segs.size(); i++)
-            max = Math.max(max, new File((String) ((Object[]) segs.get(i))[1]).length());
+            max = Math.max(max, Store.length((String) ((Object[]) segs.get(i))[1], conf));
         return max;
     }
 
@@ -49,33 +50,11 @@ final class Segments {
     }
 
     /** {record_count, data_end, sealed_ms} from a valid seal record at the end, or null. */
-    static long[] readSeal(String path) {
-        // (no try/finally with returns inside: Janino's stack maps get those wrong)
-        RandomAccessFile f;
-        try {
-            f = new RandomAccessFile(path, "r");
-        } catch (IOException e) {
-            return null;
-        }
-        byte[] b = null;
-        long start = 0;
-        try {
-            long size = f.length();
-            if (size >= Constants.HEADER_LEN + Constants.SEAL_RECORD_LEN) {
-                start = size - Constants.SEAL_RECORD_LEN;
-                byte[] r = new byte[Constants.SEAL_RECORD_LEN];
-                f.seek(start);
-                f.readFully(r);
-                b = r;
-            }
-        } catch (IOException e) {
-            b = null;
-        }
-        try {
-            f.close();
-        } catch (IOException e) {
-            // read-only: nothing lost
-        }
+    static long[] readSeal(String path, Configuration conf) {
+        long size = Store.length(path, conf);
+        if (size < Constants.HEADER_LEN + Constants.SEAL_RECORD_LEN) return null;
+        long start = size - Constants.SEAL_RECORD_LEN;
+        byte[] b = Store.read(path, conf, start, Constants.SEAL_RECORD_LEN);
         return b == null ? null : parseSeal(b, start);
     }
 
@@ -101,12 +80,12 @@ final class Segments {
 
     /** Data records of a segment: the seal's count, else the valid records + 1 (a slot
      *  for the reader's error row), as decode.record_count. */
-    static long recordCount(String path) {
-        long[] seal = readSeal(path);
+    static long recordCount(String path, Configuration conf) {
+        long[] seal = readSeal(path, conf);
         if (seal != null) return seal[0];
         byte[] b;
         try {
-            b = java.nio.file.Files.readAllBytes(java.nio.file.Paths.get(path));
+            b = SegmentDecoder.readFile(path, conf);
         } catch (IOException e) {
             return 0;
         } catch (OutOfMemoryError e) {
