@@ -79,6 +79,18 @@ class Bodies:
                 self.fixed = body.encode()
         self.host = socket.gethostname()
         self.pid = os.getpid()
+        self.encode = json.JSONEncoder(separators=(",", ":")).encode
+        self._second = None
+        self._stamp = ("", "")          # started_at of that second: up to the seconds, offset
+
+    def started_at(self, now_ms: int) -> str:
+        """``now_ms`` in ISO-8601 with milliseconds and the local offset (one datetime per
+        second: the rest is the same string)."""
+        second = now_ms // 1000
+        if second != self._second:
+            iso = _dt.datetime.fromtimestamp(second, self.tz).isoformat(timespec="seconds")
+            self._second, self._stamp = second, (iso[:19], iso[19:])
+        return f"{self._stamp[0]}.{now_ms % 1000:03d}{self._stamp[1]}"
 
     def __call__(self, i: int, now_ms: int) -> bytes:
         if self.fixed is not None:
@@ -95,10 +107,9 @@ class Bodies:
                  "caller_id": "", "caller_action": "", "host": self.host,
                  "process_id": self.pid, "n": i}
         d["started_ms"] = now_ms
-        d["started_at"] = _dt.datetime.fromtimestamp(now_ms / 1000, self.tz).isoformat(
-            timespec="milliseconds")
+        d["started_at"] = self.started_at(now_ms)
         d["request_id"] = f"{rng.getrandbits(128):032x}"
-        return json.dumps(d, separators=(",", ":")).encode()
+        return self.encode(d).encode()
 
 
 def main(argv: list[str] | None = None, out=None) -> int:
