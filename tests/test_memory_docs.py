@@ -2,11 +2,12 @@
 ``ceiling()`` returns for the same settings.
 
 The docs state ceilings in prose ("the ceiling of 678 MiB", "`ceiling()` gives 678 MiB",
-"ceiling 749 MiB", "its 391 MiB ceiling", "the inputs term is 808 MiB", "peak 72 MiB against
-391 MiB") and in tables with a "ceiling" column. :func:`prose_figures` finds every such figure in every document; each
-document's figures, in their order, must be those of the examples :data:`PROSE` names for
-it, computed with ``ceiling()``; a document with a figure that no example explains fails.
-A table with a ceiling column gives its settings and baseline in its own cells.
+"ceiling 749 MiB", "its 391 MiB ceiling", "the inputs term is 808 MiB", "peak 72 MiB
+against 391 MiB") and in tables with a "ceiling" column. :func:`prose_figures` finds every
+such figure in every document; each document's figures, in their order, must be those of
+the examples :data:`PROSE` names for it, computed with ``ceiling()``; a document with a
+figure that no example explains fails. A table with a ceiling column gives its settings
+and baseline in its own cells.
 """
 
 from __future__ import annotations
