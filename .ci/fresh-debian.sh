@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The README's two operator steps, verbatim, on a fresh minimal Debian 12 image, as root
-# and as a user with sudo (issue 23: "the README's two commands work on a fresh minimal
-# Debian 12 image").  Not part of the test suite: it downloads Debian packages and the
+# and as a user with sudo.  Not part of the test suite: it downloads Debian packages and the
 # relay's dependencies from PyPI (a few minutes).  Needs root, podman (runc) and debootstrap
 # (what .ci/run installs) and the developer's venv (.venv/dev): the base image is the one
 # tests/test_container.py makes (debootstrap --variant=minbase bookworm, cached in
@@ -15,7 +14,8 @@
 #   user: as root, first what "a user with sudo" means (apt-get install sudo, a user `op`
 #         with NOPASSWD sudo); then as `op`: the prerequisite line, the clone, `./run-relay`.
 # `./run-relay` runs in the background; the check is that it installs, starts, and answers
-# GET /metrics on 8082 with logjam-device's families, then stops on SIGTERM with status 0.
+# GET /metrics on 8082 with logjam-device's families, that `./run-relay send --ping` gets its
+# pong, then that it stops on SIGTERM with status 0 and logs `relay stopped at sequence N`.
 # The container shares the host's network (PyPI, the Debian mirror): logjam-device's ports
 # 9604-9606, 9621 and 8082 must be free on the host.
 set -euo pipefail
@@ -92,11 +92,16 @@ echo "--- relay log:"; cat "$HOME/relay.log"
 [ -n "$ok" ] || { echo "FAILED: no /metrics from ./run-relay"; exit 1; }
 echo "--- /metrics answered $(( $(date +%s) - start )) s after ./run-relay (install included)"
 python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:8082/metrics").read().decode().count("\n"), "lines of /metrics")'
+# the README: "./run-relay SUBCOMMAND ... runs the operator tools"
+echo "--- ./run-relay send --ping: $(./run-relay send --ping)"
+./run-relay send --ping | grep -q '^ping 200 OK ' || { echo "FAILED: no pong"; exit 1; }
 kill -TERM $pid          # run-relay execs logjam-relay: the same process
 wait $pid && rc=0 || rc=$?
-echo "--- ./run-relay exited with $rc after SIGTERM"
+echo "--- ./run-relay exited with $rc after SIGTERM: $(grep -o 'relay stopped at sequence [0-9]*' "$HOME/relay.log")"
 du -sh .venv/relay
 [ "$rc" = 0 ]
+# the README's Stop: "logs `relay stopped at sequence N`"
+grep -q 'relay stopped at sequence [0-9]' "$HOME/relay.log" || { echo "FAILED: no stop line"; exit 1; }
 EOF
 
 status=0

@@ -153,8 +153,9 @@ def value(fams, family, name=None, **labels):
 
 def test_the_copy_is_the_reference():
     if not REFERENCE.exists():
-        pytest.skip(f"{REFERENCE} is not here: the reference measurements of logjam-device, "
-                    "kept beside the clone in ../shared/specs (DEVICE_METRICS is their copy)")
+        pytest.skip(f"{REFERENCE} is not here (the logjam-device measurements that "
+                    "DEVICE_METRICS was copied from; not part of this repository): the copy "
+                    "is not compared with them")
     text = REFERENCE.read_text()
     start = text.index("## /metrics after the reference probe")
     block = text[text.index("```\n", start) + 4:]

@@ -91,6 +91,63 @@ def test_prerequisite_line_works_as_root_and_as_a_user(tmp_path, sudo):
 
 # ------------------------------------------------------------------ 2. extras
 
+#: what a newcomer sees without scrolling: a terminal's screen, or the top of the page
+FIRST_SCREEN = 50
+
+
+def test_readme_first_screen_has_the_durable_quick_start_the_exposure_and_the_stop():
+    """Within the README's first screen: the two commands, a durable start (an output and
+    its spool) as a command, that the relay listens on every interface with no
+    authentication (and how to close that), and how to stop it."""
+    head = "\n".join(README.splitlines()[:FIRST_SCREEN])
+    code = _code_lines(head)
+    assert any(ln == "./run-relay" for ln in code), code
+    assert any(ln.startswith("./run-relay --output ") and "--spool-" in ln for ln in code), code
+    flat = " ".join(head.split())
+    assert "no authentication" in flat and "--curve-secret-key" in flat
+    assert "Ctrl-C" in flat
+    assert "spool off (no output configured)" in flat
+
+
+def test_readme_durable_quick_start_runs_as_written(tmp_path):
+    """The README's durable quick start line, as written (the test relay's ports and a state
+    dir of its own added): the ready line says what the README quotes (the state dir
+    swapped), and while the receiver cannot be reached a message is answered 202 and waits
+    in the spool, in `logjam_relay_output_backlog_records` as the README says."""
+    setup = _section("## Set-up on a fresh machine")
+    quick = setup.split("**Durable quick start", 1)[1]
+    line = next(ln for ln in _code_lines(quick) if ln.startswith("./run-relay "))
+    quoted = re.search(r"The ready line now says `([^`]+)`", " ".join(quick.split()))[1]
+    settings = relay_settings(tmp_path)
+    state = settings.state_dir
+    log = tmp_path / "relay.log"
+    relay = start_process(settings, shlex.split(line)[1:], log_path=log)
+    try:
+        ready = next(ln for ln in log.read_text().splitlines() if " ready: " in ln)
+        assert quoted.replace("/root/.local/state/logjam-relay", state) in ready, (quoted, ready)
+        import zmq
+
+        from logjam_relay.protocols import logjam as L
+        ctx = zmq.Context()
+        try:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(f"tcp://127.0.0.1:{settings.router_port}")
+            dealer.send_multipart([b"", b"myapp-prod", b"logs.myapp.prod", b"{}",
+                                   L.encode_meta(0, 0, int(time.time() * 1000), 1)])
+            assert dealer.poll(30_000), "no reply"
+            reply = b" ".join(dealer.recv_multipart())
+            assert b"202 Accepted" in reply, reply
+        finally:
+            ctx.destroy(linger=0)
+        deadline = time.monotonic() + 30
+        while _metric(settings.metrics_port, "logjam_relay_output_backlog_records") < 1:
+            assert time.monotonic() < deadline, "the message is not in the output's backlog"
+            time.sleep(0.1)
+    finally:
+        stop_process(relay)
+
+
 def test_pipeline_without_the_spark_extra_is_one_line():
     """In the operator's venv (no pyspark): one line naming the extra and the command that
     installs it, status 2, no traceback."""
@@ -510,7 +567,12 @@ def test_readme_operator_tools_work_together_in_a_newcomers_order(tmp_path):
               "\nrelay log:", (tmp_path / "relay.log").read_text()[-3000:])
     assert len(shown) == 1010, f"tail showed {len(shown)} of 1010"
     assert sum("comp=lz4" in ln for ln in shown) == 10
-    assert all('"action": "Send#test"' in ln for ln in shown), shown[0]
+    # each message a request of its own, as the README says: its own request_id, action,
+    # code and times
+    bodies = [json.loads(ln[ln.index("{"):]) for ln in shown]
+    assert len({b["request_id"] for b in bodies}) == 1010, shown[:2]
+    assert len({b["action"] for b in bodies}) > 1 and len({b["code"] for b in bodies}) > 1
+    assert len({b["started_ms"] for b in bodies}) > 1
 
 
 # ------------------------------------------------------------------ 10. settings table

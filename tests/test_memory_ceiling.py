@@ -13,14 +13,12 @@ flow, the peak RSS (VmHWM) must be under the ceiling, and SIGTERM must exit 0.
 from __future__ import annotations
 
 import os
-import re
 import resource
 import signal
 import subprocess
 import time
 import urllib.request
 import zlib
-from pathlib import Path
 
 import pytest
 import trio
@@ -161,37 +159,6 @@ def storm_settings(tmp_path, reader_port: int, cmdp_port: int):
 
 #: the idle baselines the docs' examples take (B and Bw of the formula)
 DOCS_B, DOCS_BW = 40 * MiB, 30 * MiB
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
-
-
-def memory_section() -> str:
-    text = DOCS.read_text()
-    start = text.index("\n## Memory\n")
-    return text[start:text.index("\n## ", start + 1)]
-
-
-def test_the_docs_example_ceilings_are_what_ceiling_computes(tmp_path):
-    """Every ceiling docs/operations.md "Memory" gives for its examples is what
-    ``memory.ceiling()`` returns for the same settings and the baselines it names; the
-    formula's per-connection terms are the code's (one definition each)."""
-    from test_combined_attack import sized_settings
-    doc = memory_section()
-    assert "B = 40 MiB and Bw = 30 MiB" in doc
-    storm = memory.ceiling(storm_settings(tmp_path / "storm", 1, 2), baseline=DOCS_B,
-                           input_peers=STORM_INPUT_PEERS, worker_baseline=DOCS_BW)
-    attack = memory.ceiling(sized_settings(tmp_path / "attack", 1, 2, 3)[0],
-                            baseline=DOCS_B, worker_baseline=DOCS_BW)
-    want = {round(storm.total / MiB), round(attack.total / MiB)}
-    said = [int(m) for m in re.findall(r"(?:ceiling(?: of)?|ceiling\(\) gives) (\d+) MiB",
-                                       doc.replace("\n", " "))]
-    print(f"docs: {said}; ceiling(): storm {storm.describe()}, attack {attack.describe()}")
-    assert set(said) == want and len(said) >= 5, (said, want)
-    assert re.search(r"\(P \+ Q\) x (\d+) KiB", doc).group(1) == \
-        str(memory.ZMQ_CONNECTION_BYTES // 1024)
-    assert re.search(r"max_connections x (\d+) KiB", doc).group(1) == \
-        str(memory.INPUT_CONNECTION_BYTES // 1024)
-    # a ZeroMQ connection costs the ZeroMQ term, an input connection the input's
-    assert storm.connections == STORM_INPUT_PEERS * 64 * 1024
 
 
 @pytest.mark.slow

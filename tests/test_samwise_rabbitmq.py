@@ -1,7 +1,7 @@
 """samwise endpoint against a real RabbitMQ (127.0.0.1:5672, guest/guest).
 
 Two brokers are emulated by two throw-away vhosts (created with rabbitmqctl
-for this session, deleted at the end).  Messages are consumed with a real AMQP
+for this pytest session, deleted at the end).  Messages are consumed with a real AMQP
 client (pika BlockingConnection, in a worker thread).  With env CI set, an
 unreachable RabbitMQ fails these tests; otherwise they are skipped.
 """

@@ -1,6 +1,8 @@
 """The operator subcommands `tail` and `send`, against a real relay and a real PUB."""
 
 import io
+import json
+import re
 import threading
 import time
 import zlib
@@ -42,7 +44,8 @@ async def test_send_sync_ping_and_tail_through_relay(tmp_path):
         for compress in ("zlib", "lz4"):
             rc, out = await trio.to_thread.run_sync(run_cli, [
                 "send", "-c", f"tcp://127.0.0.1:{s.router_port}", "--sync", "-x", compress,
-                "-a", "tools-test", "-t", "logs.tools", "-b", f'{{"hello":"{compress}"}}'])
+                "-a", "tools-test", "-t", "logs.tools", "-b", f'{{"hello":"{compress}"}}',
+                *(["--verbatim"] if compress == "lz4" else [])])
             assert rc == 0 and "1 x tools-test 202 Accepted" in out
             # heartbeats (every 0.2 s here) take sequence numbers between the messages, as
             # on a loaded machine: tail subscribed to tools- only must not call them gaps
@@ -59,10 +62,62 @@ async def test_send_sync_ping_and_tail_through_relay(tmp_path):
     lines = out.strip().splitlines()
     assert len(lines) == 3, out
     assert lines[0].startswith("tools-test logs.tools device=5 seq=")
-    assert lines[0].endswith('{"hello":"zlib"}') and "comp=zlib" in lines[0]
+    assert '{"hello":"zlib","started_ms":' in lines[0] and '"request_id":' in lines[0]
+    assert "comp=zlib" in lines[0]
     assert lines[1].endswith('{"hello":"lz4"}') and "comp=lz4" in lines[1]
-    assert lines[2].endswith('{"hello":"pull"}') and "comp=none" in lines[2]
+    assert '{"hello":"pull","started_ms":' in lines[2] and "comp=none" in lines[2]
     assert "!!" not in out and "missing" not in out   # no gaps reported under -a
+
+
+def _sent_bodies(argv: list[str], n: int) -> list[dict]:
+    """The bodies that ``send --pull`` with ``argv`` delivers to a PULL socket."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        rc, out = run_cli(["send", "--pull", "-c", f"tcp://127.0.0.1:{port}",
+                           "-n", str(n), *argv])
+        assert rc == 0, out
+        bodies = []
+        for _ in range(n):
+            assert pull.poll(10_000), f"{len(bodies)} of {n} messages arrived"
+            app, topic, body, meta = pull.recv_multipart()
+            bodies.append((body, L.decode_meta(meta)))
+    finally:
+        ctx.destroy(linger=0)
+    return bodies
+
+
+def test_send_stamps_every_message_at_send_time():
+    """Each message of one `send` call has its own request_id and its own start time, the
+    send time (started_ms equals the meta's created_ms, started_at the same instant), in
+    the default body and in a `-b` object, whose own start time and id are replaced;
+    `--verbatim` sends `-b` unchanged."""
+    from logjam_relay.pipeline.extract import iso_ms
+    before = int(time.time() * 1000)
+    default = _sent_bodies([], 200)
+    template = _sent_bodies(["-b", '{"action":"Mine#x","code":201,"started_ms":1,'
+                             '"request_id":"fixed"}'], 50)
+    after = int(time.time() * 1000)
+    for sent in (default, template):
+        dicts = [(json.loads(body), meta) for body, meta in sent]
+        assert len({d["request_id"] for d, _ in dicts}) == len(dicts)
+        for d, meta in dicts:
+            assert re.fullmatch(r"[0-9a-f]{32}", d["request_id"]), d
+            assert before <= d["started_ms"] <= after, (before, d, after)
+            assert d["started_ms"] == meta.created_ms == iso_ms(d["started_at"]), d
+            assert re.search(r"[+-]\d\d:\d\d$", d["started_at"]), d   # explicit offset
+    assert [d["n"] for d in map(json.loads, (b for b, _ in default))] == list(range(1, 201))
+    # realistic traffic: several actions, codes and times in one call
+    dicts = [json.loads(b) for b, _ in default]
+    assert len({d["action"] for d in dicts}) > 1 and len({d["code"] for d in dicts}) > 1
+    assert len({d["total_time"] for d in dicts}) > 100
+    assert {"caller_id", "caller_action", "severity", "host"} <= set(dicts[0])
+    assert all(json.loads(b)["action"] == "Mine#x" and json.loads(b)["code"] == 201
+               for b, _ in template)
+    fixed = '{"action":"Mine#x","started_ms":1}'
+    assert [b for b, _ in _sent_bodies(["-b", fixed, "--verbatim"], 3)] == [fixed.encode()] * 3
+    assert [b for b, _ in _sent_bodies(["-b", "not json"], 2)] == [b"not json"] * 2
 
 
 def test_tail_reports_gaps_and_filters_topics():
