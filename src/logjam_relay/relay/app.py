@@ -408,8 +408,9 @@ class Relay:
                 if r is None:
                     await path.wait_in(sock)
                     continue
-                if r.stamped:
-                    # spooled and answered (or handed to the group commit) to the end
+                if r.spool is not None or r.replies:
+                    # spooled and answered (or handed to the group commit) to the end;
+                    # nothing to hand over: a PULL batch without a spool
                     await path.take(sock, r.replies,
                                     encoded=(r.spool, r.stamped, r.spool_seq, r.last_meta))
                 if r.leftover:
