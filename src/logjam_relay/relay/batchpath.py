@@ -167,7 +167,10 @@ class Spooled:
             held.set()
             later, self._later = self._later, []
             for frames in later:
-                self.spool_heartbeats(frames)
+                try:
+                    self.spool.append_batch([frames], heartbeat=True)
+                except SpoolWriteError as e:        # (logged as the ticker logs it)
+                    rlog.error("spool_write", "spooling a heartbeat failed: %s", e)
 
     async def commit(self, records: list) -> bool:
         with trio.CancelScope(shield=True):
