@@ -451,3 +451,150 @@ def test_every_module_over_600_lines_has_a_written_reason():
     assert not stale, f"{DOC.name} gives a reason for modules that are not long: {stale}"
     empty = sorted(p for p, why in rows.items() if len(why) < 40)
     assert not empty, f"no real reason given for: {empty}"
+
+
+# ------------------------------------------------------------------ the relay built whole
+
+#: the composition's object: built whole from its parts (relay/app.py ``RelayParts``)
+RELAY = ("relay.app", "Relay")
+
+
+def _is_relay_type(ann: ast.expr | None) -> bool:
+    """An annotation that names the relay class: ``Relay``, ``app.Relay``, ``"Relay"``,
+    ``Relay | None``."""
+    if ann is None:
+        return False
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        return ann.value.split("|")[0].strip().rsplit(".", 1)[-1] == RELAY[1]
+    if isinstance(ann, ast.BinOp):
+        return _is_relay_type(ann.left) or _is_relay_type(ann.right)
+    return (isinstance(ann, ast.Name) and ann.id == RELAY[1]) or \
+        (isinstance(ann, ast.Attribute) and ann.attr == RELAY[1])
+
+
+def relay_fills(src: Path = SRC, pkg: str = PKG, relay: tuple[str, str] = RELAY) -> list[str]:
+    """Where a relay is filled in after it was built:
+
+    * outside its class, an attribute of a relay assigned (``relay.spool = ...``,
+      ``relay.x += 1``, ``x: T = ...`` on one, ``setattr(relay, ...)``).  A relay is a name
+      or attribute called ``relay`` (as the package calls it: ``service.py``, the inputs,
+      the metrics), a name annotated with the class, or bound to a call of it;
+    * in the class's ``__init__``, an attribute set to None that no other method of the
+      class assigns: a part left for someone else to fill in.  (What ``run()`` makes from
+      the bound sockets, the pipeline and the PUB, it assigns itself.)"""
+    mods, _ = modules(src, pkg)
+    out: list[str] = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        inside: set[int] = set()              # the nodes of the class itself
+        names = {"relay"}                     # names bound to a relay in this module
+        for node in ast.walk(tree):
+            if mod == relay[0] and isinstance(node, ast.ClassDef) and node.name == relay[1]:
+                inside.update(id(n) for n in ast.walk(node))
+                out += _filled_later(mod, node)
+            elif isinstance(node, ast.arg) and _is_relay_type(node.annotation):
+                names.add(node.arg)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                    and _is_relay_type(node.annotation):
+                names.add(node.target.id)
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                f = node.value.func
+                if (isinstance(f, ast.Name) and f.id == relay[1]) or \
+                        (isinstance(f, ast.Attribute) and f.attr == relay[1]):
+                    names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+        def is_relay(e: ast.expr) -> bool:
+            return (isinstance(e, ast.Name) and e.id in names) or \
+                (isinstance(e, ast.Attribute) and e.attr == "relay")
+
+        for node in ast.walk(tree):
+            if id(node) in inside:
+                continue
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id == "setattr" and node.args and is_relay(node.args[0]):
+                out.append(f"{_show(mod)} line {node.lineno}: {ast.unparse(node)}")
+            for t in targets:
+                for el in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                    if isinstance(el, ast.Attribute) and is_relay(el.value):
+                        out.append(f"{_show(mod)} line {node.lineno}: {ast.unparse(el)} "
+                                   "assigned on a built relay")
+    return out
+
+
+def _filled_later(mod: str, cls: ast.ClassDef) -> list[str]:
+    """``self.x = None`` in ``__init__`` with no other method of the class assigning x."""
+    def self_targets(fn) -> list[tuple[ast.Attribute, ast.expr | None]]:
+        got = []
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign):
+                pairs = [(t, node.value) for t in node.targets]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                pairs = [(node.target, node.value)]
+            else:
+                continue
+            for t, value in pairs:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
+                        and t.value.id == "self":
+                    got.append((t, value))
+        return got
+
+    methods = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    init = next((m for m in methods if m.name == "__init__"), None)
+    if init is None:
+        return []
+    later = {t.attr for m in methods if m is not init for t, _ in self_targets(m)}
+    return [f"{_show(mod)} line {t.lineno}: {cls.name}.__init__ sets {t.attr} to None and "
+            "only someone outside the class fills it in"
+            for t, value in self_targets(init)
+            if isinstance(value, ast.Constant) and value.value is None and t.attr not in later]
+
+
+def test_the_relay_is_built_whole_from_its_parts():
+    """``Relay`` gets its parts when it is built (``RelayParts``, made by
+    ``relay/service.py``): nothing outside the class assigns an attribute of a relay, and
+    its ``__init__`` sets no part to None for someone else to fill in."""
+    found = relay_fills()
+    assert not found, ("a relay filled in after it was built (give the part to "
+                       "RelayParts):\n" + "\n".join(found))
+
+
+def test_the_relay_rule_sees_each_way_of_filling_it_in(tmp_path):
+    files = {
+        "__init__.py": "",
+        "relay/__init__.py": "",
+        "relay/app.py": ("class Relay:\n"
+                         "    def __init__(self, parts):\n"
+                         "        self.spool = None\n"                # filled outside: counted
+                         "        self.pipeline = None\n"             # run() makes it: not
+                         "        self.outputs = parts.outputs\n"
+                         "    def run(self):\n"
+                         "        self.pipeline = object()\n"),
+        "relay/service.py": ("from .app import Relay\n"
+                             "def build(parts):\n"
+                             "    relay = Relay(parts)\n"
+                             "    relay.spool = 1\n"                  # 4
+                             "    relay.endpoints['x'] = 2\n"         # a dict's item: not
+                             "    r = Relay(parts)\n"
+                             "    r.x, y = 3, 4\n"                    # 7
+                             "    setattr(relay, 'y', 5)\n"           # 8
+                             "    return relay\n"
+                             "def attach(box: 'Relay | None', other):\n"
+                             "    box.http += 1\n"                    # 11
+                             "    other.spool = 6\n"),                # not a relay: not
+        "inputs.py": ("class Input:\n"
+                      "    def __init__(self, relay):\n"
+                      "        self.relay = relay\n"                  # its own attribute: not
+                      "        self.relay.inputs = [self]\n"),        # 4
+    }
+    for name, text in files.items():
+        p = tmp_path / "fake" / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    got = sorted(line.split(":")[0].split(".", 1)[1] for line in relay_fills(tmp_path, "fake"))
+    assert got == ["inputs line 4", "relay.app line 3", "relay.service line 11",
+                   "relay.service line 4", "relay.service line 7", "relay.service line 8"], got

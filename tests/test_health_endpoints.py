@@ -93,10 +93,11 @@ async def test_metrics_count_what_went_through(tmp_path):
         assert 'logjam_relay_input_messages_total{device="7",socket="pull"} 2.0' in text
 
 
-async def test_readyz_reports_an_output_out_of_budget(tmp_path):
+async def test_readyz_reports_an_output_out_of_budget(tmp_path, monkeypatch):
     async with running_relay(tmp_path) as (relay, cl):
         port = cl.settings.metrics_port
-        relay.outputs.append(_StuckOutput())
+        outputs = relay.outputs     # (a tuple, given when the relay was built)
+        monkeypatch.setattr(relay, "outputs", (*outputs, _StuckOutput()))
         try:
             status, _, body = await aget(port, "/readyz")
             assert status == 503
@@ -104,7 +105,7 @@ async def test_readyz_reports_an_output_out_of_budget(tmp_path):
             status, _, _ = await aget(port, "/healthz")
             assert status == 200, "alive while not ready"
         finally:
-            relay.outputs.pop()
+            monkeypatch.setattr(relay, "outputs", outputs)
         assert (await aget(port, "/readyz"))[0] == 200
 
 

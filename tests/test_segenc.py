@@ -140,31 +140,31 @@ def test_crc32_is_zlibs_at_every_length_and_alignment():
     assert segenc.crc32(memoryview(big)[3:-5]) == zlib.crc32(memoryview(big)[3:-5])
 
 
-def test_append_encoded_renumbers_when_the_spool_moved_on(tmp_path):
-    """Spool.append_encoded takes records the relay's C pass encoded from a spool seq; if
-    something was appended since (a heartbeat while a failed write waited), they are
-    numbered again: the spool stays gapless and in order, the frames unchanged."""
+def test_append_encoded_refuses_records_numbered_from_another_seq(tmp_path):
+    """Spool.append_encoded takes records the relay's C pass encoded from a spool seq that
+    the part in front of the spool gave (relay/batchpath.py); if the spool moved on since
+    (something else appended), that part numbered them wrong: refused, nothing appended,
+    never renumbered (one part numbers the sequence).  Numbered right, they go in gapless."""
     from spool_helpers import drain, msg, open_spool
     sp = open_spool(tmp_path / "s", readers=["a"])
     first = [msg(i) for i in range(3)]
     sp.append_batch(first)
     later = [msg(i) for i in range(3, 8)]
-    data = fmt.encode_logjam_batch(later, sp._next_seq)       # numbered now...
+    stale = fmt.encode_logjam_batch(later, sp.next_seq)       # numbered now...
     hb = msg(99)
     sp.append_batch([hb])                                     # ...then the spool moves on
-    sp.append_encoded(data, len(later), 3, later[-1][3])
-    same = [msg(i) for i in range(8, 10)]
-    sp.append_encoded(fmt.encode_logjam_batch(same, sp._next_seq), 2, sp._next_seq,
-                      same[-1][3])
+    with pytest.raises(ValueError, match="numbered from 3"):
+        sp.append_encoded(stale, len(later), 3, later[-1][3])
+    assert sp.next_seq == 4
+    data = fmt.encode_logjam_batch(later, sp.next_seq)
+    sp.append_encoded(data, len(later), sp.next_seq, later[-1][3])
     recs = drain(sp.reader("a"))
-    assert [r.frames for r in recs] == first + [hb] + later + same
+    assert [r.frames for r in recs] == first + [hb] + later
     seqs = []
     for name in sorted(os.listdir(tmp_path / "s")):
         if fmt.parse_segment_name(name):
             buf = (tmp_path / "s" / name).read_bytes()
             seqs += [r[2] for r in fmt.parse_records(buf, fmt.HEADER_LEN, len(buf), 1 << 20)[0]]
     assert seqs == list(range(len(recs)))                     # gapless, in order
-    assert sp.last_meta() is not None and sp._last_meta == same[-1][3]
-    with pytest.raises(ValueError):
-        sp.append_encoded(data[:-1], len(later), 0, later[-1][3])
+    assert sp.last_meta() is not None and sp._last_meta == later[-1][3]
     sp.close()

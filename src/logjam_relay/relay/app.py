@@ -6,6 +6,8 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 import zmq
@@ -16,11 +18,10 @@ from ..io import xpubthread, zmq_fast, zmq_trio
 from ..io.peers import set_domain as set_zap_domain
 from ..io.xpubthread import ThreadedPub
 from ..protocols import logjam as L
-from ..ratelimit import RateLimitedLog
-from . import ingestpass
+from . import batchpath, ingestpass
+from .batchpath import Replies
 from .binding import bind_cause  # noqa: F401  (re-exported)
 from .compressors import CompressorPool
-from .groupcommit import GroupCommit, max_pending
 from .sequence import SequenceState, StateDirError
 from .spoolwrite import SpoolWrites
 from .stamping import Pipeline, safe_label  # noqa: F401  (safe_label re-exported)
@@ -29,60 +30,73 @@ from .ticker import Ticker, now_ms, poll_subscriptions
 log = logging.getLogger("logjam_relay.relay")
 _SOCKET_NAMES = {"router_port": "router", "pull_port": "pull", "pub_port": "pub",
                  "stats_port": "stats"}
-rlog = RateLimitedLog(log)
 #: how long the shutdown waits for the XPUB threads (PUB, stats) together: one may be
 #: inside a libzmq trie walk of seconds under a subscription flood (io/xpubthread.py)
 XPUB_STOP_SECONDS = 3.0
 
 
+@dataclass(frozen=True, slots=True)
+class RelayParts:
+    """Everything a :class:`Relay` is built from; ``relay/service.py`` makes them from the
+    settings (``build``).  A part the settings leave out is None (or empty)."""
+    sequence_state: SequenceState           # locked (acquire) before the spool was opened
+    ctx: zmq.Context
+    fqdn: str
+    own_ctx: bool = True                    # terminated when the relay stops
+    spool: object = None                    # spool.Spool: with an output or a spool_dir
+    archive: object = None                  # outputs.archive.Archive
+    dead_letters: object = None             # deadletter.DeadLetterStore
+    outputs: tuple = ()                     # outputs.supervisor.OutputSupervisor
+    curve: object = None                    # io.curve.Curve when CURVE is on
+    peer_limit: object = None               # io.peers.PeerLimit (zmq_max_peers, ZAP)
+    samwise: object = None                  # samwise.endpoint.SamwiseService
+    sockets: tuple = ()                     # closed with the relay's own (the ZAP handler)
+    tasks: tuple = ()                       # async starter(relay, nursery), in order
+    # the parts that look at the relay are each built from it, by Relay.__init__, in
+    # this order (the metrics read the inputs, the HTTP server serves the metrics)
+    make_inputs: Callable | None = None     # relay -> tuple of inputs (inputs/)
+    make_cmdp: Callable | None = None       # relay -> health.cmdp.CMDPSender
+    make_fd_guard: Callable | None = None   # relay -> io.fdguard.FdGuard
+    make_metrics: Callable | None = None    # relay -> (registry, RelayCollector)
+    make_http: Callable | None = None       # relay -> health.http.HTTPServer
+
+
 class Relay:
-    """A logjam-device replacement.
+    """A logjam-device replacement, built whole from its :class:`RelayParts`.
 
     ``await relay.run()`` binds the sockets, reports readiness through
     ``task_status`` and runs until :meth:`shutdown` is called (SIGTERM/SIGINT
-    in the CLI) or the surrounding scope is cancelled.
+    in the CLI) or the surrounding scope is cancelled.  Every stamped batch takes one
+    path to its replies, :attr:`path` (relay/batchpath.py), chosen here from the spool
+    and its fsync policy.
     """
 
-    def __init__(self, settings: Settings, *, zmq_context: zmq.Context | None = None):
+    def __init__(self, settings: Settings, parts: RelayParts):
         self.settings = s = settings
-        self.fqdn = s.resolved_fqdn()
-        self.ctx = zmq_context or zmq.Context(io_threads=s.io_threads)
-        self._own_ctx = zmq_context is None
-        state_path = s.resolved_state_dir() / f"sequence-device-{s.device_id}.json"
-        self.sequence_state = SequenceState(state_path, s.device_id)
-        self.pipeline: Pipeline | None = None
-        # PUB: an XPUB on a thread of its own (pub_thread = false: on the loop)
-        self.pub: ThreadedPub | zmq_trio.PubSocket | None = None
-        self.stats_pub: ThreadedPub | None = None
+        self.fqdn = parts.fqdn
+        self.ctx = parts.ctx
+        self._own_ctx = parts.own_ctx
+        self.sequence_state = parts.sequence_state
+        self.spool = parts.spool
+        self.archive = parts.archive
+        self.dead_letters = parts.dead_letters
+        self.outputs = parts.outputs            # output supervisors (stats())
+        self.curve = parts.curve
+        self.peer_limit = parts.peer_limit
+        self.samwise = parts.samwise
+        self._sockets: list[zmq.Socket] = list(parts.sockets)
+        self._tasks = parts.tasks
         self.start_time = time.time()
         self.ready = trio.Event()
         self.stopped = trio.Event()
-        self.http = None
-        self.metrics_registry = None
-        self.metrics_collector = None
         self.stopping = False
         self.lag = LoopLag()                    # the loop's lag (metrics, CMDP)
-        self.ticker: Ticker | None = None       # heartbeats, stats tick (run())
-        self.reply_drops = 0
         self.batches = 0
-        self.spool = None                       # set when a spool is configured
-        self.commits: GroupCommit | None = None  # spool_fsync=batch: 202s after fdatasync
-        self._in_wait: dict[zmq.Socket, trio.CancelScope] = {}   # ingest tasks at rest
-        self.archive = None                     # set when an archive is configured
-        self.dead_letters = None                # DeadLetterStore, set with outputs
-        self.cmdp = None
-        self.samwise = None
-        self.outputs: list = []                 # output supervisors (stats())
-        self.inputs: list = []                  # Lumberjack/Courier inputs (inputs/)
-        self.curve = None                       # io.curve.Curve when CURVE is on
-        self.peer_limit = None                  # io.peers.PeerLimit (zmq_max_peers, ZAP)
-        self.fd_guard = None                    # io.fdguard.FdGuard (service.build)
         self.spool_writes = SpoolWrites(lambda: self.stopping)  # counts ingress pauses
-        self._outputs_scope: trio.CancelScope | None = None
+        self.replies = Replies()                # the replies' sends and their drops
+        self.path = batchpath.choose(self.spool, self.spool_writes, self.replies, s)
         self._outputs_done = trio.Event()
         self._shutdown_requested = trio.Event()
-        self._sockets: list[zmq.Socket] = []
-        self._extra_tasks: list = []            # async starter(nursery), see add_task()
         self.endpoints: dict[str, str] = {}
         method = L.COMPRESSION_BY_NAME.get(s.compress or "none", 0)
         self.compress_method = method
@@ -90,6 +104,23 @@ class Relay:
         # exported per thread); started by run() when the relay compresses
         self.compressors = CompressorPool(s.compressors)
         self.loop_thread_id = threading.get_native_id()  # "main" CPU; set again by run()
+        # what run() makes from the bound sockets and the loaded sequence state
+        self.pipeline: Pipeline | None = None
+        # PUB: an XPUB on a thread of its own (pub_thread = false: on the loop)
+        self.pub: ThreadedPub | zmq_trio.PubSocket | None = None
+        self.stats_pub: ThreadedPub | None = None
+        self.ticker: Ticker | None = None       # heartbeats, stats tick
+        self._outputs_scope: trio.CancelScope | None = None
+        # the parts that look at the relay, last (RelayParts)
+        self.inputs = parts.make_inputs(self) if parts.make_inputs else ()
+        self.cmdp = parts.make_cmdp(self) if parts.make_cmdp else None
+        self.fd_guard = parts.make_fd_guard(self) if parts.make_fd_guard else None
+        self.metrics_registry, self.metrics_collector = \
+            parts.make_metrics(self) if parts.make_metrics else (None, None)
+        self.http = parts.make_http(self) if parts.make_http else None
+
+    commits = property(lambda self: self.path.commits)  # GroupCommit under spool_fsync=batch
+    reply_drops = property(lambda self: self.replies.drops)
 
     # ------------------------------------------------------------ life cycle
     def shutdown(self) -> None:
@@ -196,21 +227,10 @@ class Relay:
 
                 # The other binds (metrics, cmdp, samwise) first: if one fails, nothing
                 # was read from a client nor sent to an output (a StartupError, exit 2).
-                for starter in self._extra_tasks:
-                    await starter(nursery)
+                for starter in self._tasks:
+                    await starter(self, nursery)
                 nursery.start_soon(ingest_tasks)
-                if self.spool is not None:
-                    nursery.start_soon(self.spool.run)
-                    if self.spool.fsync.owner_syncs_batches:
-                        # group commit: the 202s leave after the fdatasync that covers them
-                        self.commits = GroupCommit(
-                            self.spool, self._send_released,
-                            max_pending=max_pending(s.batch_size),
-                            max_bytes=s.ingest_max_bytes,
-                            on_error=self._commit_failed,
-                            on_written=self._wake_if_blocked,
-                            min_round=s.spool_fsync_batch_delay)
-                        nursery.start_soon(self.commits.run)
+                self.path.start(nursery)            # the spool, the group commit
                 for line in ineffective(s):
                     log.warning("%s", line)
                 nursery.start_soon(self.ticker.run)
@@ -227,7 +247,7 @@ class Relay:
                 self.stopping = True
                 ingest.cancel()
                 await self._drain_final(router, pull)
-                await self._drain_commits()
+                await self.path.drain(s.shutdown_timeout / 2)
                 await self._stop_outputs()
                 nursery.cancel_scope.cancel()
         finally:
@@ -303,14 +323,6 @@ class Relay:
                      f"pyzmq socket loops only: {zmq_fast.WHY_NOT}")
         return f"relay device {s.device_id} ready: " + "; ".join(parts)
 
-    def add_task(self, starter) -> None:
-        """Register ``async starter(nursery)`` to start more tasks in the relay's nursery."""
-        self._extra_tasks.append(starter)
-
-    def own_socket(self, sock: zmq.Socket) -> None:
-        """Close ``sock`` with the relay's own sockets when the relay stops."""
-        self._sockets.append(sock)
-
     async def ingest_external(self, acc: list[tuple]) -> bool:
         """Stamp, publish and spool messages from an input (Lumberjack/Courier server).
 
@@ -319,9 +331,9 @@ class Relay:
         shutting down (nothing taken: the sender resends).  Waits while the spool is full
         (policy block), like the ZeroMQ ingest.
         """
-        spool = self.spool
-        if spool is not None and spool.would_block():
-            await self.spool_writes.paused(spool.wait_writable)
+        path = self.path
+        if path.would_block():
+            await path.pause()
         if self.stopping or self.pipeline is None:
             return False
         with trio.CancelScope(shield=True):
@@ -335,14 +347,9 @@ class Relay:
                 records = p.commit(acc, now_ms())
                 if p.seq >= self.sequence_state.reserved:
                     self.sequence_state.reserve(p.seq, len(records))
-                if self.commits is not None:
-                    # spool_fsync=batch: in the group commit's next round; False when the
-                    # relay stops before it is on disk
-                    return await self.commits.commit(records)
-                if spool is not None:
-                    # False: shutting down with the batch not in the spool; the input
-                    # must not ACK it (the sender resends to the next relay run)
-                    return await self._spool_write(records)
+                # False: the relay stops with the batch not in the spool; the input must
+                # not ACK it (the sender resends to the next relay run)
+                return await path.commit(records)
         return True
 
     def _close(self) -> None:
@@ -386,49 +393,41 @@ class Relay:
         max_bytes = self.settings.ingest_max_bytes
         max_event = self.settings.max_event_bytes
         drain = zmq_trio.drain_bytes
-        spool = self.spool
+        path = self.path
         # drain + stamp (+ -x lz4) + publish + spool records in one C loop
         fused = ingestpass.available(self.compress_method)
         while True:
-            if spool is not None and spool.would_block():
-                # policy "block": stop reading; ZeroMQ's HWM pushes back to the clients
-                rlog.warning("spool_full", "spool is full (%d bytes): ingress paused until "
-                             "outputs catch up", spool.max_bytes)
-                await self.spool_writes.paused(spool.wait_writable)
-            commits = self.commits
-            if commits is not None and commits.would_block():
-                # group commit: too many replies wait for the fdatasync (a slow disk), or
-                # it fails (retried): stop reading, as for a full spool
-                await self.spool_writes.paused(commits.wait_room)
+            if path.would_block():
+                # the spool is full (policy "block"), or too many replies wait for the
+                # group commit's fdatasync: stop reading; ZeroMQ's HWM pushes back
+                await path.pause()
             # bounded in messages and in bytes (ingest_max_bytes + one message): only one
             # batch per input socket is in the process at a time
             if fused:
                 r = self._fast_pass(sock, is_router, limit, max_bytes, max_event)
                 if r is None:
-                    await self._wait_in(sock)
+                    await path.wait_in(sock)
                     continue
-                if spool is not None or r.leftover:
+                if r.spool is not None or r.replies:
+                    # spooled and answered (or handed to the group commit) to the end;
+                    # nothing to hand over: a PULL batch without a spool
+                    await path.take(sock, r.replies,
+                                    encoded=(r.spool, r.stamped, r.spool_seq, r.last_meta))
+                if r.leftover:
+                    # a message off the fast path and the rest of the batch, in order
                     with trio.CancelScope(shield=True):
-                        await self._fast_pass_finish(sock, is_router, r)
-                elif r.replies:
-                    self.reply_drops += zmq_trio.send_replies(sock, r.replies)
-                if commits is not None and commits.round_ready():
-                    await commits.yield_to_round()
-                else:
-                    await trio.lowlevel.checkpoint()
+                        await self._process(sock, r.leftover, is_router, r.oversize)
+                await path.between_passes()
                 continue
             batch, _, biggest = drain(sock, limit, max_bytes)
             if not batch:
-                await self._wait_in(sock)
+                await path.wait_in(sock)
                 continue
             # A drained batch is processed to the end even when shutdown starts.
             with trio.CancelScope(shield=True):
                 await self._process(sock, batch, is_router, biggest > max_event)
             batch = None
-            if commits is not None and commits.round_ready():
-                await commits.yield_to_round()
-            else:
-                await trio.lowlevel.checkpoint()
+            await path.between_passes()
 
     async def _process(self, sock: zmq.Socket, batch: list[list[bytes]], is_router: bool,
                        oversize: bool = False) -> None:
@@ -452,89 +451,16 @@ class Relay:
                 records = p.commit(acc, now_ms())
             if p.seq >= self.sequence_state.reserved:
                 self.sequence_state.reserve(p.seq, len(records))
-            if self.commits is not None:
-                # spool_fsync=batch: appended, synced and answered by the group commit
-                self.commits.submit(sock, replies, records=records)
-                return
-            if self.spool is not None and not await self._spool_write(records):
-                # shutting down with the batch not in the spool: no 202 for it (a 202
-                # means "in the spool"); the client's timeout makes it resend
-                log.warning("shutdown: %d messages published but not spooled; their "
-                            "replies are withheld", len(records))
-                replies = [r for r in replies if not r[-1].startswith(b"202")]
-        if replies:
-            self._answer(sock, replies)
-
-    def _answer(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
-        """Send a batch's replies once its records are in the spool; under
-        spool_fsync=batch, after the fdatasync that covers them (group commit)."""
-        if self.commits is not None:
-            self.commits.answer(sock, replies)
-        else:
-            self._send_replies(sock, replies)
-
-    def _send_replies(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
-        # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the reply is lost, as
-        # with logjam-device, but counted.
-        self.reply_drops += zmq_trio.send_replies(sock, replies)
-
-    async def _wait_in(self, sock: zmq.Socket) -> None:
-        """Wait until the socket has a message; the group commit may cut it short."""
-        if self.commits is None:
-            await zmq_trio.wait_for(sock, zmq.POLLIN)
-            return
-        with trio.CancelScope() as scope:
-            self._in_wait[sock] = scope
-            try:
-                await zmq_trio.wait_for(sock, zmq.POLLIN)
-            finally:
-                del self._in_wait[sock]
-
-    def _send_released(self, sock: zmq.Socket, replies: list[list[bytes]]) -> None:
-        """The group commit's send, from its own task: a send processes the socket's
-        pending commands, so it may consume the edge of its (edge-triggered) ZMQ_FD that
-        announced new requests; the ingest task resting on that FD would then sleep on
-        a socket that has messages.  Wake it when that happened."""
-        self._send_replies(sock, replies)
-        scope = self._in_wait.get(sock)
-        if scope is not None and sock.get(zmq.EVENTS) & zmq.POLLIN:
-            scope.cancel()
-
-    def _wake_if_blocked(self) -> None:
-        """The group commit appended a round (or failed): if that filled the spool
-        (``block``) or the disk, or the group commit now holds ingress back, the ingest
-        tasks resting on their sockets go round and pause now (logged, counted in
-        ``spool_blocked_seconds``), as they do when they append themselves, instead of
-        only when the next message comes."""
-        if self._in_wait and (self.spool.would_block() or self.commits.would_block()):
-            for scope in self._in_wait.values():
-                scope.cancel()
-
-    def _commit_failed(self, err) -> None:
-        self.spool_writes.failed(err)
-        self._wake_if_blocked()
-
-    async def _drain_commits(self) -> None:
-        """Shutdown: the group commit's last rounds (a failing write or sync is not retried
-        any more: the 202s it owed are withheld)."""
-        if self.commits is None:
-            return
-        self.commits.close()
-        with trio.move_on_after(self.settings.shutdown_timeout / 2) as scope:
-            scope.shield = True
-            await self.commits.drain()
+        await self.path.take(sock, replies, records=records or None)
 
     def _fast_pass(self, sock: zmq.Socket, is_router: bool, limit: int, max_bytes: int,
                    max_event: int) -> ingestpass.PassResult | None:
         """One batch through the C loop (relay/ingestpass.py): stamped and published (not
-        yet spooled nor answered); None when the socket had nothing."""
+        yet spooled nor answered); None when the socket had nothing.  The records are
+        encoded numbered from the batch path's next spool seq (-1: no spool, none)."""
         p = self.pipeline
-        spool = self.spool
-        # numbered from the spool's next seq: after the records the group commit holds
-        next_seq = -1 if spool is None else \
-            self.commits.next_seq if self.commits is not None else spool.next_seq
         r = ingestpass.run(sock, self.pub, p, limit, max_bytes, max_event, now_ms(),
-                           next_seq, is_router, self.compress_method)
+                           self.path.next_seq(), is_router, self.compress_method)
         if not r.stamped and not r.leftover:
             return None
         if r.stamped:
@@ -542,35 +468,6 @@ class Relay:
             if p.seq >= self.sequence_state.reserved:
                 self.sequence_state.reserve(p.seq, r.stamped)
         return r
-
-    async def _fast_pass_finish(self, sock: zmq.Socket, is_router: bool,
-                                r: ingestpass.PassResult) -> None:
-        """Spool what the C loop stamped, then answer it; what it left (a message off the
-        fast path and the rest of the batch) through :meth:`_process`."""
-        spool = self.spool
-        if r.stamped and self.commits is not None:
-            # spool_fsync=batch: appended, synced and answered by the group commit
-            self.commits.submit(sock, r.replies,
-                                encoded=(r.spool, r.stamped, r.spool_seq, r.last_meta))
-        elif r.stamped:
-            replies = r.replies
-            if spool is not None and not await self._spool_write(
-                    None, (r.spool, r.stamped, r.spool_seq, r.last_meta)):
-                log.warning("shutdown: %d messages published but not spooled; their "
-                            "replies are withheld", r.stamped)
-                replies = None
-            if replies:
-                self._answer(sock, replies)
-        if r.leftover:
-            await self._process(sock, r.leftover, is_router, r.oversize)
-
-    async def _spool_write(self, records: list[tuple] | None,
-                           encoded: tuple | None = None) -> bool:
-        """Append a committed batch (relay/spoolwrite.py); replies leave only after it
-        returned True.  Not used under spool_fsync=batch while the group commit runs."""
-        return await self.spool_writes.write(
-            self.spool, records, encoded,
-            sync=self.spool.fsync.owner_syncs_batches and self.commits is None)
 
     spool_write_failures = property(lambda self: self.spool_writes.failures)
     spool_blocked_seconds = property(lambda self: self.spool_writes.blocked_seconds)
@@ -597,21 +494,13 @@ class Relay:
         pub_port = s.pub_port
         if pub_port == 0 and "pub" in self.endpoints:
             pub_port = int(self.endpoints["pub"].rsplit(":", 1)[1])
-        spool_frames = None
-        if self.spool is not None:
-            # spooled too, so the archive holds every sequence number (loss report); the
-            # upstream outputs skip heartbeats unless heartbeats=on
-            def spool_frames(frames):
-                if self.commits is not None:    # in sequence order with the ingest's
-                    self.commits.submit(None, None, records=[frames], heartbeat=True)
-                else:   # no group commit, or not yet (the restart marker at start-up)
-                    self.spool.append_batch([frames], heartbeat=True)
         return Ticker(pipeline=self.pipeline, publish=self.pub.publish, fqdn=self.fqdn,
                       device_id=s.device_id, pub_port=pub_port,
                       heartbeat_interval=s.heartbeat_interval,
                       stats_interval=s.stats_interval,
                       publish_stats=self.stats_pub.publish if self.stats_pub else None,
-                      sequence_state=self.sequence_state, spool_frames=spool_frames)
+                      sequence_state=self.sequence_state,
+                      spool_frames=self.path.spool_heartbeats)
 
     heartbeats = property(lambda self: self.ticker.heartbeats if self.ticker else 0)
     stats_guard = property(lambda self: self.stats_pub.guard if self.stats_pub else None)

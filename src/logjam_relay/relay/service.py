@@ -14,9 +14,10 @@ from ..config import Settings, find_exception
 from ..health.http import HTTPServer
 from ..health.metrics import make_registry, metrics_handler
 from ..redact import redact_text
-from .app import Relay, bind_cause
+from .app import Relay, RelayParts, bind_cause
 from .configure import check_settings
 from .memory import samwise_rcv_hwm
+from .sequence import SequenceState, StateDirError
 from .spoolwrite import relay_fsync_policy, samwise_fsync_policy
 
 log = logging.getLogger("logjam_relay.service")
@@ -71,11 +72,12 @@ def check_output_tls(settings: Settings, specs) -> None:
                                          value=spec.url) from None
 
 
-def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
-    """Open the spool (when an output or a spool directory is configured) and the outputs."""
+def spool_and_outputs(settings: Settings, fqdn: str) -> dict:
+    """The spool (when an output or a spool directory is configured), the archive, the
+    dead-letter store and the outputs: :class:`RelayParts` fields."""
     spool_dir = settings.resolved_spool_dir()
     if spool_dir is None:
-        return
+        return {}
     from ..outputs.supervisor import OutputSupervisor, make_output, parse_outputs
     from ..spool.spool import Spool, SpoolError, SpoolLockedError
 
@@ -104,15 +106,14 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
     except SpoolError as e:
         raise settings.startup_error(spool_setting, f"cannot open the spool: {e}",
                                      value=spool_dir) from None
-    relay.spool = spool
+    parts: dict = {"spool": spool, "archive": archive, "tasks": ()}
     if archive is not None:
         # segments sealed during the spool's own recovery were not announced: take them now
         archive.catch_up(spool_dir)
-        relay.archive = archive
 
-        async def start_archive(nursery):
+        async def start_archive(relay, nursery):
             nursery.start_soon(archive.run)
-        relay.add_task(start_archive)
+        parts["tasks"] = (start_archive,)
     dead_letters = None
     if specs:
         from ..deadletter import DeadLetterStore
@@ -120,43 +121,50 @@ def attach_spool_and_outputs(relay: Relay, settings: Settings) -> None:
                      "undeliverable events could not be kept")
         dead_letters = DeadLetterStore(settings.resolved_dead_letter_dir(),
                                        settings.dead_letter_max_bytes)
-        relay.dead_letters = dead_letters
+    parts["dead_letters"] = dead_letters
+    outputs = []
     for spec in specs:
         reader = spool.reader(spec.name)
         if settings.output_isolation == "process":   # off the ingest thread (outputs/worker.py)
             from ..outputs.worker import isolated_factory
-            factory = isolated_factory(spec, reader, relay.fqdn, dead_letters=dead_letters,
+            factory = isolated_factory(spec, reader, fqdn, dead_letters=dead_letters,
                                        max_event_bytes=settings.max_event_bytes)
         else:
-            factory = functools.partial(make_output, spec, reader, relay.fqdn,
+            factory = functools.partial(make_output, spec, reader, fqdn,
                                         dead_letters=dead_letters,
                                         max_event_bytes=settings.max_event_bytes)
-        relay.outputs.append(OutputSupervisor(
+        outputs.append(OutputSupervisor(
             spec, reader, factory,
             retry_budget=settings.ready_output_down_after or float("inf")))
     from ..units import human_size
     log.info("spool %s (%s, max %s, fsync %s) with outputs: %s", spool_dir,
              settings.spool_policy, human_size(settings.spool_max_bytes), settings.spool_fsync,
              ", ".join(s.name for s in specs) or "none configured (archive only)")
+    parts["outputs"] = tuple(outputs)
+    return parts
 
 
-def attach_inputs(relay: Relay, settings: Settings) -> None:
-    """Lumberjack/Courier listeners in the relay's nursery (docs/inputs.md)."""
+def inputs_part(settings: Settings) -> dict:
+    """Lumberjack/Courier listeners in the relay's nursery (docs/inputs.md): each is
+    built with the relay it hands its events to."""
     if not settings.inputs:
-        return
+        return {}
     import ssl
 
     from ..inputs import make_input, parse_inputs
     specs = parse_inputs(settings.inputs, max_event_bytes=settings.max_event_bytes)
-    relay.inputs = []
-    for url, spec in zip(settings.inputs, specs, strict=True):
-        try:
-            relay.inputs.append(make_input(spec, relay))
-        except (OSError, ssl.SSLError, ValueError) as e:    # the server's TLS files
-            raise settings.startup_error("inputs", f"TLS files cannot be loaded: {e}",
-                                         value=redact_text(url)) from None
 
-    async def start_inputs(nursery):
+    def make_inputs(relay):
+        inputs = []
+        for url, spec in zip(settings.inputs, specs, strict=True):
+            try:
+                inputs.append(make_input(spec, relay))
+            except (OSError, ssl.SSLError, ValueError) as e:    # the server's TLS files
+                raise settings.startup_error("inputs", f"TLS files cannot be loaded: {e}",
+                                             value=redact_text(url)) from None
+        return tuple(inputs)
+
+    async def start_inputs(relay, nursery):
         for url, inp in zip(settings.inputs, relay.inputs, strict=True):
             try:
                 port = await nursery.start(inp.run)
@@ -164,83 +172,86 @@ def attach_inputs(relay: Relay, settings: Settings) -> None:
                 raise settings.startup_error("inputs", bind_cause(
                     f"{inp.spec.host}:{inp.spec.port}", e), value=redact_text(url)) from None
             relay.endpoints[f"input_{inp.name}"] = f"{inp.spec.scheme}://{inp.spec.host}:{port}"
-    relay.add_task(start_inputs)
+    return {"make_inputs": make_inputs, "tasks": (start_inputs,)}
 
 
-def attach_curve(relay: Relay, settings: Settings) -> None:
-    """ZeroMQ CURVE (docs/security.md); off unless curve_secret_key.  Its ZAP checks run
-    in the relay's ZAP handler (attach_peers)."""
+def make_curve(settings: Settings):
+    """ZeroMQ CURVE (docs/security.md); off (None) unless curve_secret_key.  Its ZAP checks
+    run in the relay's ZAP handler (peers_part)."""
     if not settings.curve_secret_key:
-        return
+        return None
     from ..io.curve import Curve, parse_plain_endpoints
     curve = Curve(settings.curve_secret_key, settings.curve_allow_dir, settings.curve_sockets,
                   parse_plain_endpoints(settings.curve_plain_endpoints))
-    relay.curve = curve
     log.info("CURVE on %s (server key %s), %d client key(s) allowed from %s%s",
              ", ".join(settings.curve_sockets), curve.public.decode(), len(curve.allow.keys),
              settings.curve_allow_dir,
              f"; plain endpoints {settings.curve_plain_endpoints}"
              if settings.curve_plain_endpoints else "")
+    return curve
 
 
-def attach_peers(relay: Relay, settings: Settings) -> None:
+def peers_part(settings: Settings, ctx: zmq.Context, curve) -> dict:
     """The ZAP handler, bound before any relay socket: zmq_max_peers on every ZeroMQ socket
     and the XPUBs' admission while connection ends are expensive (io/peers.py), then the
-    CURVE check (after attach_curve)."""
+    CURVE check."""
     from ..io.peers import PeerLimit, ZapServer
     limit = PeerLimit(settings.zmq_max_peers)
-    zap = ZapServer(limit, relay.curve)
-    relay.own_socket(zap.open(relay.ctx))
-    relay.peer_limit = limit
+    zap = ZapServer(limit, curve)
+    sock = zap.open(ctx)
 
-    async def start_zap(nursery):
+    async def start_zap(relay, nursery):
         nursery.start_soon(zap.serve)
-    relay.add_task(start_zap)
+    return {"peer_limit": limit, "sockets": (sock,), "tasks": (start_zap,)}
 
 
-def attach_cmdp(relay: Relay, settings: Settings) -> None:
+def cmdp_part(settings: Settings) -> dict:
     """CMDP STAT/LOG topics on an XPUB, announced through CHIRP (off unless cmdp_port)."""
     if not settings.cmdp_port:
-        return
+        return {}
     from ..health.cmdp import CMDPConfig, CMDPSender, ProcessStats, RelayStatsProvider
 
     cfg = CMDPConfig(cmdp_port=settings.cmdp_port, cmdp_name=settings.cmdp_name,
                      chirp_group=settings.chirp_group, chirp_interface=settings.chirp_interface,
                      cmdp_bind=settings.bind, max_subscriptions=settings.max_subscriptions)
 
-    def outputs():
-        out = {}
-        for sup in relay.outputs:
-            st = sup.stats()
-            sp = st.get("spool", {})
-            out[sup.name] = {
-                "backlog": sp.get("backlog_records", 0),
-                "lost": sp.get("lost", 0),      # spool records this output will never send
-                "acked": st.get("events_acked", 0),
-                "resends": st.get("events_resent", 0),
-                "reconnects": st.get("reconnects", max(0, st.get("connect_attempts", 1) - 1)),
-                "ack_rtt": st.get("window_rtt_last_seconds",
-                                  st.get("payload_rtt_last_seconds", 0.0)),
-                "dead_letters": sum(st.get("dead_letters", {}).values()),
-            }
-        return out
+    def make_cmdp(relay):
+        def outputs():
+            out = {}
+            for sup in relay.outputs:
+                st = sup.stats()
+                sp = st.get("spool", {})
+                out[sup.name] = {
+                    "backlog": sp.get("backlog_records", 0),
+                    "lost": sp.get("lost", 0),  # spool records this output will never send
+                    "acked": st.get("events_acked", 0),
+                    "resends": st.get("events_resent", 0),
+                    "reconnects": st.get("reconnects",
+                                         max(0, st.get("connect_attempts", 1) - 1)),
+                    "ack_rtt": st.get("window_rtt_last_seconds",
+                                      st.get("payload_rtt_last_seconds", 0.0)),
+                    "dead_letters": sum(st.get("dead_letters", {}).values()),
+                }
+            return out
 
-    lag = relay.lag                     # the relay's own probe (it runs in the relay's nursery)
-    provider = RelayStatsProvider(relay=relay.stats, outputs=outputs, process=ProcessStats(),
-                                  loop_lag=lag)
-    # the relay's context: its ZAP handler (zmq_max_peers) serves that context only
-    sender = CMDPSender(cfg, provider, context=relay.ctx)
-    sender.peer_limit = relay.peer_limit
-    relay.cmdp = sender
+        lag = relay.lag             # the relay's own probe (it runs in the relay's nursery)
+        provider = RelayStatsProvider(relay=relay.stats, outputs=outputs,
+                                      process=ProcessStats(), loop_lag=lag)
+        # the relay's context: its ZAP handler (zmq_max_peers) serves that context only
+        sender = CMDPSender(cfg, provider, context=relay.ctx)
+        sender.peer_limit = relay.peer_limit
+        return sender
 
-    async def run_cmdp(task_status=trio.TASK_STATUS_IGNORED):
-        sender.install_log_handler("logjam_relay")
-        try:
-            await sender.run(task_status=task_status)
-        finally:
-            sender.remove_log_handler("logjam_relay")
+    async def start_cmdp(relay, nursery):
+        sender = relay.cmdp
 
-    async def start_cmdp(nursery):
+        async def run_cmdp(task_status=trio.TASK_STATUS_IGNORED):
+            sender.install_log_handler("logjam_relay")
+            try:
+                await sender.run(task_status=task_status)
+            finally:
+                sender.remove_log_handler("logjam_relay")
+
         try:
             await nursery.start(run_cmdp)
         except BaseException as e:
@@ -248,13 +259,13 @@ def attach_cmdp(relay: Relay, settings: Settings) -> None:
             if z is None:
                 raise
             raise settings.startup_error("cmdp_port", bind_cause(sender.endpoint, z)) from None
-    relay.add_task(start_cmdp)
+    return {"make_cmdp": make_cmdp, "tasks": (start_cmdp,)}
 
 
-def attach_samwise(relay: Relay, settings: Settings) -> None:
+def samwise_part(settings: Settings, ctx: zmq.Context, peer_limit) -> dict:
     """The samd-compatible endpoint with its own spool and one output per broker."""
     if not settings.samwise:
-        return
+        return {}
     from ..samwise.config import SamwiseConfig
     from ..samwise.endpoint import SamwiseService
     from ..spool.spool import Spool
@@ -281,12 +292,11 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
     # with zmq_max_peers its handshakes go through the relay's ZAP handler, which serves
     # the relay's context only; otherwise it keeps an I/O thread of its own
     service = SamwiseService(cfg, store=spool,
-                             zmq_context=relay.ctx if settings.zmq_max_peers else None)
+                             zmq_context=ctx if settings.zmq_max_peers else None)
     service.max_msg_bytes = settings.resolved_zmq_max_msg_bytes()
     service.max_batch_bytes = settings.ingest_max_bytes
     service.rcv_hwm = samwise_rcv_hwm(settings)
-    service.peer_limit = relay.peer_limit
-    relay.samwise = service
+    service.peer_limit = peer_limit
 
     async def run_samwise(task_status=trio.TASK_STATUS_IGNORED):
         try:
@@ -297,7 +307,7 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
         finally:
             spool.close()
 
-    async def start_samwise(nursery):
+    async def start_samwise(relay, nursery):
         try:
             await nursery.start(run_samwise)
         except BaseException as e:
@@ -308,9 +318,9 @@ def attach_samwise(relay: Relay, settings: Settings) -> None:
             failed = cfg.endpoints[min(len(service.bound), len(cfg.endpoints) - 1)]
             raise settings.startup_error("samwise", bind_cause(failed, z),
                                          value=failed) from None
-    relay.add_task(start_samwise)
     log.info("samwise endpoint on %s, brokers %s, spool %s", ", ".join(cfg.endpoints),
              ", ".join(b.name for b in cfg.brokers), spool_dir)
+    return {"samwise": service, "tasks": (start_samwise,)}
 
 
 def zmq_ports(relay: Relay) -> dict[int, str]:
@@ -334,99 +344,128 @@ def zmq_ports(relay: Relay) -> dict[int, str]:
     return out
 
 
-def attach_fd_guard(relay: Relay) -> None:
+def fd_guard_part() -> dict:
     """The fd reserve (taken now, while descriptors are free) and the guard that drops
     silent ZeroMQ connections when the process runs out of them (docs/operations.md,
     "Open files")."""
     from ..fdreserve import RESERVE
     from ..io.fdguard import FdGuard
     RESERVE.fill()
-    guard = FdGuard(lambda: zmq_ports(relay))
-    relay.fd_guard = guard
 
-    async def start_guard(nursery):
-        await nursery.start(guard.run)
-    relay.add_task(start_guard)
+    def make_fd_guard(relay):
+        return FdGuard(lambda: zmq_ports(relay))
+
+    async def start_guard(relay, nursery):
+        await nursery.start(relay.fd_guard.run)
+    return {"make_fd_guard": make_fd_guard, "tasks": (start_guard,)}
 
 
-def build(settings: Settings) -> Relay:
-    """Create a relay with everything the settings ask for attached."""
-    from ..redact import install_log_redaction
-    install_log_redaction()             # no password in any log line or CMDP LOG record
-    check_settings(settings)            # each subsystem's values (a ConfigError names one)
-    relay = Relay(settings)
-    # the sequence state first: a second relay on the same state dir stops here, before
-    # it touches the spool
-    relay.acquire_state()
-    try:
-        attach_fd_guard(relay)
-        attach_spool_and_outputs(relay, settings)
-        attach_inputs(relay, settings)
-        attach_curve(relay, settings)
-        attach_peers(relay, settings)
-        attach_cmdp(relay, settings)
-        attach_samwise(relay, settings)
-    except BaseException:
-        relay.sequence_state.release()
-        if relay.spool is not None:
-            relay.spool.close()
-        raise
-    registry, collector = make_registry(relay)
-    relay.metrics_registry = registry
-    relay.metrics_collector = collector
-    if getattr(relay, "inputs", None):
-        from ..inputs.base import InputsCollector
-        collector.extra.append(InputsCollector(relay, relay.inputs))
-    if relay.peer_limit is not None:
-        limit, device = relay.peer_limit, str(settings.device_id)
+def metrics_and_http_parts(settings: Settings) -> dict:
+    """/metrics (the relay's collector and the extra ones of its parts), /healthz and
+    /readyz; the HTTP server only with a metrics_port."""
+    def make_metrics(relay):
+        registry, collector = make_registry(relay)
+        if relay.inputs:
+            from ..inputs.base import InputsCollector
+            collector.extra.append(InputsCollector(relay, relay.inputs))
+        if relay.peer_limit is not None:
+            limit, device = relay.peer_limit, str(settings.device_id)
 
-        class _PeerMetrics:
-            def collect(self):
-                return limit.collect(device)
-        collector.extra.append(_PeerMetrics())
-    if relay.curve is not None:
-        dev = str(settings.device_id)
-        curve = relay.curve
+            class _PeerMetrics:
+                def collect(self):
+                    return limit.collect(device)
+            collector.extra.append(_PeerMetrics())
+        if relay.curve is not None:
+            dev = str(settings.device_id)
+            curve = relay.curve
 
-        class _CurveMetrics:
-            def collect(self):
-                return curve.collect(dev)
-        collector.extra.append(_CurveMetrics())
+            class _CurveMetrics:
+                def collect(self):
+                    return curve.collect(dev)
+            collector.extra.append(_CurveMetrics())
+        return registry, collector
 
-    def healthz():
-        return 200, "text/plain", b"ok\n"
+    parts: dict = {"make_metrics": make_metrics}
+    if not settings.metrics_port:
+        return parts
+    web = None
+    if settings.web_config_file:            # TLS + basic auth (health/webconfig.py)
+        from ..health.webconfig import load as load_web_config
+        web = load_web_config(settings.web_config_file)
 
-    def readyz():
-        problems = relay.readiness_problems()
-        if problems:
-            return 503, "text/plain", ("\n".join(problems) + "\n").encode()
-        return 200, "text/plain", b"ready\n"
+    def make_http(relay):
+        def healthz():
+            return 200, "text/plain", b"ok\n"
 
-    if settings.metrics_port:
-        web = None
-        if settings.web_config_file:            # TLS + basic auth (health/webconfig.py)
-            from ..health.webconfig import load as load_web_config
-            web = load_web_config(settings.web_config_file)
-        http = HTTPServer({"/metrics": metrics_handler(registry), "/healthz": healthz,
-                           "/readyz": readyz}, settings.metrics_ip, settings.metrics_port,
+        def readyz():
+            problems = relay.readiness_problems()
+            if problems:
+                return 503, "text/plain", ("\n".join(problems) + "\n").encode()
+            return 200, "text/plain", b"ready\n"
+
+        return HTTPServer({"/metrics": metrics_handler(relay.metrics_registry),
+                           "/healthz": healthz, "/readyz": readyz},
+                          settings.metrics_ip, settings.metrics_port,
                           max_connections=settings.metrics_max_connections,
                           header_timeout=settings.metrics_header_timeout,
                           ssl_context=web.ssl_context if web else None,
                           authorize=web.authorize if web and web.users else None,
-                          authorize_cached=web.authorize_cached if web and web.users else None)
-        relay.http = http
+                          authorize_cached=web.authorize_cached if web and web.users
+                          else None)
 
-        async def start_http(nursery):
-            try:
-                await nursery.start(http.run)
-            except BaseException as e:
-                err = find_exception(e, OSError)
-                if err is None:
-                    raise
-                raise settings.startup_error("metrics_port", bind_cause(
-                    f"{settings.metrics_ip}:{settings.metrics_port}", err)) from None
-        relay.add_task(start_http)
-    return relay
+    async def start_http(relay, nursery):
+        try:
+            await nursery.start(relay.http.run)
+        except BaseException as e:
+            err = find_exception(e, OSError)
+            if err is None:
+                raise
+            raise settings.startup_error("metrics_port", bind_cause(
+                f"{settings.metrics_ip}:{settings.metrics_port}", err)) from None
+    return parts | {"make_http": make_http, "tasks": (start_http,)}
+
+
+def build(settings: Settings) -> Relay:
+    """Create a relay with everything the settings ask for, built whole from its parts."""
+    from ..redact import install_log_redaction
+    install_log_redaction()             # no password in any log line or CMDP LOG record
+    check_settings(settings)            # each subsystem's values (a ConfigError names one)
+    state = SequenceState(settings.resolved_state_dir()
+                          / f"sequence-device-{settings.device_id}.json", settings.device_id)
+    # the sequence state first: a second relay on the same state dir stops here, before
+    # it touches the spool
+    try:
+        state.acquire()
+    except StateDirError as e:
+        raise settings.startup_error("state_dir", e.cause) from None
+    fqdn = settings.resolved_fqdn()
+    ctx = None
+    spool = None
+    try:
+        fd_guard = fd_guard_part()
+        spooled = spool_and_outputs(settings, fqdn)
+        spool = spooled.get("spool")
+        inputs = inputs_part(settings)
+        curve = make_curve(settings)
+        ctx = zmq.Context(io_threads=settings.io_threads)
+        peers = peers_part(settings, ctx, curve)
+        cmdp = cmdp_part(settings)
+        samwise = samwise_part(settings, ctx, peers["peer_limit"])
+        web = metrics_and_http_parts(settings)
+        # the tasks start in this order, before the ingest (a bind that fails stops the
+        # start before anything was read from a client)
+        pieces = (fd_guard, spooled, inputs, peers, cmdp, samwise, web)
+        tasks = tuple(t for piece in pieces for t in piece.get("tasks", ()))
+        fields = {k: v for piece in pieces for k, v in piece.items() if k != "tasks"}
+        return Relay(settings, RelayParts(sequence_state=state, ctx=ctx, fqdn=fqdn,
+                                          curve=curve, tasks=tasks, **fields))
+    except BaseException:
+        state.release()
+        if spool is not None:
+            spool.close()
+        if ctx is not None:
+            ctx.destroy(linger=0)
+        raise
 
 
 async def serve(settings: Settings, *, handle_signals: bool = True,

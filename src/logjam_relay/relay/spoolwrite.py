@@ -1,8 +1,7 @@
 """The ingest's writes into the spool outside the group commit, and the time ingress was
 paused for the spool (:class:`SpoolWrites`).
 
-A committed batch is appended (and, with ``spool_fsync=batch`` but no group commit
-running, synced) before its replies leave, so a 202 always means "in the spool".  On a
+A committed batch is appended before its replies leave, so a 202 always means "in the spool".  On a
 write error the batch is kept and ingress pauses, retried with a backoff (or at once when
 the spool frees space); during shutdown it is given up after one more attempt (the batch
 was published on PUB, not spooled).  Failures and paused time are counted here
@@ -60,37 +59,36 @@ class SpoolWrites:
                    "retrying", getattr(e, "reason", "io"), e)
 
     async def write(self, spool, records: list[tuple] | None, encoded: tuple | None = None,
-                    *, sync: bool = False) -> bool:
+                    *, failed: SpoolWriteError | None = None) -> bool:
         """Append a committed batch (``records``, or ``encoded``: ``(data, n, first_seq,
-        last_meta)``, records the C PULL pass encoded), then fdatasync it when ``sync``.
-        True once the batch is in the spool; False only when shutting down gave up on it.
-        The caller is shielded from cancellation."""
+        last_meta)``, records the C PULL pass encoded), retried until it is in the spool
+        (True); False only when shutting down gave up on it.  ``failed``: the caller's
+        first attempt failed with it (counted, logged and retried here).  The caller is
+        shielded from cancellation."""
         delay = 0.05
-        written = False
         while True:
-            try:
-                if not written:
+            if failed is None:
+                try:
                     if encoded is not None:
                         spool.append_encoded(*encoded)
                     else:
                         spool.append_batch(records)
-                    written = True
-                if sync:
-                    await spool.sync_async()
-                return True
-            except SpoolWriteError as e:
-                self.failures += 1
-                rlog.error("spool_write", "spool %s failed (%s): %s; ingress paused, retrying",
-                           "sync" if written else "write", e.reason, e)
-                if self._stopping():
-                    return False
-                # paused (counted in blocked_seconds while it lasts); retried at once when
-                # the spool frees space, else after the backoff
-                t0 = trio.current_time()
-                with trio.move_on_after(delay):
-                    if spool.would_block():
-                        await spool.wait_writable()
-                    else:
-                        await trio.sleep(delay)
-                self.blocked_seconds += trio.current_time() - t0
-                delay = min(delay * 2, 2.0)
+                    return True
+                except SpoolWriteError as e:
+                    failed = e
+            self.failures += 1
+            rlog.error("spool_write", "spool write failed (%s): %s; ingress paused, retrying",
+                       failed.reason, failed)
+            failed = None
+            if self._stopping():
+                return False
+            # paused (counted in blocked_seconds while it lasts); retried at once when
+            # the spool frees space, else after the backoff
+            t0 = trio.current_time()
+            with trio.move_on_after(delay):
+                if spool.would_block():
+                    await spool.wait_writable()
+                else:
+                    await trio.sleep(delay)
+            self.blocked_seconds += trio.current_time() - t0
+            delay = min(delay * 2, 2.0)

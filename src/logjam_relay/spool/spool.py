@@ -196,17 +196,17 @@ class Spool:
 
     def append_encoded(self, data: bytes, n: int, first_seq: int,
                        last_meta: bytes) -> Position | None:
-        """Append ``n`` logjam records already encoded (the relay's C PULL pass) as
+        """Append ``n`` logjam records already encoded (the relay's C pass) as
         :func:`segment.encode_logjam_batch` encodes them from spool sequence ``first_seq``.
-        If something was appended since they were numbered (a heartbeat while a failed
-        write waited to be retried), they are numbered again from the spool's next seq."""
+        One part numbers them, the one in front of the spool (relay/batchpath.py: the
+        spool's :attr:`next_seq` with nothing appended between, or the group commit's):
+        ``first_seq`` other than :attr:`next_seq` is that part's bug, refused with
+        ValueError (nothing appended), never numbered again here."""
         if not n:
             return None
         if first_seq != self.ledger.next_seq:
-            recs, _, status = fmt.parse_records(data, 0, len(data), n)
-            if len(recs) != n or status is not None:
-                raise ValueError("append_encoded: data does not hold n logjam records")
-            data = fmt.encode_logjam_batch([r[3] for r in recs], self.ledger.next_seq)
+            raise ValueError(f"append_encoded: {n} records numbered from {first_seq}, the "
+                             f"spool's next is {self.ledger.next_seq}")
         pos = self._append_bytes(data, n)
         self.ledger.note_meta(last_meta)
         return pos
