@@ -80,6 +80,34 @@ def _run(archive, out, cache, env=None):
     return r.stdout
 
 
+def test_the_wait_for_the_driver_jvm_lasts_while_it_works(monkeypatch):
+    """The driver JVM writes its class archive when it exits: on a busy machine that takes
+    longer than any fixed timeout (the real command's first run then said nothing of the
+    archive and left none).  The wait lasts while the process uses CPU, and ends after
+    ``timeout`` seconds without any."""
+    from types import SimpleNamespace
+
+    from pyspark import SparkContext
+
+    def child(code):
+        return subprocess.Popen([sys.executable, "-c", "import sys, time\nsys.stdin.read()\n"
+                                 + code], stdin=subprocess.PIPE)
+    busy = child("t = time.process_time()\nwhile time.process_time() - t < 3: pass")
+    idle = child("time.sleep(120)")
+    try:
+        for proc, exited in ((busy, True), (idle, False)):
+            gw = SimpleNamespace(proc=proc, jvm=SimpleNamespace(
+                System=SimpleNamespace(getProperty=lambda k: "the-class-path")))
+            monkeypatch.setattr(SparkContext, "_gateway", gw)
+            assert jvmcache.wait_for_jvm_exit(timeout=1.0) == "the-class-path"
+            # 3 CPU-seconds of work outlast the 1 s the wait gives a process doing nothing
+            assert (proc.poll() is not None) is exited, proc.args
+        assert busy.returncode == 0
+    finally:
+        idle.kill()
+        idle.wait()
+
+
 def test_first_run_writes_next_uses_damaged_is_rewritten(small_archive, tmp_path):
     """Two runs of the real command: the first writes the archive, the second maps it.
     A damaged archive is rewritten rather than mapped: the size check that decides it is
@@ -104,7 +132,7 @@ def test_first_run_writes_next_uses_damaged_is_rewritten(small_archive, tmp_path
     out1 = _run(small_archive, tmp_path / "o1", cache, env)
     assert f"summary: rows in {len(MESSAGES)}" in out1
     assert_same(tables(str(tmp_path / "o1")), reference(MESSAGES))
-    assert "JVM class archive: writing" in out1 and "JVM class archive written" in out1
+    assert "JVM class archive: writing" in out1 and "JVM class archive written" in out1, out1
     jsa = [p for p in os.listdir(jdir) if p.endswith(".jsa")]
     assert len(jsa) == 1 and not [p for p in os.listdir(jdir) if p.endswith(".tmp")]
     path = jdir / jsa[0]

@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 #: JVM options that keep the JDK's CDS messages off stderr (an archive that does not
 #: match is ignored silently: it only costs the speed-up)
@@ -119,11 +120,13 @@ class ClassArchive:
         ok = False
         try:
             if classpath and os.path.getsize(self.tmp) > 0:
-                r = subprocess.run(
-                    [self.java, "-cp", classpath, f"-XX:SharedArchiveFile={self.tmp}",
-                     "-Xshare:on", "-XX:+VerifySharedSpaces", "-version"],
-                    capture_output=True, timeout=timeout)
-                ok = r.returncode == 0
+                with subprocess.Popen(
+                        [self.java, "-cp", classpath, f"-XX:SharedArchiveFile={self.tmp}",
+                         "-Xshare:on", "-XX:+VerifySharedSpaces", "-version"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as check:
+                    if not wait_while_busy(check, idle_s=timeout):
+                        check.kill()
+                    ok = check.wait() == 0
             if ok:
                 size = os.path.getsize(self.tmp)
                 for old in glob.glob(os.path.join(self.dir, "spark-*.jsa*")):
@@ -232,9 +235,42 @@ def driver_jvm(spark):
     return SparkContext._jvm
 
 
+def _cpu_ticks(pid: int) -> int | None:
+    """utime + stime of a process (clock ticks, /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def wait_while_busy(proc, idle_s: float = 60.0, limit_s: float = 1800.0) -> bool:
+    """Wait for ``proc`` to exit for as long as it keeps using CPU: give up (False) once it
+    has used none for ``idle_s``, or after ``limit_s`` in all.  A JVM that writes its class
+    archive at exit links and dumps every loaded class (100-200 MB): a few seconds on an idle
+    machine, minutes on a busy one; a wall-clock timeout would cut that dump short there and
+    leave no archive, a stuck JVM still ends the wait."""
+    t0 = last = time.monotonic()
+    ticks = _cpu_ticks(proc.pid)
+    while True:
+        try:
+            proc.wait(timeout=1.0)
+            return True
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        t = _cpu_ticks(proc.pid)
+        if t is None or t != ticks:
+            ticks, last = t, now
+        if now - last > idle_s or now - t0 > limit_s:
+            return False
+
+
 def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:
     """Close the Spark driver JVM's stdin (it exits on EOF, writing a class archive if
-    asked to) and wait for it; returns the class path it had, or None."""
+    asked to) and wait for it while it works (:func:`wait_while_busy`, ``timeout`` without
+    using CPU ends the wait); returns the class path it had, or None."""
     from pyspark import SparkContext
     gw = SparkContext._gateway
     proc = getattr(gw, "proc", None) if gw is not None else None
@@ -250,8 +286,8 @@ def wait_for_jvm_exit(timeout: float = 60.0) -> str | None:
     try:
         if proc.stdin is not None:
             proc.stdin.close()
-        proc.wait(timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
+        wait_while_busy(proc, idle_s=timeout)
+    except OSError:
         pass
     SparkContext._gateway = None
     SparkContext._jvm = None
