@@ -47,6 +47,10 @@ elif os.environ.get("LOGJAM_RELAY_SYNC_THREAD", "").strip().lower() in ("0", "fa
     OFF_REASON = "LOGJAM_RELAY_SYNC_THREAD=0"
 
 
+#: the most descriptors one job of :meth:`SyncThread.start_many` syncs (``_syncthread.c``)
+MAX_ITEMS = 16
+
+
 class SyncThread:
     """fdatasync in the C thread; see the module text."""
 
@@ -86,6 +90,13 @@ class SyncThread:
         :meth:`finish` returned or raised."""
         self._c.submit(fd)
 
+    def start_many(self, datasync: list[int], fsync: list[int]) -> None:
+        """As :meth:`start`, one job of several syncs, in order: ``fdatasync`` each of
+        ``datasync``, then ``fsync`` each of ``fsync`` (a directory); at most
+        :data:`MAX_ITEMS` together.  An error ends the job: :meth:`finish` raises it with
+        ``sync_index``, the failed descriptor's index in ``datasync + fsync``."""
+        self._c.submit_many(datasync, fsync)
+
     async def finish(self) -> float:
         """Wait for the sync :meth:`start` handed over; as :meth:`fdatasync` returns."""
         try:
@@ -101,12 +112,14 @@ class SyncThread:
                 res = await self._result()
             if not isinstance(e, trio.Cancelled):
                 raise
-        err, seconds = res
+        err, seconds, index = res
         if err:
-            raise OSError(err, os.strerror(err))
+            e = OSError(err, os.strerror(err))
+            e.sync_index = index
+            raise e
         return seconds
 
-    async def _result(self) -> tuple[int, float]:
+    async def _result(self) -> tuple[int, float, int]:
         """Wait for the job's result.  A wake-up may be left from a job that was done
         before its caller looked (the eventfd was not read then): one more turn."""
         c = self._c
