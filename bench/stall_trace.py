@@ -131,7 +131,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                               **extra)
     relay = build(settings)
     syncs: list[float] = []
-    roll_syncs: list[float] = []        # the sync_async calls made while a seal was queued
+    roll_syncs: list[float] = []        # the syncs started while a seal was queued
     raw_syncs: list[float] = []
     writes: list[tuple[float, float]] = []
     rolls: list[tuple[str, float]] = []
@@ -146,6 +146,26 @@ async def run(args, tool: str, tracer: Tracer) -> None:
             if rolled:
                 roll_syncs.append(syncs[-1])
         relay.spool.sync_async = timed_sync
+        # the group commit's rounds with the C thread: sync_begin .. sync_end (a round
+        # after a roll: a seal is queued, or the new segment's name is owed)
+        real_begin, real_end = relay.spool.sync_begin, relay.spool.sync_end
+        begun: dict[int, tuple[float, bool]] = {}
+
+        def timed_begin():
+            w = relay.spool.writer
+            rolled = bool(w.sealing) or w.dir_synced < w.dir_gen
+            job = real_begin()
+            if job is not None:
+                begun[id(job)] = (time.perf_counter(), rolled)
+            return job
+
+        async def timed_end(job):
+            t0, rolled = begun.pop(id(job), (time.perf_counter(), False))
+            await real_end(job)
+            syncs.append(time.perf_counter() - t0)
+            if rolled:
+                roll_syncs.append(syncs[-1])
+        relay.spool.sync_begin, relay.spool.sync_end = timed_begin, timed_end
         from logjam_relay.spool import fs as spool_mod  # the seam's os calls
         real_write = spool_mod._write
         clk = time.pthread_getcpuclockid(threading.get_ident())
@@ -235,7 +255,8 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                   f"{held[int(len(held) * 0.99)] * 1000:.2f} ms, max {held[-1] * 1000:.2f} ms")
         if syncs:
             syncs.sort()
-            print(f"sync_async (fdatasync in a thread, back on the loop): {len(syncs)} calls, "
+            print(f"syncs (sync_async, sync_begin..sync_end: fdatasync in a thread, back on the "
+                  f"loop): {len(syncs)} calls, "
                   f"p50 {syncs[len(syncs) // 2] * 1000:.2f} ms, p99 "
                   f"{syncs[int(len(syncs) * 0.99)] * 1000:.2f} ms, max {syncs[-1] * 1000:.2f} ms")
         if roll_syncs:

@@ -10,6 +10,14 @@ With ``trio.to_thread.run_sync`` the worker thread has to take the GIL to report
 on a 2-core machine (bench/stall_trace.py, ``--fsync batch``): fdatasync took 0.57 ms at
 the median and ``sync_async`` 1.20 ms -- half a round was the hand-back.
 
+A round after a segment roll owes more than the active segment's fdatasync: the closed
+segment's records (its seal record may not be synced yet) and the directory's fsync (the
+new segment's name).  :meth:`SyncThread.start_many` hands them over as one job, synced in
+order by the same thread; before, the round waited for the seal's and the directory's
+fsyncs in trio's worker threads, and on a busy event loop every one of their calls that
+gave the GIL away waited for it again (a switch interval, 5 ms): ~100 ms per roll at 100k
+msg/s, one message per ingest pass (issue 44).
+
 One sync at a time: while one is in flight (two tasks sync at once, rare) the second goes
 to a worker thread as before (the writer asks :meth:`SyncThread.busy` first).  A
 cancelled wait still waits for the thread (shielded) and returns its result, as

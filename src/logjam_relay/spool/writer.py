@@ -25,8 +25,10 @@ runs as a :class:`SealJob`, its waits in worker threads, so the event loop never
 for the disk at a roll.  The segment is *sealed* (deletable, announced to the seal
 listeners) only once all of it is durable.  :meth:`SegmentWriter.sync_async` and
 :meth:`SegmentWriter.sync` return only once the records of the segments closed before
-them are on disk (:meth:`~SegmentWriter.sync` finishes the seals; ``sync_async`` waits for
-their seal-record fsyncs only, beside its own fdatasync and the directory fsync) and a new
+them are on disk (:meth:`~SegmentWriter.sync` finishes the seals; ``sync_async`` and
+``sync_begin`` fdatasync a duplicate of each closed segment's descriptor whose seal record
+is not synced yet, beside the active segment and the directory, as one job of the C sync
+thread: no wait for a seal's worker thread, whose every hand-back needs the GIL) and a new
 segment's name is durable.  A crash in the middle
 leaves an ``.open`` segment that is not the newest (sealed by the recovery), or one with
 its seal record (renamed by the recovery), or a sealed ``.seg``.  The next segment's file
