@@ -343,6 +343,49 @@ async def test_sync_async_after_a_roll_does_not_wait_for_the_seal(tmp_path, held
     sp.close()
 
 
+async def test_a_failed_sync_of_a_closed_segment_fails_the_round_and_names_it(tmp_path):
+    """The closed segment's fdatasync fails (EIO) in a round after a roll: no 202 (the
+    error is raised and counted, naming that segment); the next round syncs it again."""
+    import errno
+
+    import trio
+    import trio.testing
+
+    class FailingFS(HeldSealFS):
+        bad: str | None = None
+
+        def fdatasync(self, fd: int) -> None:
+            if self.handles[fd].path == self.bad:
+                raise OSError(errno.EIO, "Input/output error (model)")
+            ModelFS.fsync(self, fd)
+
+    fs = FailingFS("write")
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs, fsync=FsyncPolicy("batch", off_loop=True))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sp.run)
+            await trio.testing.wait_all_tasks_blocked()
+            n, job = roll_deferred(sp, 0)
+            sp.append_batch([msg(n)])
+            fs.bad = job.seg.path
+            failures = sp.errors.total
+            with pytest.raises(SpoolWriteError) as e:
+                await sp.sync_async()
+            assert e.value.path == job.seg.path and e.value.errno == errno.EIO
+            assert sp.errors.total == failures + 1 and "syncing" in sp.errors.last
+            assert job.unsynced                   # still owed
+            fs.bad = None
+            with trio.fail_after(15):
+                await sp.sync_async()
+            assert not job.unsynced
+            fs.release.set()
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.release.set()
+    sp.close()
+
+
 def test_a_closed_segment_is_deleted_only_once_sealed(tmp_path):
     fs = ModelFS()
     d = str(tmp_path / "spool")
