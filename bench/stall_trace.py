@@ -12,7 +12,12 @@ fixed-rate load of bench_latency.py) against it.  Recorded:
   GIL; wall ~ CPU: work done on the loop), and the stack a watchdog thread sampled while
   it ran (every 0.5 ms: the innermost relay frames);
 * every garbage collection (``gc.callbacks``): generation and duration;
-* the time between two loop turns spent outside task steps (I/O wait excluded).
+* the time between two loop turns spent outside task steps (I/O wait excluded);
+* with a spool: every sync (``sync_async``, and the group commit's ``sync_begin`` ..
+  ``sync_end``), apart those of a round after a segment roll (the seal's and the
+  directory's syncs owed: issue 44's stall), the spool's ``write()`` calls and the roll's
+  parts (on the loop, in worker threads); under ``batch`` how long the replies waited in
+  the group commit.
 
 Printed: the latency line of zmq_latency, then the stalls grouped by where they were
 sampled, the GC pauses, and the busiest tasks.  A diagnostic, not a benchmark: the
@@ -131,7 +136,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                               **extra)
     relay = build(settings)
     syncs: list[float] = []
-    roll_syncs: list[float] = []        # the syncs started while a seal was queued
+    roll_syncs: list[float] = []        # the syncs of a round after a roll
     raw_syncs: list[float] = []
     writes: list[tuple[float, float]] = []
     rolls: list[tuple[str, float]] = []
