@@ -292,8 +292,16 @@ class HeldSealFS(ModelFS):
         self.held = held
         self.release = threading.Event()
 
+    def name(self, fd: int) -> str:
+        """The file's name now (a handle keeps the name it was opened by: a segment made
+        from the spare file is still ``next-segment.tmp`` there)."""
+        h = self.handles.get(fd)
+        if h is None or h.inode is None:
+            return ""
+        return next((p for p, ino in list(self.names.items()) if ino is h.inode), h.path)
+
     def fsync(self, fd: int) -> None:
-        path = self.handles[fd].path if fd in self.handles else ""
+        path = self.name(fd)
         if (self.held == "write" and path.endswith(".open")) or \
                 (self.held == "state" and path.endswith(".seal.tmp")):
             self.release.wait(30)
@@ -355,7 +363,7 @@ async def test_a_failed_sync_of_a_closed_segment_fails_the_round_and_names_it(tm
         bad: str | None = None
 
         def fdatasync(self, fd: int) -> None:
-            if self.handles[fd].path == self.bad:
+            if self.name(fd) == self.bad:
                 raise OSError(errno.EIO, "Input/output error (model)")
             ModelFS.fsync(self, fd)
 
