@@ -12,7 +12,12 @@ fixed-rate load of bench_latency.py) against it.  Recorded:
   GIL; wall ~ CPU: work done on the loop), and the stack a watchdog thread sampled while
   it ran (every 0.5 ms: the innermost relay frames);
 * every garbage collection (``gc.callbacks``): generation and duration;
-* the time between two loop turns spent outside task steps (I/O wait excluded).
+* the time between two loop turns spent outside task steps (I/O wait excluded);
+* with a spool: every sync (``sync_async``, and the group commit's ``sync_begin`` ..
+  ``sync_end``), apart those of a round after a segment roll (the seal's and the
+  directory's syncs owed: issue 44's stall), the spool's ``write()`` calls and the roll's
+  parts (on the loop, in worker threads); under ``batch`` how long the replies waited in
+  the group commit.
 
 Printed: the latency line of zmq_latency, then the stalls grouped by where they were
 sampled, the GC pauses, and the busiest tasks.  A diagnostic, not a benchmark: the
@@ -131,7 +136,7 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                               **extra)
     relay = build(settings)
     syncs: list[float] = []
-    roll_syncs: list[float] = []        # the sync_async calls made while a seal was queued
+    roll_syncs: list[float] = []        # the syncs of a round after a roll
     raw_syncs: list[float] = []
     writes: list[tuple[float, float]] = []
     rolls: list[tuple[str, float]] = []
@@ -146,6 +151,29 @@ async def run(args, tool: str, tracer: Tracer) -> None:
             if rolled:
                 roll_syncs.append(syncs[-1])
         relay.spool.sync_async = timed_sync
+        # the group commit's rounds with the C thread: sync_begin .. sync_end (a round
+        # after a roll: a seal is queued, or the new segment's name is owed)
+        real_begin, real_end = relay.spool.sync_begin, relay.spool.sync_end
+        begun: dict[int, tuple[float, bool]] = {}
+
+        def timed_begin():
+            w = relay.spool.writer
+            rolled = bool(w.sealing) or w.dir_synced < w.dir_gen
+            t0 = time.perf_counter()
+            job = real_begin()
+            if job is not None:
+                if hasattr(job, "closed_fds"):  # what the job syncs says (a tree with it)
+                    rolled = bool(job.closed_fds) or job.dir_fd >= 0
+                begun[id(job)] = (t0, rolled)
+            return job
+
+        async def timed_end(job):
+            t0, rolled = begun.pop(id(job), (time.perf_counter(), False))
+            await real_end(job)
+            syncs.append(time.perf_counter() - t0)
+            if rolled:
+                roll_syncs.append(syncs[-1])
+        relay.spool.sync_begin, relay.spool.sync_end = timed_begin, timed_end
         from logjam_relay.spool import fs as spool_mod  # the seam's os calls
         real_write = spool_mod._write
         clk = time.pthread_getcpuclockid(threading.get_ident())
@@ -235,12 +263,13 @@ async def run(args, tool: str, tracer: Tracer) -> None:
                   f"{held[int(len(held) * 0.99)] * 1000:.2f} ms, max {held[-1] * 1000:.2f} ms")
         if syncs:
             syncs.sort()
-            print(f"sync_async (fdatasync in a thread, back on the loop): {len(syncs)} calls, "
+            print(f"syncs (sync_async, sync_begin..sync_end: fdatasync in a thread, back on the "
+                  f"loop): {len(syncs)} calls, "
                   f"p50 {syncs[len(syncs) // 2] * 1000:.2f} ms, p99 "
                   f"{syncs[int(len(syncs) * 0.99)] * 1000:.2f} ms, max {syncs[-1] * 1000:.2f} ms")
         if roll_syncs:
             d = sorted(roll_syncs)
-            print(f"  of them after a roll (a seal queued): {len(d)} calls, p50 "
+            print(f"  of them after a roll (a seal or the directory owed): {len(d)} calls, p50 "
                   f"{d[len(d) // 2] * 1000:.2f} ms, p90 {d[int(len(d) * 0.9)] * 1000:.2f} ms, "
                   f"max {d[-1] * 1000:.2f} ms")
         if raw_syncs:

@@ -16,7 +16,7 @@ import contextlib
 import trio
 import zmq
 
-from conftest import free_port
+from conftest import free_port, require_native
 from logjam_relay.io import zmq_trio
 from logjam_relay.relay.service import build
 from logjam_relay.spool.errors import SpoolWriteError
@@ -87,11 +87,13 @@ class Watch:
 
 
 @contextlib.asynccontextmanager
-async def batch_relay(tmp_path, monkeypatch, inputs=(), delay: float = 0.0, **watch):
+async def batch_relay(tmp_path, monkeypatch, inputs=(), delay: float = 0.0,
+                      segment_bytes: int = 64 << 20, **watch):
     settings = relay_settings(tmp_path, spool_dir=str(tmp_path / "spool"),
                               spool_fsync="batch", heartbeat_interval=3600,
                               metrics_port=0, inputs=list(inputs),
-                              spool_fsync_batch_delay=delay)
+                              spool_fsync_batch_delay=delay,
+                              spool_segment_bytes=segment_bytes)
     relay = build(settings)
     w = Watch(relay, monkeypatch, **watch)
     ctx = zmq.Context()
@@ -169,6 +171,45 @@ async def test_202s_leave_only_after_the_fdatasync_that_covers_them(tmp_path, mo
     assert scans and all(r.error is None and r.cut_bytes == 0 for r in scans), scans
     assert all(a.next_seq == b.header.first_seq for a, b in zip(scans, scans[1:], strict=False))
     assert sum(r.records for r in scans) == appended >= n * clients
+
+
+async def test_202s_go_on_across_rolls_without_the_seals_worker_threads(tmp_path,
+                                                                        monkeypatch):
+    """Issue 44: the round after a segment roll waited for the closed segment's seal record
+    and the directory's fsync, done in trio's worker threads; each of their hand-backs
+    needs the GIL, which a busy event loop holds (5 ms a switch), so every roll cost the
+    202s ~100 ms at 100k msg/s, one message per ingest pass.  Here no worker thread can
+    run at all (the default thread limiter's only token is taken): the rounds still answer
+    across several rolls -- their syncs (the closed segment's records, the new segment's,
+    the directory) are one job of the C sync thread -- while the seals wait.  Before, the
+    first round after the first roll never returned."""
+    from logjam_relay.spool import syncthread
+    require_native(syncthread._c, "logjam_relay.spool._syncthread")
+    n = 1200                                        # ~330 KB of records: several rolls
+    async with batch_relay(tmp_path, monkeypatch, segment_bytes=64 << 10) as (relay, c, w):
+        writer = relay.spool.writer
+        dealer = c.dealer()
+        got: list[bytes] = []
+        await load(dealer, 10, got)                 # the first segment exists
+        limiter = trio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = 1
+        holder = object()
+        with trio.fail_after(30):                   # a worker in flight (the spare) ends
+            await limiter.acquire_on_behalf_of(holder)
+        try:
+            jobs = writer.sync_thread.jobs
+            await load(dealer, n, got)              # fails (30 s without a reply) before
+            rolled = [j for j in writer.sealing if not j.seg.sealed]
+            assert len(rolled) >= 2, writer.sealing     # rolls whose seals are held
+            assert writer.sync_thread.jobs > jobs
+        finally:
+            limiter.release_on_behalf_of(holder)
+            limiter.total_tokens = 40
+        with trio.fail_after(30):                   # the seals go on now
+            while writer.sealing:
+                await trio.sleep(0.01)
+    assert got == [b"202 Accepted"] * (n + 10)
+    assert w.violations == [], w.violations[:5]
 
 
 async def test_batch_delay_spaces_the_rounds(tmp_path, monkeypatch):

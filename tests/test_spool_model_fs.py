@@ -281,30 +281,45 @@ async def test_sync_async_covers_records_of_a_segment_whose_seal_runs(tmp_path):
     assert SPARE_FILE not in fs.listdir(d)
 
 
-class HeldStateFS(ModelFS):
-    """The seal's state file (``*.seal.tmp``) is fsynced only once ``release`` is set: the
-    seal stays in its last stage (DIRSYNC) as long as the test wants."""
+class HeldSealFS(ModelFS):
+    """One stage of a background seal waits until ``release`` is set: ``"write"`` the
+    seal record's fsync (its first stage), ``"state"`` the state file's fsync (its last,
+    DIRSYNC).  An fdatasync is never held."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: str) -> None:
         import threading
         super().__init__()
+        self.held = held
         self.release = threading.Event()
 
+    def name(self, fd: int) -> str:
+        """The file's name now (a handle keeps the name it was opened by: a segment made
+        from the spare file is still ``next-segment.tmp`` there)."""
+        h = self.handles.get(fd)
+        if h is None or h.inode is None:
+            return ""
+        return next((p for p, ino in list(self.names.items()) if ino is h.inode), h.path)
+
     def fsync(self, fd: int) -> None:
-        if self.handles[fd].path.endswith(".seal.tmp"):
-            self.release.wait(10)
+        path = self.name(fd)
+        if (self.held == "write" and path.endswith(".open")) or \
+                (self.held == "state" and path.endswith(".seal.tmp")):
+            self.release.wait(30)
         super().fsync(fd)
 
-    fdatasync = fsync
+    fdatasync = ModelFS.fsync
 
 
-async def test_sync_async_after_a_roll_does_not_wait_for_the_whole_seal(tmp_path):
-    """A round after a roll waits for the closed segment's records (the seal record's
-    fsync) and the new segment's name and records, not for the seal's state file: what
-    it returned for survives a power loss while the seal has not finished."""
+@pytest.mark.parametrize("held", ["write", "state"])
+async def test_sync_async_after_a_roll_does_not_wait_for_the_seal(tmp_path, held):
+    """A round after a roll makes the closed segment's records durable itself (their
+    fdatasync) and the new segment's name and records; it waits for no stage of the
+    closed segment's seal, which runs in worker threads (issue 44: each of their
+    hand-backs waits for the GIL on a busy event loop; a round after a roll took ~100 ms).
+    What it returned for survives a power loss while the seal has not finished: the
+    recovery seals the closed segment, with or without its seal record."""
     import trio
-    import trio.testing
-    fs = HeldStateFS()
+    fs = HeldSealFS(held)
     d = str(tmp_path / "spool")
     sp = open_spool(d, fs, fsync=FsyncPolicy("batch", off_loop=True))
     try:
@@ -314,9 +329,15 @@ async def test_sync_async_after_a_roll_does_not_wait_for_the_whole_seal(tmp_path
             assert sp.writer.defer_seals
             n, job = roll_deferred(sp, 0)
             sp.append_batch([msg(j) for j in range(n, n + 3)])   # into the new segment
-            with trio.fail_after(5):              # before: it waited for the state file
+            # held in its first stage: before, the round waited for the seal record's
+            # fsync (released only after 30 s, so this fails); in its last: the state file
+            with trio.fail_after(15):
                 await sp.sync_async()
-            assert job.stage == job.DIRSYNC and not job.seg.sealed
+            expect = job.WRITE if held == "write" else job.DIRSYNC
+            with trio.fail_after(15):
+                while job.stage != expect:        # the seal's worker is where it is held
+                    await trio.sleep(0.001)
+            assert not job.seg.sealed
             crashed = fs.crash()
             fs.release.set()
             nursery.cancel_scope.cancel()
@@ -327,6 +348,49 @@ async def test_sync_async_after_a_roll_does_not_wait_for_the_whole_seal(tmp_path
     assert sp2.stats()["lost"] == 0 and sp2.corrupt_tails_cut == 0
     assert sp2.ledger.segs[job.seg.segno].sealed
     sp2.close()
+    sp.close()
+
+
+async def test_a_failed_sync_of_a_closed_segment_fails_the_round_and_names_it(tmp_path):
+    """The closed segment's fdatasync fails (EIO) in a round after a roll: no 202 (the
+    error is raised and counted, naming that segment); the next round syncs it again."""
+    import errno
+
+    import trio
+    import trio.testing
+
+    class FailingFS(HeldSealFS):
+        bad: str | None = None
+
+        def fdatasync(self, fd: int) -> None:
+            if self.name(fd) == self.bad:
+                raise OSError(errno.EIO, "Input/output error (model)")
+            ModelFS.fsync(self, fd)
+
+    fs = FailingFS("write")
+    d = str(tmp_path / "spool")
+    sp = open_spool(d, fs, fsync=FsyncPolicy("batch", off_loop=True))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sp.run)
+            await trio.testing.wait_all_tasks_blocked()
+            n, job = roll_deferred(sp, 0)
+            sp.append_batch([msg(n)])
+            fs.bad = job.seg.path
+            failures = sp.errors.total
+            with pytest.raises(SpoolWriteError) as e:
+                await sp.sync_async()
+            assert e.value.path == job.seg.path and e.value.errno == errno.EIO
+            assert sp.errors.total == failures + 1 and "syncing" in sp.errors.last
+            assert job.unsynced                   # still owed
+            fs.bad = None
+            with trio.fail_after(15):
+                await sp.sync_async()
+            assert not job.unsynced
+            fs.release.set()
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.release.set()
     sp.close()
 
 

@@ -89,6 +89,35 @@ async def test_errors_come_back_with_their_errno(st, tmp_path):
     assert not st.busy()              # free again after a failure
 
 
+async def test_one_job_of_several_syncs(st, tmp_path):
+    """start_many: the fdatasyncs, then the fsyncs (a directory), as one job with one
+    wake-up; the first error ends it and names the descriptor's index."""
+    a = os.open(tmp_path / "a", os.O_CREAT | os.O_WRONLY, 0o644)
+    b = os.open(tmp_path / "b", os.O_CREAT | os.O_WRONLY, 0o644)
+    d = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    r, w = os.pipe()                  # fdatasync/fsync on a pipe: EINVAL
+    try:
+        os.write(a, b"x" * 1000)
+        os.write(b, b"y" * 1000)
+        st.start_many([a, b], [d])
+        assert 0 < await st.finish() < 30
+        assert st.jobs == 1 and not st.busy()
+        for data, full, bad in (([a, r], [d], 1), ([a], [r], 1), ([r, b], [], 0)):
+            st.start_many(data, full)
+            with pytest.raises(OSError) as e:
+                await st.finish()
+            assert e.value.errno == errno.EINVAL and e.value.sync_index == bad
+        assert st.jobs == 4 and not st.busy()
+        with pytest.raises(ValueError, match="at most 16"):
+            st.start_many([a] * 10, [d] * 7)
+        with pytest.raises(ValueError, match="no descriptor"):
+            st.start_many([], [])
+        assert not st.busy()          # nothing was handed over
+    finally:
+        for fd in (a, b, d, r, w):
+            os.close(fd)
+
+
 async def test_one_job_at_a_time(st, tmp_path):
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o644)
     try:

@@ -1,7 +1,10 @@
 /* The group commit's fdatasync thread (spool/syncthread.py): a POSIX thread that never
- * takes the GIL.  The event loop hands it one descriptor at a time (submit), the thread
- * runs fdatasync on it, keeps the errno and writes to the loop's notify descriptor (an
- * eventfd the loop waits on); the loop takes the result (result).
+ * takes the GIL.  The event loop hands it one job at a time (submit: one descriptor to
+ * fdatasync; submit_many: up to MAX_ITEMS descriptors to fdatasync, then some to fsync --
+ * a round after a segment roll: the closed segment's records, the new segment's, the
+ * directory that names it), the thread runs the syncs in order (the first error ends the
+ * job), keeps the errno and writes to the loop's notify descriptor (an eventfd the loop
+ * waits on); the loop takes the result (result).
  *
  * Why not a worker thread of trio's: its completion has to take the GIL (to run Python
  * code that reports back through run_sync_soon), and on a busy relay the GIL is held by
@@ -19,8 +22,11 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#define MAX_ITEMS 16
 
 typedef struct {
     PyObject_HEAD
@@ -29,7 +35,11 @@ typedef struct {
     pthread_t thread;
     int started;        /* the thread runs (join it at close) */
     int stop;
-    int job_fd;         /* the descriptor to sync, -1: none waiting */
+    int waiting;        /* a job was handed over and the thread has not taken it yet */
+    int nitems;         /* the job: items[0..nitems) synced in order */
+    int ndata;          /* items[0..ndata) get fdatasync, the rest fsync */
+    int items[MAX_ITEMS];
+    int failed;         /* index of the item that failed (-1: none) */
     int busy;           /* a job was submitted and its result not yet taken */
     int done;           /* its result is there */
     int err;            /* its errno (0: synced) */
@@ -47,20 +57,30 @@ worker(void *arg)
 #endif
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (!s->stop && s->job_fd < 0)
+        while (!s->stop && !s->waiting)
             pthread_cond_wait(&s->cv, &s->mu);
-        if (s->job_fd < 0)
+        if (!s->waiting)
             break;                      /* stopping, nothing left */
-        int fd = s->job_fd;
+        int items[MAX_ITEMS];
+        int n = s->nitems, ndata = s->ndata;
+        memcpy(items, s->items, sizeof items);
+        s->waiting = 0;
         pthread_mutex_unlock(&s->mu);
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        int rc = fdatasync(fd);
-        int err = rc == 0 ? 0 : errno;
+        int err = 0, failed = -1;
+        for (int i = 0; i < n; i++) {
+            int rc = i < ndata ? fdatasync(items[i]) : fsync(items[i]);
+            if (rc != 0) {
+                err = errno;
+                failed = i;
+                break;
+            }
+        }
         clock_gettime(CLOCK_MONOTONIC, &t1);
         pthread_mutex_lock(&s->mu);
-        s->job_fd = -1;
         s->err = err;
+        s->failed = failed;
         s->seconds = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
         s->done = 1;
         s->jobs++;
@@ -92,7 +112,6 @@ Syncer_init(Syncer *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->notify_fd = nfd;
-    self->job_fd = -1;
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);      /* inherited by the thread */
@@ -115,21 +134,28 @@ Syncer_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->cv, NULL);
-    self->job_fd = -1;
     self->notify_fd = -1;
     return (PyObject *)self;
 }
 
-static PyObject *
-Syncer_submit(Syncer *self, PyObject *arg)
+static int
+as_fd(PyObject *o, int *out)
 {
-    long fd = PyLong_AsLong(arg);
+    long fd = PyLong_AsLong(o);
     if (fd == -1 && PyErr_Occurred())
-        return NULL;
+        return -1;
     if (fd < 0 || fd > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "fd must be a descriptor");
-        return NULL;
+        return -1;
     }
+    *out = (int)fd;
+    return 0;
+}
+
+/* hand the job (n items, the first ndata to fdatasync) to the thread */
+static PyObject *
+start_job(Syncer *self, const int *items, int n, int ndata)
+{
     pthread_mutex_lock(&self->mu);
     if (!self->started || self->stop || self->busy) {
         const char *why = self->busy ? "a sync is in flight" : "the sync thread is stopped";
@@ -139,15 +165,73 @@ Syncer_submit(Syncer *self, PyObject *arg)
     }
     self->busy = 1;
     self->done = 0;
-    self->job_fd = (int)fd;
+    memcpy(self->items, items, (size_t)n * sizeof *items);
+    self->nitems = n;
+    self->ndata = ndata;
+    self->waiting = 1;
     pthread_mutex_unlock(&self->mu);
     /* after the unlock: the woken thread does not block on the mutex still held here */
     pthread_cond_signal(&self->cv);
     Py_RETURN_NONE;
 }
 
-/* None while the job runs; else (errno, seconds): its errno (0: synced) and how long the
- * fdatasync took; the thread is free again */
+static PyObject *
+Syncer_submit(Syncer *self, PyObject *arg)
+{
+    int fd;
+    if (as_fd(arg, &fd) < 0)
+        return NULL;
+    return start_job(self, &fd, 1, 1);
+}
+
+/* submit_many(datasync_fds, fsync_fds): fdatasync each of the first, then fsync each of
+ * the second (a directory), in order, as one job */
+static PyObject *
+Syncer_submit_many(Syncer *self, PyObject *args)
+{
+    PyObject *data, *full;
+    if (!PyArg_ParseTuple(args, "OO", &data, &full))
+        return NULL;
+    PyObject *seqs[2] = {
+        PySequence_Fast(data, "datasync_fds must be a sequence"), NULL};
+    if (seqs[0] == NULL)
+        return NULL;
+    seqs[1] = PySequence_Fast(full, "fsync_fds must be a sequence");
+    if (seqs[1] == NULL) {
+        Py_DECREF(seqs[0]);
+        return NULL;
+    }
+    int items[MAX_ITEMS];
+    int n = 0, ndata = 0;
+    PyObject *res = NULL;
+    for (int k = 0; k < 2; k++) {
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(seqs[k]);
+        if (n + len > MAX_ITEMS) {
+            PyErr_Format(PyExc_ValueError, "at most %d descriptors in one job", MAX_ITEMS);
+            goto out;
+        }
+        for (Py_ssize_t i = 0; i < len; i++) {
+            if (as_fd(PySequence_Fast_GET_ITEM(seqs[k], i), &items[n]) < 0)
+                goto out;
+            n++;
+        }
+        if (k == 0)
+            ndata = n;
+    }
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "no descriptor to sync");
+        goto out;
+    }
+    res = start_job(self, items, n, ndata);
+out:
+    Py_DECREF(seqs[0]);
+    Py_DECREF(seqs[1]);
+    return res;
+}
+
+/* None while the job runs; else (errno, seconds, index): its errno (0: synced), how long
+ * its syncs took together, the index of the descriptor that failed (-1: none; in the
+ * order of submit_many's two sequences); the thread is free again */
 static PyObject *
 Syncer_result(Syncer *self, PyObject *unused)
 {
@@ -161,12 +245,12 @@ Syncer_result(Syncer *self, PyObject *unused)
         }
         Py_RETURN_NONE;
     }
-    int err = self->err;
+    int err = self->err, failed = self->failed;
     double seconds = self->seconds;
     self->busy = 0;
     self->done = 0;
     pthread_mutex_unlock(&self->mu);
-    return Py_BuildValue("(id)", err, seconds);
+    return Py_BuildValue("(idi)", err, seconds, failed);
 }
 
 static void
@@ -230,8 +314,12 @@ Syncer_dealloc(Syncer *self)
 static PyMethodDef Syncer_methods[] = {
     {"submit", (PyCFunction)Syncer_submit, METH_O,
      "submit(fd): fdatasync(fd) in the thread; the fd must stay open until result()"},
+    {"submit_many", (PyCFunction)Syncer_submit_many, METH_VARARGS,
+     "submit_many(datasync_fds, fsync_fds): fdatasync each of the first, then fsync each "
+     "of the second, in order, as one job (at most 16); they stay open until result()"},
     {"result", (PyCFunction)Syncer_result, METH_NOARGS,
-     "None while the job runs, else (errno, seconds): 0 = synced, the fdatasync's time"},
+     "None while the job runs, else (errno, seconds, index): 0 = synced, the syncs' time, "
+     "the descriptor that failed (-1: none)"},
     {"close", (PyCFunction)Syncer_close, METH_NOARGS,
      "end the thread (after the job in flight)"},
     {NULL}

@@ -25,8 +25,10 @@ runs as a :class:`SealJob`, its waits in worker threads, so the event loop never
 for the disk at a roll.  The segment is *sealed* (deletable, announced to the seal
 listeners) only once all of it is durable.  :meth:`SegmentWriter.sync_async` and
 :meth:`SegmentWriter.sync` return only once the records of the segments closed before
-them are on disk (:meth:`~SegmentWriter.sync` finishes the seals; ``sync_async`` waits for
-their seal-record fsyncs only, beside its own fdatasync and the directory fsync) and a new
+them are on disk (:meth:`~SegmentWriter.sync` finishes the seals; ``sync_async`` and
+``sync_begin`` fdatasync a duplicate of each closed segment's descriptor whose seal record
+is not synced yet, beside the active segment and the directory, as one job of the C sync
+thread: no wait for a seal's worker thread, whose every hand-back needs the GIL) and a new
 segment's name is durable.  A crash in the middle
 leaves an ``.open`` segment that is not the newest (sealed by the recovery), or one with
 its seal record (renamed by the recovery), or a sealed ``.seg``.  The next segment's file
@@ -41,6 +43,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -53,6 +56,7 @@ from .errors import SpoolWriteError, WriteErrors, is_disk_full, write_error
 from .fs import Filesystem, unlink_quiet, write_all
 from .fsyncpolicy import FsyncPolicy
 from .ledger import Ledger, Seg
+from .syncthread import MAX_ITEMS as MAX_SYNC_ITEMS
 from .syncthread import SyncThread
 from .syncthread import make as make_sync_thread
 from .writeback import (  # noqa: F401  (re-exported: relay/groupcommit.py, the tests)
@@ -107,15 +111,42 @@ class SealJob:
 
 
 class SyncJob:
-    """An fdatasync :meth:`SegmentWriter.sync_begin` started: the duplicated descriptor
-    (-1: nothing was to sync), what it covers (``bytes_appended`` at the start), the
-    segment's path for an error."""
-    __slots__ = ("fd", "upto", "path")
+    """The syncs :meth:`SegmentWriter.sync_begin` started: the duplicated descriptor of the
+    active segment (-1: its records were synced already), what it covers
+    (``bytes_appended`` at the start), the segment's path for an error; and what a roll
+    owes beside it (background seals): ``closed``, the seal jobs of the closed segments
+    whose records may not be durable yet, with a duplicate of each one's descriptor
+    (``closed_fds``), and ``dir_fd``, the directory to fsync (-1: none owed) for the
+    directory generation ``dir_gen``."""
+    __slots__ = ("fd", "upto", "path", "closed", "closed_fds", "dir_fd", "dir_gen")
 
     def __init__(self, fd: int, upto: int, path: str):
         self.fd = fd
         self.upto = upto
         self.path = path
+        self.closed: list[SealJob] = []
+        self.closed_fds: list[int] = []
+        self.dir_fd = -1
+        self.dir_gen = 0
+
+    def empty(self) -> bool:
+        return self.fd < 0 and not self.closed_fds and self.dir_fd < 0
+
+    def fds(self) -> tuple[list[int], list[int]]:
+        """(to fdatasync, to fsync), in the order they are synced."""
+        data = list(self.closed_fds)
+        if self.fd >= 0:
+            data.append(self.fd)
+        return data, [self.dir_fd] if self.dir_fd >= 0 else []
+
+    def what(self, index: int, directory: str) -> tuple[str, str]:
+        """The error message's verb and path of the descriptor ``index`` of :meth:`fds`."""
+        data, _ = self.fds()
+        if 0 <= index < len(self.closed_fds):
+            return "syncing", self.closed[index].seg.path
+        if index >= len(data):
+            return "syncing directory", directory
+        return "syncing", self.path
 
 
 class SegmentWriter:
@@ -360,117 +391,138 @@ class SegmentWriter:
         meanwhile is harmless (sealing fsyncs by itself).  Everything appended before the
         call started is durable when it returns; raises :class:`SpoolWriteError` otherwise.
         The duplicate comes from the fd reserve when the process is out of descriptors.
-        After a roll it also waits for the records of the segments closed before the call
-        (their seal record's fsync: the rename, directory fsync and state file of the seal
-        may still run) and makes a new segment's name durable.  Those waits run beside the
-        active segment's fdatasync (started first, in the C thread when it is free), so a
-        round after a roll costs about one disk flush, not the seal's four in a row.
+        After a roll it also makes the records of the segments closed before the call
+        durable (an fdatasync of each one whose seal record is not synced yet; the seal
+        itself goes on in the background) and a new segment's name (the directory's
+        fsync): one job of the same thread, so a round after a roll costs a few disk
+        flushes and no wait for the seal's worker threads (issue 44: on a busy event loop
+        each of their hand-backs waits for the GIL, ~100 ms per roll).
         """
-        gen = self.dir_gen
-        below = self._ledger.next_segno
-        started = None
-        if self.unsynced and self.fd is not None:
-            await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
-            started = self._start_sync()    # in the C thread when free, beside the waits
-        try:
-            await self._owed_before_sync(gen, below)
-        except BaseException:
-            if started is not None:
-                with trio.CancelScope(shield=True):         # the thread's result is taken
-                    try:
-                        await self.sync_end(started)
-                    except SpoolWriteError:
-                        pass                                # counted; the first error wins
-            raise
-        if started is not None:
-            await self.sync_end(started)
-            return
-        if not self.unsynced or self.fd is None:
-            return
         await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
-        job = self._sync_job()                          # no C thread (or busy): a worker
-        await self._end(job, trio.to_thread.run_sync(timed_fdatasync, self._fs, job.fd))
+        job = self.sync_begin()
+        if job is not None:
+            await self.sync_end(job)
+            return
+        # no C thread (or it is busy): the same syncs in a worker thread
+        job = self._sync_job()
+        if job.empty():
+            return
+        await self._end(job, trio.to_thread.run_sync(self._sync_all, job))
 
-    async def _owed_before_sync(self, gen: int, below: int) -> None:
-        """(sync_async) The directory fsync a new segment's name is owed (``dir_gen`` as
-        of the call), and the seal-record fsyncs of the segments numbered below ``below``
-        whose seals are queued: every segment that existed at the call may hold records
-        appended before it, also one a roll closes while this waits.  The seal's later
-        stages (rename, directory fsync, state file) are not waited for: a crash before
-        them leaves an ``.open`` segment with its seal record that is not the newest,
-        which the recovery seals (docs/spool-format.md)."""
-        if self.dir_synced < gen:
+    def _sync_all(self, job: SyncJob) -> float:
+        """(worker thread) The syncs of ``job``, in order; returns the seconds they took.
+        An ``OSError`` names the failed descriptor's index (``sync_index``)."""
+        data, full = job.fds()
+        t0 = time.perf_counter()
+        for i, fd in enumerate(data + full):
             try:
-                await trio.to_thread.run_sync(self._fs.sync_dir, self.directory)
+                if i < len(data):
+                    self._fs.fdatasync(fd)
+                else:
+                    self._fs.fsync(fd)
             except OSError as e:
-                raise self._errors.count(write_error("syncing directory", self.directory,
-                                                     e)) from None
-            self.dir_synced = max(self.dir_synced, gen)
-        while (job := self._seal_record_owed(below)) is not None:
-            if job.error is not None:
-                raise job.error
-            await job.changed.wait()
-
-    def _seal_record_owed(self, below: int) -> SealJob | None:
-        """The first queued seal of a segment numbered below ``below`` whose seal record
-        is not synced yet (its records may not be durable), or None."""
-        return next((j for j in self.sealing
-                     if j.seg.segno < below and j.stage == SealJob.WRITE), None)
+                e.sync_index = i
+                raise
+        return time.perf_counter() - t0
 
     def sync_begin(self) -> SyncJob | None:
-        """:meth:`sync_async` without waiting, where that needs no wait before the
-        fdatasync: it starts in the C sync thread now, and ``await sync_end(job)`` returns
-        as ``sync_async`` would have (everything appended before this call is durable then).
-        None where it cannot start so (a seal record's fsync or a directory sync is owed
-        first, no C thread, or it is busy): the caller awaits :meth:`sync_async` instead.
-        Lets the owner do other work on the loop while the disk syncs (the group commit
-        sends the previous round's replies).  Raises :class:`SpoolWriteError` when the
-        descriptor cannot be duplicated."""
-        if self.dir_synced < self.dir_gen or \
-                self._seal_record_owed(self._ledger.next_segno) is not None:
-            return None                     # sync_async waits for these first
-        if not self.unsynced or self.fd is None:
-            return SyncJob(-1, self.bytes_appended, "")     # nothing to sync
-        return self._start_sync()
-
-    def _start_sync(self) -> SyncJob | None:
+        """:meth:`sync_async` without waiting: the syncs start in the C sync thread now,
+        and ``await sync_end(job)`` returns as ``sync_async`` would have (everything
+        appended before this call is durable then).  None where they cannot start so (no C
+        thread, or it is busy): the caller awaits :meth:`sync_async` instead.  Lets the
+        owner do other work on the loop while the disk syncs (the group commit sends the
+        previous round's replies).  Raises :class:`SpoolWriteError` when a descriptor
+        cannot be duplicated, or the error of a closed segment's seal that failed."""
         st = self._sync_thread()
         if st is None or st.busy():
             return None
         job = self._sync_job()
+        if job.empty():
+            return job                      # nothing to sync
+        data, full = job.fds()
+        if len(data) + len(full) > MAX_SYNC_ITEMS:
+            self._close_job(job)            # many rolls since the last sync: a worker
+            return None
         try:
-            st.start(job.fd)
+            if len(data) == 1 and not full:
+                st.start(data[0])
+            else:
+                st.start_many(data, full)
         except BaseException:
-            self._fs.close(job.fd)
+            self._close_job(job)
             raise
         return job
 
     def _sync_job(self) -> SyncJob:
-        """A duplicate of the segment's descriptor to fdatasync, and what it covers."""
+        """What a sync started now must make durable, with duplicates of the descriptors:
+        the active segment's records (if any are unsynced), the records of the closed
+        segments whose seal record is not synced yet (if any were unsynced at the roll),
+        the directory when a new segment's name is owed.  Raises the error of a closed
+        segment's seal that failed (no 202 until it is retried with success)."""
         seg = self.active
-        path = seg.path if seg else "?"
+        job = SyncJob(-1, self.bytes_appended, seg.path if seg else "?")
         try:
-            fd = self._fs.dup(self.fd)
+            for sj in self.sealing:
+                if sj.stage != SealJob.WRITE:
+                    continue                # its seal record (and records) are synced
+                if sj.error is not None:
+                    raise sj.error
+                if sj.unsynced and sj.fd is not None:
+                    job.closed_fds.append(self._dup(sj.fd, sj.seg.path))
+                    job.closed.append(sj)
+            if self.dir_synced < self.dir_gen:
+                job.dir_gen = self.dir_gen
+                try:
+                    job.dir_fd = self._fs.open(self.directory,
+                                               os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                except OSError as e:
+                    raise self._errors.count(write_error("syncing directory",
+                                                         self.directory, e)) from None
+            if self.unsynced and self.fd is not None:
+                job.fd = self._dup(self.fd, job.path)
+        except BaseException:
+            self._close_job(job)
+            raise
+        return job
+
+    def _dup(self, fd: int, path: str) -> int:
+        try:
+            return self._fs.dup(fd)
         except OSError as e:
             raise self._errors.count(write_error("syncing", path, e)) from None
-        return SyncJob(fd, self.bytes_appended, path)
+
+    def _close_job(self, job: SyncJob) -> None:
+        for fd in (*job.closed_fds, job.fd, job.dir_fd):
+            if fd >= 0:
+                self._fs.close(fd)
+        job.closed_fds = []
+        job.fd = job.dir_fd = -1
 
     async def sync_end(self, job: SyncJob) -> None:
-        """Wait for the fdatasync :meth:`sync_begin` started (see there)."""
-        if job.fd < 0:
+        """Wait for the syncs :meth:`sync_begin` started (see there)."""
+        if job.empty():
             return
         st = self.sync_thread
         assert st is not None
         await self._end(job, st.finish())
 
     async def _end(self, job: SyncJob, syncing: Awaitable[float]) -> None:
-        """Await ``job``'s fdatasync (its seconds), close the duplicate, count it."""
+        """Await ``job``'s syncs (their seconds), close the duplicates, count them."""
         try:
             took = await syncing
         except OSError as e:
-            raise self._errors.count(write_error("syncing", job.path, e)) from None
+            verb, path = job.what(getattr(e, "sync_index", -1), self.directory)
+            raise self._errors.count(write_error(verb, path, e)) from None
         finally:
-            self._fs.close(job.fd)
+            active = job.fd >= 0
+            self._close_job(job)
+        for sj in job.closed:
+            sj.unsynced = False             # its records are durable: not synced again
+        if job.dir_gen:
+            self.dir_synced = max(self.dir_synced, job.dir_gen)
+        self.fsyncs += len(job.closed)
+        if not active:
+            return
         self.sync_times.add(took)
         self.fsyncs += 1
         self.last_fsync = self._mono()
@@ -478,9 +530,9 @@ class SegmentWriter:
             self.unsynced = False
 
     def sync_ready(self, job: SyncJob) -> bool:
-        """The fdatasync of ``job`` is done: ``sync_end(job)`` returns without waiting."""
+        """The syncs of ``job`` are done: ``sync_end(job)`` returns without waiting."""
         st = self.sync_thread
-        return job.fd < 0 or (st is not None and st.done())
+        return job.empty() or (st is not None and st.done())
 
     def interval_sync_due(self) -> bool:
         return self.fsync.interval_due(self.unsynced, self._mono() - self.last_fsync)
