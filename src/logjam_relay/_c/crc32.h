@@ -1,5 +1,6 @@
-/* CRC-32 of the spool records (zlib's crc32: the same value as zlib.crc32) for the C
- * encoders (spool/_segenc.c, the ingest pass in io/_zmqfast.c).
+/* CRC-32 of the spool records (zlib's crc32: the same value as zlib.crc32), the one copy
+ * for every C file that writes or checks a record (_c/record.h: spool/_segenc.c, the ingest
+ * pass in io/_zmqfast.c, the readers spool/_segscan.c and spool/_tailread.c).
  *
  * On x86-64 with PCLMULQDQ and SSE4.1 (checked once at run time with cpuid) the bulk is
  * folded with carry-less multiplies, 64 bytes a step (the algorithm and constants of
@@ -24,7 +25,7 @@
 #define LJ_CRC_SIMD_MIN 64
 
 __attribute__((target("pclmul,sse4.1")))
-static uint32_t lj_crc32_fold(const unsigned char *buf, size_t len, uint32_t crc) {
+static inline uint32_t lj_crc32_fold(const unsigned char *buf, size_t len, uint32_t crc) {
     /* len >= 64 and a multiple of 16; crc is the inverted running value */
     static const uint64_t k1k2[2] __attribute__((aligned(16))) = {0x0154442bd4, 0x01c6e41596};
     static const uint64_t k3k4[2] __attribute__((aligned(16))) = {0x01751997d0, 0x00ccaa009e};
@@ -101,7 +102,7 @@ static uint32_t lj_crc32_fold(const unsigned char *buf, size_t len, uint32_t crc
 
 static int lj_crc_simd = -1;       /* -1: not checked yet */
 
-static int lj_crc_simd_ok(void) {
+static inline int lj_crc_simd_ok(void) {
     if (lj_crc_simd < 0) {
         unsigned a, b, c, d;
         lj_crc_simd = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_PCLMUL) && (c & bit_SSE4_1);
@@ -117,7 +118,7 @@ static int lj_crc_simd_ok(void) {
 static uint32_t lj_crc_table[256];
 static int lj_crc_table_ready;
 
-static const uint32_t *lj_crc_tab(void) {
+static inline const uint32_t *lj_crc_tab(void) {
     if (!__atomic_load_n(&lj_crc_table_ready, __ATOMIC_ACQUIRE)) {
         for (uint32_t n = 0; n < 256; n++) {
             uint32_t c = n;
@@ -130,7 +131,7 @@ static const uint32_t *lj_crc_tab(void) {
 }
 
 /* zlib's crc32 of buf[0:len] (starting value 0) */
-static uint32_t lj_crc32(const unsigned char *buf, size_t len) {
+static inline uint32_t lj_crc32(const unsigned char *buf, size_t len) {
     uLong c = 0;                    /* crc32(0L, Z_NULL, 0) */
 #ifdef LJ_CRC_SIMD_MIN
     if (len >= LJ_CRC_SIMD_MIN && lj_crc_simd_ok()) {
