@@ -244,17 +244,23 @@ def part(mod: str) -> str:
 def upward(edges, floors, native=frozenset()) -> list[str]:
     """Edges that point to the same floor (another part) or up.  A C twin is a leaf that
     imports nothing: it counts as the bottom floor wherever its source file sits."""
-    floor_of = {p: i for i, (_, parts) in enumerate(floors) for p in parts}
     bad = []
     for e in edges:
-        a, b = part(e.src), part(e.dst)
-        if a == b or e.dst in native or a not in floor_of or b not in floor_of:
-            continue                    # (a part without a floor fails its own test)
-        if floor_of[b] >= floor_of[a]:
-            how = "the same floor" if floor_of[b] == floor_of[a] else "up"
-            bad.append(f"{e}: {a} (floor {floors[floor_of[a]][0]}) imports {how}, "
-                       f"{b} (floor {floors[floor_of[b]][0]})")
+        if e.dst not in native and (why := against_floors(part(e.src), part(e.dst), floors)):
+            bad.append(f"{e}: imports {why}")
     return bad
+
+
+def against_floors(a: str, b: str, floors) -> str | None:
+    """How part ``a`` using part ``b`` breaks the floors: "up ..." or "sideways ..."
+    (another part of its own floor); None when it does not (its own part, a lower floor,
+    or a part without a floor, which fails its own test)."""
+    floor_of = {p: i for i, (_, parts) in enumerate(floors) for p in parts}
+    if a == b or a not in floor_of or b not in floor_of or floor_of[b] < floor_of[a]:
+        return None
+    how = "sideways" if floor_of[b] == floor_of[a] else "up"
+    return (f"{how}: {a} (floor {floors[floor_of[a]][0]}) -> {b} "
+            f"(floor {floors[floor_of[b]][0]})")
 
 
 def cycles(edges, mods) -> list[frozenset[str]]:
@@ -350,19 +356,12 @@ def c_includes(src: Path = SRC, pkg: str = PKG) -> list[Include]:
 def includes_against_floors(incs, floors) -> list[str]:
     """Includes that name no file of the package, or a file of another part on the same
     floor (sideways) or on a higher one (up)."""
-    floor_of = {p: i for i, (_, parts) in enumerate(floors) for p in parts}
     bad = []
     for inc in incs:
         if inc.dst is None:
             bad.append(f"{inc}: names no file of the package (a system header is <...>)")
-            continue
-        a, b = c_part(inc.src), c_part(inc.dst)
-        if a == b or a not in floor_of or b not in floor_of:
-            continue                    # (a part without a floor fails its own test)
-        if floor_of[b] >= floor_of[a]:
-            how = "sideways" if floor_of[b] == floor_of[a] else "up"
-            bad.append(f"{inc}: {a} (floor {floors[floor_of[a]][0]}) includes {how}, "
-                       f"{b} (floor {floors[floor_of[b]][0]})")
+        elif why := against_floors(c_part(inc.src), c_part(inc.dst), floors):
+            bad.append(f"{inc}: includes {why}")
     return bad
 
 
