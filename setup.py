@@ -36,12 +36,12 @@ setup(ext_modules=[
               depends=META, optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Courier output's event mapping (common case)
     Extension("logjam_relay.outputs._courierenc", ["src/logjam_relay/outputs/_courierenc.c"],
-              depends=[*RECBLOCK, "src/logjam_relay/outputs/_jsonvalid.h",
+              depends=[*META, *RECBLOCK, "src/logjam_relay/outputs/_jsonvalid.h",
                        "src/logjam_relay/outputs/_decimal.h"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Lumberjack output's event mapping
     Extension("logjam_relay.outputs._ljencode", ["src/logjam_relay/outputs/_ljencode.c"],
-              depends=[*RECBLOCK, "src/logjam_relay/outputs/_decimal.h"],
+              depends=[*META, *RECBLOCK, "src/logjam_relay/outputs/_decimal.h"],
               optional=True, libraries=["z", "pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
