@@ -25,7 +25,7 @@
 #define LJ_CRC_SIMD_MIN 64
 
 __attribute__((target("pclmul,sse4.1")))
-static inline uint32_t lj_crc32_fold(const unsigned char *buf, size_t len, uint32_t crc) {
+static uint32_t lj_crc32_fold(const unsigned char *buf, size_t len, uint32_t crc) {
     /* len >= 64 and a multiple of 16; crc is the inverted running value */
     static const uint64_t k1k2[2] __attribute__((aligned(16))) = {0x0154442bd4, 0x01c6e41596};
     static const uint64_t k3k4[2] __attribute__((aligned(16))) = {0x01751997d0, 0x00ccaa009e};
@@ -102,7 +102,7 @@ static inline uint32_t lj_crc32_fold(const unsigned char *buf, size_t len, uint3
 
 static int lj_crc_simd = -1;       /* -1: not checked yet */
 
-static inline int lj_crc_simd_ok(void) {
+static int lj_crc_simd_ok(void) {
     if (lj_crc_simd < 0) {
         unsigned a, b, c, d;
         lj_crc_simd = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_PCLMUL) && (c & bit_SSE4_1);
@@ -118,7 +118,7 @@ static inline int lj_crc_simd_ok(void) {
 static uint32_t lj_crc_table[256];
 static int lj_crc_table_ready;
 
-static inline const uint32_t *lj_crc_tab(void) {
+static const uint32_t *lj_crc_tab(void) {
     if (!__atomic_load_n(&lj_crc_table_ready, __ATOMIC_ACQUIRE)) {
         for (uint32_t n = 0; n < 256; n++) {
             uint32_t c = n;
@@ -131,7 +131,7 @@ static inline const uint32_t *lj_crc_tab(void) {
 }
 
 /* zlib's crc32 of buf[0:len] (starting value 0) */
-static inline uint32_t lj_crc32(const unsigned char *buf, size_t len) {
+static uint32_t lj_crc32(const unsigned char *buf, size_t len) {
     uLong c = 0;                    /* crc32(0L, Z_NULL, 0) */
 #ifdef LJ_CRC_SIMD_MIN
     if (len >= LJ_CRC_SIMD_MIN && lj_crc_simd_ok()) {

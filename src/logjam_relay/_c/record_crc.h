@@ -12,26 +12,29 @@
 
 /* body_len of a logjam record (kind 0, 4 frames) with these frame lengths: 28 + their
  * sum, as a size_t (the caller checks it against UINT32_MAX) */
-static inline size_t lj_record4_body(const uint32_t len[4]) {
-    return (LJ_HEAD4 - LJ_PREFIX) + (size_t)len[0] + len[1] + len[2] + len[3];
+static inline size_t lj_record4_body(size_t l0, size_t l1, size_t l2, size_t l3) {
+    return (LJ_HEAD4 - LJ_PREFIX) + l0 + l1 + l2 + l3;
 }
 
-/* Write the logjam record of the frames f[k] (len[k] bytes each) with spool sequence
- * ``seq`` at r, CRC included; r has room for LJ_PREFIX + lj_record4_body(len) bytes, and
- * that body is at most UINT32_MAX (the caller checked).  Returns the record's end. */
+/* Write the logjam record of the frames f0..f3 (l0..l3 bytes) with spool sequence ``seq``
+ * at r, CRC included; r has room for LJ_PREFIX + lj_record4_body(l0, l1, l2, l3) bytes,
+ * and that body is at most UINT32_MAX (the caller checked).  Returns the record's end.
+ * (Scalars: inlined into the encoders' loops, they stay in registers.) */
 static inline unsigned char *lj_record4_put(unsigned char *r, uint64_t seq,
-                                            const unsigned char *const f[4],
-                                            const uint32_t len[4]) {
-    size_t body = lj_record4_body(len);
+                                            const void *f0, uint32_t l0,
+                                            const void *f1, uint32_t l1,
+                                            const void *f2, uint32_t l2,
+                                            const void *f3, uint32_t l3) {
+    size_t body = lj_record4_body(l0, l1, l2, l3);
     lj_put32(r, (uint32_t)body);
     r[8] = KIND_LOGJAM; r[9] = 0; r[10] = 4; r[11] = 0;      /* kind, flags, n (u16) */
     lj_put64(r + 12, seq);
+    lj_put32(r + 20, l0); lj_put32(r + 24, l1); lj_put32(r + 28, l2); lj_put32(r + 32, l3);
     unsigned char *p = r + LJ_HEAD4;
-    for (int k = 0; k < 4; k++) {
-        lj_put32(r + HEADER_MIN + 4 * k, len[k]);
-        memcpy(p, f[k], len[k]);
-        p += len[k];
-    }
+    memcpy(p, f0, l0); p += l0;
+    memcpy(p, f1, l1); p += l1;
+    memcpy(p, f2, l2); p += l2;
+    memcpy(p, f3, l3); p += l3;
     lj_put32(r + 4, lj_crc32(r + LJ_PREFIX, body));
     return p;
 }

@@ -836,16 +836,16 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
         /* spool record (before the frames are sent on) */
         if (spool_seq >= 0) {
             size_t la = p_msg_size(&f[0]), lt = p_msg_size(&f[1]);
-            size_t body = (LJ_HEAD4 - LJ_PREFIX) + la + lt + lb + LJ_META_LEN;
+            size_t body = lj_record4_body(la, lt, lb, LJ_META_LEN);
             if (body > UINT32_MAX) {
                 PyErr_SetString(PyExc_OverflowError, "record too large for the spool");
                 goto fail;
             }
-            const unsigned char *fp[4] = {p_msg_data(&f[0]), p_msg_data(&f[1]),
-                                          p_msg_data(&f[2]), meta};
-            const uint32_t len[4] = {(uint32_t)la, (uint32_t)lt, (uint32_t)lb, LJ_META_LEN};
             if (ppbuf_grow(&sp, LJ_PREFIX + body) < 0) goto fail;
-            sp.len = (size_t)(lj_record4_put(sp.p + sp.len, sseq, fp, len) - sp.p);
+            sp.len = (size_t)(lj_record4_put(sp.p + sp.len, sseq, p_msg_data(&f[0]), (uint32_t)la,
+                                             p_msg_data(&f[1]), (uint32_t)lt,
+                                             p_msg_data(&f[2]), (uint32_t)lb,
+                                             meta, LJ_META_LEN) - sp.p);
             sseq++;
             memcpy(last_meta, meta, LJ_META_LEN);
         }

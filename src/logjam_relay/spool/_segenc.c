@@ -72,17 +72,16 @@ static PyObject *encode(PyObject *self, PyObject *args) {
             plain = 0;
             break;
         }
-        uint32_t len[4];
+        size_t body = lj_record4_body(0, 0, 0, 0);
         for (int k = 0; k < 4; k++) {
             PyObject *f = items[k];
             if (!PyBytes_CheckExact(f) || (size_t)PyBytes_GET_SIZE(f) > UINT32_MAX) {
                 plain = 0;
                 break;
             }
-            len[k] = (uint32_t)PyBytes_GET_SIZE(f);
+            body += (size_t)PyBytes_GET_SIZE(f);
         }
         if (!plain) break;
-        size_t body = lj_record4_body(len);
         if (body > UINT32_MAX) {
             plain = 0;
             break;
@@ -101,13 +100,10 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         uint64_t seq = seq0;
         for (Py_ssize_t i = 0; i < taken; i += 4, seq++) {
-            const unsigned char *f[4];
-            uint32_t len[4];
-            for (int k = 0; k < 4; k++) {
-                f[k] = (const unsigned char *)PyBytes_AS_STRING(fr[i + k]);
-                len[k] = (uint32_t)PyBytes_GET_SIZE(fr[i + k]);
-            }
-            o = lj_record4_put(o, seq, f, len);
+            PyObject **f = fr + i;
+#define FRAME(k) PyBytes_AS_STRING(f[k]), (uint32_t)PyBytes_GET_SIZE(f[k])
+            o = lj_record4_put(o, seq, FRAME(0), FRAME(1), FRAME(2), FRAME(3));
+#undef FRAME
         }
         Py_END_ALLOW_THREADS
     }
