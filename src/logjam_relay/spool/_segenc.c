@@ -11,7 +11,7 @@
  *
  * (little-endian, seq counting up from first_seq), all records in one bytes object, the
  * CRC zlib's crc32 (the value zlib.crc32 gives; _c/crc32.h: PCLMULQDQ where the CPU has
- * it).  The encoding itself is _c/record.h's lj_record4_put, which the relay's ingest
+ * it).  The encoding itself is _c/record_crc.h's lj_record4_put, which the relay's ingest
  * pass (io/_zmqfast.c) uses too.  Returns None, without raising, when the batch
  * is anything but the plain shape: not a list, an item that is not a tuple or list of
  * exactly 4 bytes objects, first_seq not in 0..2^64-1 (or the last seq past it), a frame

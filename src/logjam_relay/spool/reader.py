@@ -24,8 +24,8 @@ import trio
 
 from ..fdreserve import RESERVE as _FDS
 from . import segment as fmt
-from .chunkread import after_partial, read_size
 from .api import Position, Record
+from .chunkread import after_partial, read_size
 from .cursors import CursorLog
 from .damage import Damage
 from .errors import SpoolError, WriteErrors, write_error

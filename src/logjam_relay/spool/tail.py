@@ -36,8 +36,8 @@ import trio
 
 from .. import _native
 from . import segment as fmt
-from .chunkread import after_partial, read_size
 from .api import Position, Record
+from .chunkread import after_partial, read_size
 from .ledger import Ledger
 
 MiB = 1 << 20
