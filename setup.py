@@ -15,43 +15,48 @@ goes on and the pure-Python code is used (``logjam-relay --version`` says which)
 
 from setuptools import Extension, setup
 
+# the shared headers (docs/architecture.md, "The C twins' shared code"): each extension
+# depends on those it includes, directly or through another header
+_C = "src/logjam_relay/_c/"
+META = [_C + "meta.h"]                                   # the logjam meta frame: check, stamp
+RECORD = [_C + "record_crc.h", _C + "record.h", _C + "crc32.h"]  # the spool record: encoding, checks
+WALK = ["src/logjam_relay/spool/_walk.h", *RECORD]       # the spool readers' record walk
+RECBLOCK = ["src/logjam_relay/spool/_recblock.h", _C + "record.h"]  # a worker's reads, one buffer
+
 setup(ext_modules=[
     # (and the relay's ingest pass: drain + stamp + publish + spool records; zlib.h: crc32)
     Extension("logjam_relay.io._zmqfast", ["src/logjam_relay/io/_zmqfast.c"],
-              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"],
+              depends=[*META, *RECORD],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # batch recompression (-x zlib|lz4) with the GIL released
     Extension("logjam_relay.relay._recompress", ["src/logjam_relay/relay/_recompress.c"],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # the relay's PULL validate + stamp loop (relay/stamping.py: Pipeline.stamp_pull)
     Extension("logjam_relay.relay._stamp", ["src/logjam_relay/relay/_stamp.c"],
-              optional=True, extra_compile_args=["-O2", "-std=c11"]),
+              depends=META, optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Courier output's event mapping (common case)
     Extension("logjam_relay.outputs._courierenc", ["src/logjam_relay/outputs/_courierenc.c"],
-              depends=["src/logjam_relay/spool/_recblock.h",
-                       "src/logjam_relay/outputs/_jsonvalid.h",
+              depends=[*META, *RECBLOCK, "src/logjam_relay/outputs/_jsonvalid.h",
                        "src/logjam_relay/outputs/_decimal.h"],
               optional=True, extra_compile_args=["-O2", "-std=c11"]),
     # the Lumberjack output's event mapping
     Extension("logjam_relay.outputs._ljencode", ["src/logjam_relay/outputs/_ljencode.c"],
-              depends=["src/logjam_relay/spool/_recblock.h",
-                       "src/logjam_relay/outputs/_decimal.h"],
+              depends=[*META, *RECBLOCK, "src/logjam_relay/outputs/_decimal.h"],
               optional=True, libraries=["z", "pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record parsing and the Spark data source's segment walk (zlib.h: crc32)
     Extension("logjam_relay.spool._segscan", ["src/logjam_relay/spool/_segscan.c"],
-              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"],
+              depends=[*META, *WALK],
               optional=True, libraries=["z"], extra_compile_args=["-O2", "-std=c11"]),
     # the spool's record encoder, write side (zlib.h: crc32)
     Extension("logjam_relay.spool._segenc", ["src/logjam_relay/spool/_segenc.c"],
-              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h"], optional=True, libraries=["z"],
+              depends=RECORD, optional=True, libraries=["z"],
               extra_compile_args=["-O2", "-std=c11"]),
     # the group commit's fdatasync thread (spool/syncthread.py), never takes the GIL
     Extension("logjam_relay.spool._syncthread", ["src/logjam_relay/spool/_syncthread.c"],
               optional=True, libraries=["pthread"], extra_compile_args=["-O2", "-std=c11"]),
     # an output worker's reads of the spool segments (spool/tail.py)
     Extension("logjam_relay.spool._tailread", ["src/logjam_relay/spool/_tailread.c"],
-              depends=["src/logjam_relay/spool/_crc32.h", "src/logjam_relay/spool/_record.h",
-                       "src/logjam_relay/spool/_recblock.h"], optional=True, libraries=["z"],
+              depends=[*WALK, *RECBLOCK], optional=True, libraries=["z"],
               extra_compile_args=["-O2", "-std=c11"]),
     # the request fields of logs bodies for the Spark data source (pipeline/extract.py)
     Extension("logjam_relay.pipeline._extract", ["src/logjam_relay/pipeline/_extract.c"],

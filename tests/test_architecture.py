@@ -13,7 +13,12 @@ level or inside a function, absolute or relative, and so does a C twin loaded by
   module itself (:func:`reaches`).  What the import check cannot see, an object's private
   state reached from outside it (``reader._read_pos``, ``r._log.compact``), fails here.
   Names bound by importing another project (``os._exit``, ``SparkContext._jvm``) are that
-  project's interface, not a part of this package, and are not counted.
+  project's interface, not a part of this package, and are not counted;
+* the C files follow the same floors: every ``#include "..."`` of a ``.c`` or ``.h`` file
+  under ``src/`` names a file of the package that exists, in its own part or a part on a
+  lower floor (:func:`c_includes`, :func:`includes_against_floors`).  Code two C twins of
+  different floors share lives on the lowest one (``_c/``, the base floor), never in the
+  higher user's folder.  System headers are ``#include <...>`` and not counted.
 
 The floors are listed once, here; docs/architecture.md shows the same table (checked
 below).  Run: ``.venv/dev/bin/python -m pytest tests/test_architecture.py -q``.
@@ -39,7 +44,7 @@ DOC = ROOT / "docs" / "architecture.md"
 #: modules and the parts of the floors below it, nothing on its floor or above.
 FLOORS: list[tuple[str, set[str]]] = [
     ("base", {"__init__", "_native", "units", "limits", "redact", "ratelimit", "gc_tuning",
-              "fdreserve", "progress"}),
+              "fdreserve", "progress", "_c"}),
     ("config", {"config"}),
     ("protocols", {"protocols"}),
     ("io", {"io"}),
@@ -239,17 +244,23 @@ def part(mod: str) -> str:
 def upward(edges, floors, native=frozenset()) -> list[str]:
     """Edges that point to the same floor (another part) or up.  A C twin is a leaf that
     imports nothing: it counts as the bottom floor wherever its source file sits."""
-    floor_of = {p: i for i, (_, parts) in enumerate(floors) for p in parts}
     bad = []
     for e in edges:
-        a, b = part(e.src), part(e.dst)
-        if a == b or e.dst in native or a not in floor_of or b not in floor_of:
-            continue                    # (a part without a floor fails its own test)
-        if floor_of[b] >= floor_of[a]:
-            how = "the same floor" if floor_of[b] == floor_of[a] else "up"
-            bad.append(f"{e}: {a} (floor {floors[floor_of[a]][0]}) imports {how}, "
-                       f"{b} (floor {floors[floor_of[b]][0]})")
+        if e.dst not in native and (why := against_floors(part(e.src), part(e.dst), floors)):
+            bad.append(f"{e}: imports {why}")
     return bad
+
+
+def against_floors(a: str, b: str, floors) -> str | None:
+    """How part ``a`` using part ``b`` breaks the floors: "up ..." or "sideways ..."
+    (another part of its own floor); None when it does not (its own part, a lower floor,
+    or a part without a floor, which fails its own test)."""
+    floor_of = {p: i for i, (_, parts) in enumerate(floors) for p in parts}
+    if a == b or a not in floor_of or b not in floor_of or floor_of[b] < floor_of[a]:
+        return None
+    how = "sideways" if floor_of[b] == floor_of[a] else "up"
+    return (f"{how}: {a} (floor {floors[floor_of[a]][0]}) -> {b} "
+            f"(floor {floors[floor_of[b]][0]})")
 
 
 def cycles(edges, mods) -> list[frozenset[str]]:
@@ -291,6 +302,69 @@ def cycles(edges, mods) -> list[frozenset[str]]:
     return out
 
 
+@dataclass(frozen=True)
+class Include:
+    src: str            # the including file, relative to the package ("io/_zmqfast.c")
+    dst: str | None     # the file it names, resolved ("_c/record.h"); None: not in the package
+    line: int
+    text: str           # as written ("../_c/record.h")
+
+    def __str__(self) -> str:
+        return f'{self.src} line {self.line}: #include "{self.text}"'
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]*)"')
+
+
+def c_files(src: Path = SRC, pkg: str = PKG) -> dict[str, Path]:
+    """{path relative to the package: path} of every .c and .h file under ``src/pkg``."""
+    base = src / pkg
+    out: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if not d.startswith((".", "__pycache__"))]
+        for f in filenames:
+            if f.endswith((".c", ".h")):
+                p = Path(dirpath) / f
+                out[p.relative_to(base).as_posix()] = p
+    return out
+
+
+def c_part(rel: str) -> str:
+    """The top-level part of a C file: 'io/_zmqfast.c' -> 'io', '_c/record.h' -> '_c'; a
+    file directly in the package is a part of its own ('_x.h' -> '_x')."""
+    first, sep, _ = rel.partition("/")
+    return first if sep else os.path.splitext(first)[0]
+
+
+def c_includes(src: Path = SRC, pkg: str = PKG) -> list[Include]:
+    """Every ``#include "..."`` line of every C file of ``pkg``, resolved as the compiler
+    does for quotes (from the including file's folder; setup.py gives no -I of its own)."""
+    base = (src / pkg).resolve()
+    out: list[Include] = []
+    for rel, path in sorted(c_files(src, pkg).items()):
+        for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            m = _INCLUDE.match(line)
+            if not m:
+                continue
+            target = (path.parent / m.group(1)).resolve()
+            inside = target.is_file() and target.is_relative_to(base)
+            out.append(Include(rel, target.relative_to(base).as_posix() if inside else None,
+                               no, m.group(1)))
+    return out
+
+
+def includes_against_floors(incs, floors) -> list[str]:
+    """Includes that name no file of the package, or a file of another part on the same
+    floor (sideways) or on a higher one (up)."""
+    bad = []
+    for inc in incs:
+        if inc.dst is None:
+            bad.append(f"{inc}: names no file of the package (a system header is <...>)")
+        elif why := against_floors(c_part(inc.src), c_part(inc.dst), floors):
+            bad.append(f"{inc}: includes {why}")
+    return bad
+
+
 @pytest.fixture(scope="module")
 def package():
     return walk()
@@ -299,13 +373,16 @@ def package():
 # ------------------------------------------------------------------------------ the rules
 
 def test_every_part_has_a_floor(package):
+    """Every top-level part, of Python modules or of C files (``_c/`` has only headers),
+    is on exactly one floor."""
     mods, _, _, _ = package
+    parts = {part(m) for m in mods} | {c_part(f) for f in c_files()}
     placed = [p for _, parts in FLOORS for p in parts]
     assert len(placed) == len(set(placed)), "a part is on two floors"
-    missing = sorted({part(m) for m in mods} - set(placed))
+    missing = sorted(parts - set(placed))
     assert not missing, (f"new top-level part(s) {missing}: give each a floor in FLOORS "
                          "(tests/test_architecture.py) and in docs/architecture.md")
-    gone = sorted(set(placed) - {part(m) for m in mods})
+    gone = sorted(set(placed) - parts)
     assert not gone, f"FLOORS names part(s) that no longer exist: {gone}"
 
 
@@ -313,6 +390,15 @@ def test_no_import_points_up_a_floor(package):
     _, native, edges, _ = package
     bad = upward(edges, FLOORS, native)
     assert not bad, "imports that do not point down:\n" + "\n".join(bad)
+
+
+def test_no_c_include_points_up_or_sideways():
+    """The C files keep the floors too: ``io/_zmqfast.c`` (io) may include ``_c/`` (base),
+    not ``spool/`` (above it); ``outputs/`` may include ``spool/`` (below it)."""
+    incs = c_includes()
+    assert incs, "no C include found: the walk is blind"
+    bad = includes_against_floors(incs, FLOORS)
+    assert not bad, "C includes that do not point down:\n" + "\n".join(bad)
 
 
 def test_no_import_cycle_between_modules(package):
@@ -423,6 +509,47 @@ def test_the_reach_rule_sees_each_kind_of_access(tmp_path):
     got = sorted((r.line, r.expr) for r in reaches(tmp_path, "fake"))
     assert got == [(12, "r._pos"), (13, "self.reader._spool"), (14, "r._log"),
                    (15, "make()._y")], got
+
+
+def test_the_include_walk_sees_each_kind_of_include(tmp_path):
+    """A small package with one include of each kind: down, its own part, a top-level
+    header, a system header (not counted), up, sideways, a file that is not there and a
+    file outside the package: the rule fails on exactly the last four."""
+    files = {
+        "__init__.py": "",
+        "_top.h": "#define TOP 1\n",
+        "base/z.h": '#include "../_top.h"\n',                          # down
+        "low/l.h": "",
+        "low/a.c": ('#include <Python.h>\n#include "l.h"\n'
+                    '  #  include  "../base/z.h"  /* spaces */\n'       # down
+                    '#include "../high/h.h"\n'),                        # up
+        "low2/b.c": '#include "../low/l.h"\n',                          # sideways
+        "high/h.h": '#include "../low/../low/l.h"\n',                   # down, by a detour
+        "high/c.c": ('#include "h.h"\n#include "missing.h"\n'          # not there
+                     '#include "../../outside.h"\n'                     # outside the package
+                     '/* #include "../nothing.h" in a comment */\n'),
+    }
+    for name, text in files.items():
+        p = tmp_path / "fake" / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    (tmp_path / "outside.h").write_text("")
+    assert set(c_files(tmp_path, "fake")) == {n for n in files if n.endswith((".c", ".h"))}
+    incs = c_includes(tmp_path, "fake")
+    got = {(i.src, i.dst, i.line) for i in incs}
+    assert got == {("base/z.h", "_top.h", 1), ("low/a.c", "low/l.h", 2),
+                   ("low/a.c", "base/z.h", 3), ("low/a.c", "high/h.h", 4),
+                   ("low2/b.c", "low/l.h", 1), ("high/h.h", "low/l.h", 1),
+                   ("high/c.c", "high/h.h", 1), ("high/c.c", None, 2),
+                   ("high/c.c", None, 3)}, got
+    floors = [("bottom", {"__init__", "_top"}), ("base", {"base"}), ("low", {"low", "low2"}),
+              ("high", {"high"})]
+    bad = includes_against_floors(incs, floors)
+    assert len(bad) == 4, bad
+    assert any(b.startswith("low/a.c line 4") and "includes up" in b for b in bad), bad
+    assert any(b.startswith("low2/b.c line 1") and "includes sideways" in b for b in bad), bad
+    assert sum("names no file of the package" in b for b in bad) == 2, bad
+    assert c_part("_top.h") == "_top" and c_part("_c/record.h") == "_c"
 
 
 # ------------------------------------------------------------------ module sizes

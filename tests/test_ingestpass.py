@@ -1,7 +1,10 @@
 """The relay's C ingest pass (io/_zmqfast.c ingest_pass, relay/ingestpass.py) against
-the Python steps it replaces: drain_bytes + Pipeline.stamp_pull (PULL) or prepare_router
-+ commit (ROUTER) + PubSocket.publish_batch + segment.encode_logjam_batch, over the same
-traffic on real sockets.
+the Python steps it replaces: drain_bytes + Pipeline.prepare_pull_py (PULL) or
+prepare_router_py (ROUTER) + commit_py + PubSocket.publish_batch +
+segment.encode_logjam_batch_py, over the same traffic on real sockets.  The reference is
+the pure-Python twins, not the C ones (_stamp.c, _segenc.c): the ingest pass shares its
+stamp and its record encoding with them (_c/meta.h, _c/record_crc.h), so a fault there
+would be on both sides of a comparison with them.
 
 Both sides must publish the same frames (byte for byte, in order), leave the same
 sequence numbers and counters, produce the same spool bytes (CRC included) and ROUTER
@@ -90,7 +93,7 @@ class Side:
 
     def spool_records(self, records):
         if records:
-            self.spool += fmt.encode_logjam_batch(records, self.spool_seq)
+            self.spool += fmt.encode_logjam_batch_py(records, self.spool_seq)
             self.spool_seq += len(records)
 
     def state(self):
@@ -101,18 +104,18 @@ class Side:
                 self.replies)
 
     def stamp(self, batch, now):
+        # the relay's ordinary path (app.py), in pure Python: prepare, -x compress,
+        # commit (Pipeline.stamp_pull is prepare + commit, tests/test_stamp.py)
         p = self.p
-        if not self.router and not p.compress_method:
-            return p.stamp_pull(batch, now)
-        # the relay's ordinary path (app.py _process): prepare, -x compress, commit
-        acc = p.prepare_router(batch, self.replies) if self.router else p.prepare_pull(batch)
+        acc = p.prepare_router_py(batch, self.replies) if self.router \
+            else p.prepare_pull_py(batch)
         if not acc:
             return []
         idx = p.needs_compression(acc)
         if idx:
             p.compress_in_place(acc, idx)
             p.count_compressed(acc, idx)
-        return p.commit(acc, now)
+        return p.commit_py(acc, now)
 
 
 def reference_round(s: Side, limit: int, max_bytes: int, now: int) -> int:

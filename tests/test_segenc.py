@@ -123,7 +123,7 @@ def test_fuzz_random_shapes(seed):
 
 
 def test_crc32_is_zlibs_at_every_length_and_alignment():
-    """_crc32.h (PCLMULQDQ folding where the CPU has it, zlib's crc32 otherwise) gives
+    """_c/crc32.h (PCLMULQDQ folding where the CPU has it, zlib's crc32 otherwise) gives
     zlib.crc32's value: lengths 0..2100 (the folding starts at 64 bytes, in 64- and
     16-byte steps, with a zlib tail), every alignment of a 16-byte vector, and 1 MiB."""
     segenc = require_native(fmt._segenc, "logjam_relay.spool._segenc")

@@ -41,6 +41,17 @@ def segment(tmp_path_factory):
     return segno, path
 
 
+def frame_lengths_off(data: bytes, off: int) -> bytes:
+    """``data`` with the record at ``off``'s first frame length one too long, its CRC
+    fixed: only the check that the frame lengths add up finds it."""
+    b = bytearray(data)
+    body_len = int.from_bytes(b[off:off + 4], "little")
+    first = int.from_bytes(b[off + 20:off + 24], "little")
+    b[off + 20:off + 24] = (first + 1).to_bytes(4, "little")
+    b[off + 4:off + 8] = fmt.crc32(bytes(b[off + 8:off + 8 + body_len])).to_bytes(4, "little")
+    return bytes(b)
+
+
 def both(path, segno, start=0, stop=None, batch_rows=700):
     out = []
     for fn in (ds._decode_segment_c, ds.decode_segment_py):
@@ -81,12 +92,14 @@ def test_damaged_copies_match(segment, tmp_path):
     b = bytearray(data)                                      # a huge body length
     b[offsets[3]:offsets[3] + 4] = (2 ** 31).to_bytes(4, "little")
     cases.append(bytes(b))
+    cases.append(frame_lengths_off(data, offsets[40]))
     reasons = set()
     for case in cases:
         copy.write_bytes(case)
         table, st = both(str(copy), segno)
         reasons |= {e for e in table.column("error").to_pylist() if e and e.startswith("corrupt")}
-    assert {"corrupt:torn", "corrupt:crc", "corrupt:bad_length"} <= reasons, reasons
+    assert {"corrupt:torn", "corrupt:crc", "corrupt:bad_length",
+            "corrupt:frame_lengths"} <= reasons, reasons
 
 
 # ------------------------------------------------------------ the loss table's meta walk
@@ -150,6 +163,7 @@ def test_meta_walk_damaged_copies_match(segment, tmp_path):
     b = bytearray(data)                                      # a huge body length
     b[offsets[3]:offsets[3] + 4] = (2 ** 31).to_bytes(4, "little")
     cases.append(bytes(b))
+    cases.append(frame_lengths_off(data, offsets[40]))
     full, _ = meta_both(path)
     corrupt = shorter = 0
     for case in cases:

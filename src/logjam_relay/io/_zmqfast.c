@@ -23,7 +23,8 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include "../spool/_crc32.h"
+#include "../_c/meta.h"         /* the meta frame's check and the stamp (relay/_stamp.c's too) */
+#include "../_c/record_crc.h"   /* the spool record's encoding (spool/_segenc.c's too) */
 
 typedef struct { _Alignas(8) unsigned char _[64]; } zmq_msg_t;
 typedef struct { void *socket; int fd; short events; short revents; } zmq_pollitem_t;
@@ -646,11 +647,6 @@ static int ppbuf_grow(ppbuf *b, size_t more) {
     return 0;
 }
 
-static inline void pp_put32(unsigned char *p, uint32_t v) {
-    p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8);
-    p[2] = (unsigned char)(v >> 16); p[3] = (unsigned char)(v >> 24);
-}
-
 /* 1: the frame's bytes are in the set (a cache of hits first), 0: not, -1: error */
 static int pp_known(PyObject *set, PyObject **cache, int *ncache, zmq_msg_t *m) {
     const char *d = p_msg_data(m);
@@ -709,7 +705,7 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
     zmq_msg_t fr[6];
     for (int k = 0; k < 6; k++) p_msg_init(&fr[k]);
     ppbuf sp = {NULL, 0, 0};
-    unsigned char meta[24], last_meta[24];
+    unsigned char meta[LJ_META_LEN], last_meta[LJ_META_LEN];
     Py_ssize_t consumed = 0, nfast = 0, maxb = 0, ncomp = 0;
     size_t total = 0;
     long long nbytes = 0, cbytes = 0;
@@ -776,9 +772,7 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
         const unsigned char *mp = NULL;
         if (fast) {
             mp = p_msg_data(&f[3]);
-            if (p_msg_size(&f[3]) != 24 || mp[3] != 1 ||
-                    !((mp[0] == 0xca && mp[1] == 0xbd) || (mp[0] == 0xbd && mp[1] == 0xca)))
-                fast = 0;
+            fast = lj_meta_plain(mp, p_msg_size(&f[3]));
         }
         if (fast) {
             int r = pp_known(gs, cache_a, &nca, &f[0]);
@@ -834,12 +828,7 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
         }
         /* stamp */
         seq++;
-        meta[0] = 0xca; meta[1] = 0xbd; meta[2] = method; meta[3] = 1;
-        meta[4] = (unsigned char)(device >> 24); meta[5] = (unsigned char)(device >> 16);
-        meta[6] = (unsigned char)(device >> 8); meta[7] = (unsigned char)device;
-        static const unsigned char zero8[8] = {0};
-        memcpy(meta + 8, memcmp(mp + 8, zero8, 8) == 0 ? now : mp + 8, 8);
-        for (int k = 0; k < 8; k++) meta[16 + k] = (unsigned char)(seq >> (56 - 8 * k));
+        lj_stamp(meta, method, (uint32_t)device, mp + 8, now, seq);
         nfast++;
         nbytes += (long long)lb;
         if ((Py_ssize_t)lb > maxb) maxb = (Py_ssize_t)lb;
@@ -847,27 +836,18 @@ static PyObject *ingest_pass(PyObject *self, PyObject *args) {
         /* spool record (before the frames are sent on) */
         if (spool_seq >= 0) {
             size_t la = p_msg_size(&f[0]), lt = p_msg_size(&f[1]);
-            size_t body = 28 + la + lt + lb + 24;
+            size_t body = lj_record4_body(la, lt, lb, LJ_META_LEN);
             if (body > UINT32_MAX) {
                 PyErr_SetString(PyExc_OverflowError, "record too large for the spool");
                 goto fail;
             }
-            if (ppbuf_grow(&sp, 8 + body) < 0) goto fail;
-            unsigned char *r = sp.p + sp.len;
-            pp_put32(r, (uint32_t)body);
-            r[8] = 0; r[9] = 0; r[10] = 4; r[11] = 0;
-            for (int k = 0; k < 8; k++) r[12 + k] = (unsigned char)(sseq >> (8 * k));
-            pp_put32(r + 20, (uint32_t)la); pp_put32(r + 24, (uint32_t)lt);
-            pp_put32(r + 28, (uint32_t)lb); pp_put32(r + 32, 24);
-            unsigned char *q = r + 36;
-            memcpy(q, p_msg_data(&f[0]), la); q += la;
-            memcpy(q, p_msg_data(&f[1]), lt); q += lt;
-            memcpy(q, p_msg_data(&f[2]), lb); q += lb;
-            memcpy(q, meta, 24);
-            pp_put32(r + 4, lj_crc32(r + 8, body));
-            sp.len += 8 + body;
+            if (ppbuf_grow(&sp, LJ_PREFIX + body) < 0) goto fail;
+            sp.len = (size_t)(lj_record4_put(sp.p + sp.len, sseq, p_msg_data(&f[0]), (uint32_t)la,
+                                             p_msg_data(&f[1]), (uint32_t)lt,
+                                             p_msg_data(&f[2]), (uint32_t)lb,
+                                             meta, LJ_META_LEN) - sp.p);
             sseq++;
-            memcpy(last_meta, meta, 24);
+            memcpy(last_meta, meta, LJ_META_LEN);
         }
         /* the 202 reply [id, app, accepted], sent by the caller once the batch is spooled */
         if (base == 2) {

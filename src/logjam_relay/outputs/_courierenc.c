@@ -45,18 +45,13 @@
 #define HAVE_SSSE3_ADLER 1
 #endif
 
+#include "../_c/meta.h"            /* the meta frame's check and fields */
 #include "../spool/_recblock.h"    /* RecordBlock: a worker's spool reads as one buffer */
 #include "_decimal.h"            /* u64dec() */
 
 static PyTypeObject *block_type;    /* NULL without spool/_tailread: no blocks then */
 
 #include "_jsonvalid.h"         /* json_valid(): the JSON check */
-
-static inline uint64_t be(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-    return v;
-}
 
 typedef struct { int64_t secs; char text[24]; } tscache_t;   /* text: 19 chars + NUL;
                                                                secs -1: empty */
@@ -68,10 +63,8 @@ typedef struct { int64_t secs; char text[24]; } tscache_t;   /* text: 19 chars +
 static PyObject *event_core(const unsigned char *m, Py_ssize_t mlen, const unsigned char *body,
                             Py_ssize_t body_len, PyObject *body_obj, PyObject *prefix,
                             PyObject *decompress, tscache_t *tc) {
-    if (mlen != 24) Py_RETURN_NONE;
-    if (!((m[0] == 0xCA && m[1] == 0xBD) || (m[0] == 0xBD && m[1] == 0xCA)) || m[3] != 1)
-        Py_RETURN_NONE;
-    uint64_t created = be(m + 8, 8);
+    if (!lj_meta_plain(m, (size_t)mlen)) Py_RETURN_NONE;
+    uint64_t created = lj_meta_created(m);
     if (created / 1000 > 253402300799ULL) Py_RETURN_NONE;       /* past year 9999 */
     PyObject *raw = NULL;           /* the inflated body (new reference), if compressed */
     const unsigned char *b = body;
@@ -120,9 +113,9 @@ static PyObject *event_core(const unsigned char *m, Py_ssize_t mlen, const unsig
     int tl = 0;
 #define PUTS(lit) (memcpy(tail + tl, lit, sizeof(lit) - 1), tl += (int)sizeof(lit) - 1)
     PUTS("\"logjam\":{\"device\":");
-    tl += u64dec(tail + tl, be(m + 4, 4));
+    tl += u64dec(tail + tl, lj_meta_device(m));
     PUTS(",\"sequence\":");
-    tl += u64dec(tail + tl, be(m + 16, 8));
+    tl += u64dec(tail + tl, lj_meta_sequence(m));
     PUTS(",\"created_ms\":");
     tl += u64dec(tail + tl, created);
     PUTS("},\"payload\":");

@@ -46,6 +46,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "../_c/meta.h"            /* the meta frame's fields */
 #include "../spool/_recblock.h"    /* RecordBlock: a worker's spool reads as one buffer */
 #include "_decimal.h"            /* u64dec() */
 
@@ -71,11 +72,6 @@ static inline void put32(buf_t *b, uint32_t v) {
 }
 static inline void putkv(buf_t *b, const char *key, size_t klen, const char *val, size_t vlen) {
     put32(b, (uint32_t)klen); put(b, key, klen); put32(b, (uint32_t)vlen); put(b, val, vlen);
-}
-static inline uint64_t be64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
-    return v;
 }
 
 static PyObject *encode(PyObject *self, PyObject *args) {
@@ -175,10 +171,9 @@ static PyObject *encode(PyObject *self, PyObject *args) {
             Py_INCREF(fr[1]); Py_XSETREF(last1, fr[1]);
         }
         char d[24], s[24], c[24];
-        int dl = u64dec(d, ((uint32_t)meta[4] << 24) | ((uint32_t)meta[5] << 16) |
-                           ((uint32_t)meta[6] << 8) | meta[7]);
-        int cl = u64dec(c, be64(meta + 8));
-        int sl = u64dec(s, be64(meta + 16));
+        int dl = u64dec(d, lj_meta_device(meta));
+        int cl = u64dec(c, lj_meta_created(meta));
+        int sl = u64dec(s, lj_meta_sequence(meta));
         size_t blen = (size_t)PyBytes_GET_SIZE(body), plen = (size_t)PyBytes_GET_SIZE(pairs);
         if (reserve(&b, 10 + 8 + 4 + blen + plen + 3 * 22 + dl + sl + cl + taillen) < 0) {
             Py_DECREF(body); Py_DECREF(pairs); goto fail;
@@ -288,10 +283,9 @@ static PyObject *encode_block(PyObject *self, PyObject *args) {
         }
         const unsigned char *meta = v.f[3];
         char d[24], s[24], c[24];
-        int dl = u64dec(d, ((uint32_t)meta[4] << 24) | ((uint32_t)meta[5] << 16) |
-                           ((uint32_t)meta[6] << 8) | meta[7]);
-        int cl = u64dec(c, be64(meta + 8));
-        int sl = u64dec(s, be64(meta + 16));
+        int dl = u64dec(d, lj_meta_device(meta));
+        int cl = u64dec(c, lj_meta_created(meta));
+        int sl = u64dec(s, lj_meta_sequence(meta));
         size_t blen = (size_t)v.len[2], plen = (size_t)PyBytes_GET_SIZE(last_pairs);
         size_t need = 10 + 8 + 4 + blen + plen + 3 * 22 + dl + sl + cl + taillen;
         if (reserve_bytes(&out, &cap, len, need) < 0) goto fail;

@@ -22,15 +22,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_c/meta.h"         /* lj_meta_plain, lj_stamp: shared with io/_zmqfast.c */
+
 /* 1: a message the fast paths take as is (24-byte meta frame, tag 0xcabd either byte
  * order, version 1, known stream and topic, bytes body); 0: not (the slow path decides);
  * -1: error (set lookup) */
 static inline int plain_message(PyObject *a, PyObject *t, PyObject *b, PyObject *m,
                                 PyObject *gs, PyObject *gt) {
-    if (!PyBytes_CheckExact(m) || PyBytes_GET_SIZE(m) != 24) return 0;
-    const unsigned char *mp = (const unsigned char *)PyBytes_AS_STRING(m);
-    if (mp[3] != 1) return 0;
-    if (!((mp[0] == 0xca && mp[1] == 0xbd) || (mp[0] == 0xbd && mp[1] == 0xca))) return 0;
+    if (!PyBytes_CheckExact(m) ||
+            !lj_meta_plain((const unsigned char *)PyBytes_AS_STRING(m), (size_t)PyBytes_GET_SIZE(m)))
+        return 0;
     int r = PySet_Contains(gs, a);
     if (r <= 0) return r;
     r = PySet_Contains(gt, t);
@@ -56,8 +57,7 @@ static PyObject *stamp_pull(PyObject *self, PyObject *args) {
     if (!out) return NULL;
     long long nbytes = 0;
     Py_ssize_t maxb = 0;
-    const char *now = PyBytes_AS_STRING(now8);
-    static const char zero8[8] = {0};
+    const unsigned char *now = (const unsigned char *)PyBytes_AS_STRING(now8);
     Py_ssize_t i = start;
     for (; i < n; i++) {
         PyObject *frames = PyList_GET_ITEM(batch, i);
@@ -69,14 +69,10 @@ static PyObject *stamp_pull(PyObject *self, PyObject *args) {
         if (!r) break;
         const unsigned char *mp = (const unsigned char *)PyBytes_AS_STRING(m);
         seq++;
-        PyObject *meta = PyBytes_FromStringAndSize(NULL, 24);
+        PyObject *meta = PyBytes_FromStringAndSize(NULL, LJ_META_LEN);
         if (!meta) goto fail;
-        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(meta);
-        o[0] = 0xca; o[1] = 0xbd; o[2] = mp[2]; o[3] = 1;
-        o[4] = (unsigned char)(device >> 24); o[5] = (unsigned char)(device >> 16);
-        o[6] = (unsigned char)(device >> 8); o[7] = (unsigned char)device;
-        memcpy(o + 8, memcmp(mp + 8, zero8, 8) == 0 ? now : (const char *)mp + 8, 8);
-        for (int k = 0; k < 8; k++) o[16 + k] = (unsigned char)(seq >> (56 - 8 * k));
+        lj_stamp((unsigned char *)PyBytes_AS_STRING(meta), mp[2], (uint32_t)device, mp + 8,
+                 now, seq);
         PyObject *rec = PyTuple_New(4);
         if (!rec) {
             Py_DECREF(meta);
@@ -207,22 +203,16 @@ static PyObject *commit(PyObject *self, PyObject *args) {
     if (n > 0 && (unsigned long long)n > UINT64_MAX - seq) Py_RETURN_NONE;
     PyObject *out = PyList_New(n);
     if (!out) return NULL;
-    const char *now = PyBytes_AS_STRING(now8);
-    static const char zero8[8] = {0};
+    const unsigned char *now = (const unsigned char *)PyBytes_AS_STRING(now8);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = PyList_GET_ITEM(acc, i);
         PyObject *cr = PyTuple_GET_ITEM(x, 4);
-        const char *crp = PyBytes_AS_STRING(cr);
         seq++;
-        PyObject *meta = PyBytes_FromStringAndSize(NULL, 24);
+        PyObject *meta = PyBytes_FromStringAndSize(NULL, LJ_META_LEN);
         if (!meta) goto fail;
-        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(meta);
-        o[0] = 0xca; o[1] = 0xbd; o[2] = (unsigned char)PyLong_AsLong(PyTuple_GET_ITEM(x, 3));
-        o[3] = 1;
-        o[4] = (unsigned char)(device >> 24); o[5] = (unsigned char)(device >> 16);
-        o[6] = (unsigned char)(device >> 8); o[7] = (unsigned char)device;
-        memcpy(o + 8, memcmp(crp, zero8, 8) == 0 ? now : crp, 8);
-        for (int k = 0; k < 8; k++) o[16 + k] = (unsigned char)(seq >> (56 - 8 * k));
+        lj_stamp((unsigned char *)PyBytes_AS_STRING(meta),
+                 (unsigned)PyLong_AsLong(PyTuple_GET_ITEM(x, 3)), (uint32_t)device,
+                 (const unsigned char *)PyBytes_AS_STRING(cr), now, seq);
         PyObject *rec = PyTuple_New(4);
         if (!rec) {
             Py_DECREF(meta);

@@ -18,6 +18,9 @@ The parts, each owning its own state (modelled on Vector's disk buffer v2)::
     reader.py    SpoolReader: one output's view (read, ack, rewind, loss accounting)
     cursors.py   the durable cursor logs
     segment.py   the segment file format (records, header, seal; scans)
+    chunkread.py how much a reader reads of a segment file, and what a record its chunk
+                 holds only in part means (torn, short file, read again): the relay's
+                 reader and a worker's tail both ask it
     fs.py        Filesystem: the seam every file operation goes through (tests: a model)
     tail.py      reading the segment files from an output's worker process
     fsck.py      the offline check/repair; errors.py exceptions; api.py the reader protocol

@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_c/record.h"       /* the record's layout: rd32, rd16, HEADER_MIN */
+
 #define RB_CAPSULE "logjam_relay.spool._tailread._RECBLOCK_API"
 #define RB_MAX_FRAMES 8             /* rb_frames() looks at no more frames than this */
 
@@ -51,19 +53,15 @@ typedef struct {
     Py_ssize_t len[RB_MAX_FRAMES];
 } rb_view;
 
-static inline uint32_t rb_rd32(const unsigned char *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-
 /* the frames of record ``i`` (0 <= i < n): the framing was checked when it was read */
 static inline void rb_frames(const RecordBlock *b, Py_ssize_t i, rb_view *v) {
     const unsigned char *r = b->recs[i].p;
     v->kind = r[8];
-    v->nf = (uint32_t)(r[10] | (r[11] << 8));
-    const unsigned char *lens = r + 20, *p = r + 20 + 4 * (Py_ssize_t)v->nf;
+    v->nf = rd16(r + 10);
+    const unsigned char *lens = r + HEADER_MIN, *p = lens + 4 * (Py_ssize_t)v->nf;
     uint32_t k = v->nf < RB_MAX_FRAMES ? v->nf : RB_MAX_FRAMES;
     for (uint32_t j = 0; j < k; j++) {
-        uint32_t ln = rb_rd32(lens + 4 * j);
+        uint32_t ln = rd32(lens + 4 * j);
         v->f[j] = p;
         v->len[j] = (Py_ssize_t)ln;
         p += ln;

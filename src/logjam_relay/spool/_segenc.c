@@ -10,7 +10,9 @@
  *     u32 len(app_env), u32 len(topic), u32 len(body), u32 len(meta), the four frames
  *
  * (little-endian, seq counting up from first_seq), all records in one bytes object, the
- * CRC zlib's crc32 (the value zlib.crc32 gives; _crc32.h: PCLMULQDQ where the CPU has it).  Returns None, without raising, when the batch
+ * CRC zlib's crc32 (the value zlib.crc32 gives; _c/crc32.h: PCLMULQDQ where the CPU has
+ * it).  The encoding itself is _c/record_crc.h's lj_record4_put, which the relay's ingest
+ * pass (io/_zmqfast.c) uses too.  Returns None, without raising, when the batch
  * is anything but the plain shape: not a list, an item that is not a tuple or list of
  * exactly 4 bytes objects, first_seq not in 0..2^64-1 (or the last seq past it), a frame
  * or record too long for its u32 field.  The caller then runs the Python encoder, which
@@ -26,18 +28,7 @@
 #include <string.h>
 #include <zlib.h>
 
-#include "_crc32.h"
-
-#define HEAD4 36            /* prefix 8 + head 12 + 4 lengths */
-
-static inline void put32(unsigned char *p, uint32_t v) {
-    p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8);
-    p[2] = (unsigned char)(v >> 16); p[3] = (unsigned char)(v >> 24);
-}
-
-static inline void put64(unsigned char *p, uint64_t v) {
-    for (int k = 0; k < 8; k++) p[k] = (unsigned char)(v >> (8 * k));
-}
+#include "../_c/record_crc.h"   /* the record's encoding (lj_record4_put), lj_crc32 */
 
 /* crc32(data) -> int: the checksum the encoders use (for the tests: zlib.crc32's value) */
 static PyObject *crc(PyObject *self, PyObject *args) {
@@ -81,7 +72,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
             plain = 0;
             break;
         }
-        size_t body = HEAD4 - 8;
+        size_t body = lj_record4_body(0, 0, 0, 0);
         for (int k = 0; k < 4; k++) {
             PyObject *f = items[k];
             if (!PyBytes_CheckExact(f) || (size_t)PyBytes_GET_SIZE(f) > UINT32_MAX) {
@@ -99,7 +90,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
             Py_INCREF(items[k]);
             fr[taken++] = items[k];
         }
-        total += 8 + body;
+        total += LJ_PREFIX + body;
         if (total > (size_t)PY_SSIZE_T_MAX) plain = 0;
     }
     PyObject *out = NULL;
@@ -109,24 +100,10 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         uint64_t seq = seq0;
         for (Py_ssize_t i = 0; i < taken; i += 4, seq++) {
-            unsigned char *r = o;
-            uint32_t len[4];
-            size_t body = HEAD4 - 8;
-            for (int k = 0; k < 4; k++) {
-                len[k] = (uint32_t)PyBytes_GET_SIZE(fr[i + k]);
-                body += len[k];
-            }
-            put32(r, (uint32_t)body);
-            r[8] = 0; r[9] = 0; r[10] = 4; r[11] = 0;       /* kind, flags, nframes */
-            put64(r + 12, seq);
-            for (int k = 0; k < 4; k++) put32(r + 20 + 4 * k, len[k]);
-            unsigned char *p = r + HEAD4;
-            for (int k = 0; k < 4; k++) {
-                memcpy(p, PyBytes_AS_STRING(fr[i + k]), len[k]);
-                p += len[k];
-            }
-            put32(r + 4, lj_crc32(r + 8, body));
-            o = p;
+            PyObject **f = fr + i;
+#define FRAME(k) PyBytes_AS_STRING(f[k]), (uint32_t)PyBytes_GET_SIZE(f[k])
+            o = lj_record4_put(o, seq, FRAME(0), FRAME(1), FRAME(2), FRAME(3));
+#undef FRAME
         }
         Py_END_ALLOW_THREADS
     }

@@ -36,7 +36,13 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include "_record.h"            /* record framing check, lj_crc32, rd32/rd16 */
+#include "../_c/meta.h"        /* lj_meta_plain, the meta fields */
+#include "_walk.h"              /* the readers' walk (and ../_c/record_crc.h: the checks) */
+
+/* the status of a failed lj_record_head in scan and scan_meta (a record cut short: "torn") */
+static inline const char *walk_reason(int rc) {
+    return rc == LJ_REC_BAD_LENGTH ? "bad_length" : rc == LJ_REC_CRC ? "crc" : "torn";
+}
 
 typedef struct { int64_t off; uint32_t la, lt; uint64_t hash; } pair_t;
 
@@ -105,23 +111,20 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     while (idx < stop) {
         if (size - pos < HEADER_MIN) { status = pos != size ? "torn" : "no_seal"; break; }
-        uint32_t body_len = rd32(buf + pos), crc = rd32(buf + pos + 4);
-        unsigned kind = buf[pos + 8];
-        uint32_t n = rd16(buf + pos + 10);
-        Py_ssize_t rend = pos + 8 + (Py_ssize_t)body_len;
-        if (body_len < 12 + 4 * n || body_len > MAX_BODY) { status = "bad_length"; break; }
-        if (rend > size) { status = "torn"; break; }
-        if (lj_crc32(buf + pos + 8, body_len) != crc) { status = "crc"; break; }
-        if (kind) {
-            if (kind == KIND_SEAL) { status = "seal"; break; }
+        lj_record rec;
+        int rc = lj_record_head(buf + pos, (uint64_t)(size - pos), &rec);
+        if (rc != LJ_REC_OK) { status = walk_reason(rc); break; }
+        Py_ssize_t rend = pos + (Py_ssize_t)rec.size;
+        if (rec.kind != KIND_LOGJAM) {
+            if (rec.kind == KIND_SEAL) { status = "seal"; break; }
             skipped++;
             pos = rend;
             continue;
         }
-        const unsigned char *lens = buf + pos + 20;
-        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n, total = 0;
-        for (uint32_t i = 0; i < n; i++) total += rd32(lens + 4 * i);
-        if (p + total != rend) { status = "frame_lengths"; break; }
+        if (!lj_record_frames_ok(buf + pos, &rec)) { status = "frame_lengths"; break; }
+        const uint32_t n = rec.n;
+        const unsigned char *lens = buf + pos + HEADER_MIN;
+        Py_ssize_t p = pos + HEADER_MIN + 4 * (Py_ssize_t)n;
         if (idx < start) { idx++; pos = rend; continue; }       /* checked first, too */
         if (nrows == rcap) {
             Py_ssize_t nc = rcap ? rcap * 2 : 4096;
@@ -136,10 +139,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             uint32_t la = rd32(lens), lt = rd32(lens + 4), lb = rd32(lens + 8), lm = rd32(lens + 12);
             Py_ssize_t r = p + la + lt, s = r + lb;
             k = intern(&t, buf, p, la, lt);
-            int64_t code = -1;
-            if (lm == 24 && buf[s + 3] == 1 &&
-                    ((buf[s] == 0xCA && buf[s + 1] == 0xBD) || (buf[s] == 0xBD && buf[s + 1] == 0xCA)))
-                code = buf[s + 2];
+            int64_t code = lj_meta_plain(buf + s, lm) ? buf[s + 2] : -1;
             row[2] = code == -1 ? 0 : s;
             row[3] = r;
             row[4] = lb;
@@ -180,12 +180,6 @@ out:
     PyMem_RawFree(t.slots);
     PyBuffer_Release(&view);
     return result;
-}
-
-static inline uint64_t rdbe64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
-    return v;
 }
 
 /* scan_meta's window on the file: bytes [base, base + have) of it in buf */
@@ -247,33 +241,27 @@ static PyObject *scan_meta(PyObject *self, PyObject *args) {
         if (window_fill(&w, pos, HEADER_MIN) < 0) { status = NULL; break; }
         if (w.size - pos < HEADER_MIN) continue;                /* ended early */
         const unsigned char *h = w.buf + (pos - w.base);
-        uint32_t body_len = rd32(h), crc = rd32(h + 4);
-        unsigned kind = h[8];
-        uint32_t nf = rd16(h + 10);
-        int64_t rend = pos + 8 + (int64_t)body_len;
-        if (body_len < 12 + 4 * nf || body_len > MAX_BODY) { status = "bad_length"; break; }
+        lj_record rec;
+        if (lj_record_fields(h, &rec) != LJ_REC_OK) { status = "bad_length"; break; }
+        int64_t rend = pos + (int64_t)rec.size;
         if (rend > w.size) { status = "torn"; break; }
-        if (window_fill(&w, pos, (Py_ssize_t)(rend - pos)) < 0) { status = NULL; break; }
+        if (window_fill(&w, pos, (Py_ssize_t)rec.size) < 0) { status = NULL; break; }
         if (rend > w.size) continue;                            /* ended early */
         h = w.buf + (pos - w.base);
-        if (lj_crc32(h + 8, body_len) != crc) { status = "crc"; break; }
-        if (kind) {
-            if (kind == KIND_SEAL) { status = "seal"; break; }
+        if (!lj_record_crc_ok(h, &rec)) { status = "crc"; break; }
+        if (rec.kind != KIND_LOGJAM) {
+            if (rec.kind == KIND_SEAL) { status = "seal"; break; }
             skipped++;
             pos = rend;
             continue;
         }
-        const unsigned char *lens = h + 20;
-        int64_t total = 0;
-        for (uint32_t i = 0; i < nf; i++) total += rd32(lens + 4 * i);
-        if (20 + 4 * (int64_t)nf + total != 8 + (int64_t)body_len) { status = "frame_lengths"; break; }
+        if (!lj_record_frames_ok(h, &rec)) { status = "frame_lengths"; break; }
         idx++;
         pos = rend;
-        const unsigned char *s = NULL;
-        if (nf == 4 && rd32(lens + 12) == 24) {
-            s = h + 36 + rd32(lens) + rd32(lens + 4) + rd32(lens + 8);
-            if (!(s[3] == 1 && ((s[0] == 0xCA && s[1] == 0xBD) || (s[0] == 0xBD && s[1] == 0xCA))))
-                s = NULL;
+        const unsigned char *lens = h + HEADER_MIN, *s = NULL;
+        if (rec.n == 4) {
+            s = h + LJ_HEAD4 + rd32(lens) + rd32(lens + 4) + rd32(lens + 8);
+            if (!lj_meta_plain(s, rd32(lens + 12))) s = NULL;
         }
         if (!s) { bad++; continue; }
         if (n == cap) {
@@ -287,9 +275,9 @@ static PyObject *scan_meta(PyObject *self, PyObject *args) {
             cre = c;
             cap = nc;
         }
-        dev[n] = (int64_t)(((uint32_t)s[4] << 24) | ((uint32_t)s[5] << 16) | ((uint32_t)s[6] << 8) | s[7]);
-        cre[n] = (int64_t)rdbe64(s + 8);
-        seq[n] = (int64_t)rdbe64(s + 16);
+        dev[n] = (int64_t)lj_meta_device(s);
+        cre[n] = (int64_t)lj_meta_created(s);
+        seq[n] = (int64_t)lj_meta_sequence(s);
         n++;
     }
     Py_END_ALLOW_THREADS
@@ -316,47 +304,36 @@ out:
 /* parse_records(buf, pos, end, max_records, base) -> (records, pos, status): exactly
  * segment.parse_records_py: records are (file_offset, kind, seq, [frames], record_end)
  * with verified CRCs; status None, "partial", "seal" or (reason, message, file_offset)
- * for a corrupt record (the caller raises SegmentCorrupt from it). */
+ * for a corrupt record (the caller raises SegmentCorrupt from it).  The walk: _walk.h. */
+typedef struct {
+    PyObject *out;
+    Py_ssize_t base;
+} parse_ctx;
+
+static int parse_visit(void *ctx, const unsigned char *buf, Py_ssize_t pos, const lj_record *r) {
+    parse_ctx *c = ctx;
+    PyObject *frames = lj_frame_list(buf + pos, r, NULL);
+    if (!frames) return -1;
+    PyObject *rec = Py_BuildValue("(nIKNn)", c->base + pos, r->kind, (unsigned long long)r->seq,
+                                  frames, c->base + pos + (Py_ssize_t)r->size);
+    if (!rec || PyList_Append(c->out, rec) < 0) { Py_XDECREF(rec); return -1; }
+    Py_DECREF(rec);
+    return 0;
+}
+
 static PyObject *parse_records(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t pos, end, max_records, base;
     if (!PyArg_ParseTuple(args, "y*nnnn", &view, &pos, &end, &max_records, &base)) return NULL;
-    const unsigned char *buf = view.buf;
-    PyObject *out = PyList_New(0), *status = NULL, *result = NULL;
-    if (!out) goto done;
+    PyObject *result = NULL;
+    parse_ctx c = {PyList_New(0), base};
+    lj_walk w = {pos, 0, -1, NULL};
     if (end > view.len) end = view.len;
-    while (pos < end && PyList_GET_SIZE(out) < max_records) {
-        lj_record r;
-        if (!lj_record_next(buf, pos, end, base, &r, &status)) break;
-        unsigned kind = r.kind;
-        uint32_t n = r.n;
-        uint64_t seq = r.seq;
-        Py_ssize_t rend = r.rend;
-        const unsigned char *lens = buf + pos + 20;
-        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n;
-        PyObject *frames = PyList_New(n);
-        if (!frames) goto fail;
-        for (uint32_t i = 0; i < n; i++) {
-            uint32_t ln = rd32(lens + 4 * i);
-            PyObject *f = PyBytes_FromStringAndSize((const char *)buf + p, ln);
-            if (!f) { Py_DECREF(frames); goto fail; }
-            PyList_SET_ITEM(frames, i, f);
-            p += ln;
-        }
-        PyObject *rec = Py_BuildValue("(nIKNn)", base + pos, kind, (unsigned long long)seq,
-                                      frames, base + rend);
-        if (!rec || PyList_Append(out, rec) < 0) { Py_XDECREF(rec); goto fail; }
-        Py_DECREF(rec);
-        pos = rend;
+    if (c.out && lj_walk_records(view.buf, end, base, max_records, 0, &w, parse_visit, &c) == 0) {
+        if (!w.status) { w.status = Py_None; Py_INCREF(w.status); }
+        result = Py_BuildValue("(OnN)", c.out, w.pos, w.status);
     }
-    if (!status) { status = Py_None; Py_INCREF(status); }
-    result = Py_BuildValue("(NnN)", out, pos, status);
-    out = NULL;
-    goto done;
-fail:
-    Py_XDECREF(status);
-done:
-    Py_XDECREF(out);
+    Py_XDECREF(c.out);
     PyBuffer_Release(&view);
     return result;
 }

@@ -35,10 +35,8 @@
 #include <string.h>
 #include <zlib.h>
 
-#include "_record.h"            /* record framing check, lj_crc32, rd32/rd16 */
+#include "_walk.h"              /* the readers' walk (and ../_c/record_crc.h: the checks) */
 #include "_recblock.h"          /* RecordBlock: the records as one buffer plus an index */
-
-#define SHARED 2               /* frames 0 and 1 may be shared with the previous record */
 
 /* Records hold only bytes, ints and each other: they cannot be part of a reference
  * cycle, so the cyclic collector need not track them (CPython itself untracks tuples
@@ -61,6 +59,32 @@ static PyObject *new_tuple(PyTypeObject *type, PyObject **items, Py_ssize_t n) {
     return t;
 }
 
+typedef struct {
+    PyObject *out, *segno;
+    PyTypeObject *rec_type, *pos_type;
+    Py_ssize_t base;
+    PyObject *prev[LJ_SHARED];  /* the previous record's first frames (lj_frame_list) */
+} read_ctx;
+
+static int read_visit(void *ctx, const unsigned char *buf, Py_ssize_t pos, const lj_record *r) {
+    read_ctx *c = ctx;
+    PyObject *frames = lj_frame_list(buf + pos, r, c->prev);
+    if (!frames) return -1;
+    untrack(frames);
+    PyObject *pitems[2] = {c->segno, PyLong_FromSsize_t(c->base + pos)};
+    Py_INCREF(c->segno);
+    if (!pitems[1]) { Py_DECREF(c->segno); Py_DECREF(frames); return -1; }
+    PyObject *position = new_tuple(c->pos_type, pitems, 2);
+    if (!position) { Py_DECREF(frames); return -1; }
+    PyObject *ritems[3] = {position, PyLong_FromUnsignedLong(r->kind), frames};
+    if (!ritems[1]) { Py_DECREF(position); Py_DECREF(frames); return -1; }
+    PyObject *rec = new_tuple(c->rec_type, ritems, 3);
+    if (!rec) return -1;
+    if (PyList_Append(c->out, rec) < 0) { Py_DECREF(rec); return -1; }
+    Py_DECREF(rec);
+    return 0;
+}
+
 static PyObject *tail_read(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t pos, end, max_records, base;
@@ -76,71 +100,17 @@ static PyObject *tail_read(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "Record and Position must be tuple types");
         return NULL;
     }
-    const unsigned char *buf = view.buf;
-    PyObject *out = PyList_New(0), *status = NULL, *result = NULL;
-    PyObject *prev[SHARED] = {NULL, NULL};
-    long long next_seq = -1;
-    Py_ssize_t parsed = 0;
-    if (!out) goto done;
-    if (pos < 0) pos = 0;
+    PyObject *result = NULL;
+    read_ctx c = {PyList_New(0), segno_obj, rec_type, pos_type, base, {NULL, NULL}};
+    lj_walk w = {pos < 0 ? 0 : pos, 0, -1, NULL};
     if (end > view.len) end = view.len;
-    while (pos < end && parsed < max_records) {
-        lj_record r;
-        if (!lj_record_next(buf, pos, end, base, &r, &status)) break;
-        unsigned kind = r.kind;
-        uint32_t n = r.n;
-        uint64_t seq = r.seq;
-        Py_ssize_t rend = r.rend;
-        const unsigned char *lens = buf + pos + 20;
-        Py_ssize_t p = pos + 20 + 4 * (Py_ssize_t)n;
-        parsed++;
-        next_seq = (long long)(seq + 1);
-        if (skip && parsed == 1) { pos = rend; continue; }
-        PyObject *frames = PyList_New(n);
-        if (!frames) goto fail;
-        for (uint32_t i = 0; i < n; i++) {
-            uint32_t ln = rd32(lens + 4 * i);
-            PyObject *f = NULL;
-            if (i < SHARED && prev[i] && PyBytes_GET_SIZE(prev[i]) == (Py_ssize_t)ln &&
-                    memcmp(PyBytes_AS_STRING(prev[i]), buf + p, ln) == 0) {
-                f = prev[i];
-                Py_INCREF(f);
-            } else {
-                f = PyBytes_FromStringAndSize((const char *)buf + p, ln);
-                if (!f) { Py_DECREF(frames); goto fail; }
-                if (i < SHARED) { Py_XSETREF(prev[i], f); Py_INCREF(f); }
-            }
-            PyList_SET_ITEM(frames, i, f);
-            p += ln;
-        }
-        untrack(frames);
-        PyObject *pitems[2] = {segno_obj, PyLong_FromSsize_t(base + pos)};
-        Py_INCREF(segno_obj);
-        if (!pitems[1]) { Py_DECREF(segno_obj); Py_DECREF(frames); goto fail; }
-        PyObject *position = new_tuple(pos_type, pitems, 2);
-        if (!position) { Py_DECREF(frames); goto fail; }
-        PyObject *ritems[3] = {position, PyLong_FromUnsignedLong(kind), frames};
-        if (!ritems[1]) { Py_DECREF(position); Py_DECREF(frames); goto fail; }
-        PyObject *rec = new_tuple(rec_type, ritems, 3);
-        if (!rec) goto fail;
-        if (PyList_Append(out, rec) < 0) { Py_DECREF(rec); goto fail; }
-        Py_DECREF(rec);
-        pos = rend;
+    if (c.out && lj_walk_records(view.buf, end, base, max_records, skip, &w, read_visit, &c) == 0) {
+        if (!w.status) { w.status = Py_None; Py_INCREF(w.status); }
+        result = Py_BuildValue("(OnLNn)", c.out, w.pos, w.next_seq, w.status, w.parsed);
     }
-    if (!status) {
-        if (PyErr_Occurred()) goto fail;
-        status = Py_None;
-        Py_INCREF(status);
-    }
-    result = Py_BuildValue("(NnLNn)", out, pos, next_seq, status, parsed);
-    out = NULL;
-    goto done;
-fail:
-    Py_XDECREF(status);
-done:
-    Py_XDECREF(out);
-    Py_XDECREF(prev[0]);
-    Py_XDECREF(prev[1]);
+    Py_XDECREF(c.out);
+    Py_XDECREF(c.prev[0]);
+    Py_XDECREF(c.prev[1]);
     PyBuffer_Release(&view);
     return result;
 }
@@ -186,17 +156,10 @@ static Py_ssize_t block_len(RecordBlock *b) { return b->n; }
 /* record i as Record(Position(segno, offset), kind, [frames]) (0 <= i < n) */
 static PyObject *block_record(RecordBlock *b, Py_ssize_t i) {
     const unsigned char *r = b->recs[i].p;
-    uint32_t n = rd16(r + 10);
-    const unsigned char *lens = r + 20, *p = r + 20 + 4 * (Py_ssize_t)n;
-    PyObject *frames = PyList_New(n);
+    lj_record rec;
+    lj_record_fields(r, &rec);      /* checked when it was read */
+    PyObject *frames = lj_frame_list(r, &rec, NULL);
     if (!frames) return NULL;
-    for (uint32_t k = 0; k < n; k++) {
-        uint32_t ln = rd32(lens + 4 * k);
-        PyObject *f = PyBytes_FromStringAndSize((const char *)p, ln);
-        if (!f) { Py_DECREF(frames); return NULL; }
-        PyList_SET_ITEM(frames, k, f);
-        p += ln;
-    }
     untrack(frames);
     PyObject *pitems[2] = {PyLong_FromLongLong(b->recs[i].segno),
                            PyLong_FromLongLong(b->recs[i].offset)};
@@ -355,6 +318,23 @@ static int block_own(RecordBlock *b, PyObject *o) {
     return 0;
 }
 
+typedef struct {
+    RecordBlock *blk;
+    int64_t segno, base;
+    Py_ssize_t first;           /* buffer offset of the first record appended, -1: none yet */
+} into_ctx;
+
+static int into_visit(void *ctx, const unsigned char *buf, Py_ssize_t pos, const lj_record *r) {
+    into_ctx *c = ctx;
+    if (c->first < 0) c->first = pos;
+    if (block_grow(c->blk, 1) < 0) return -1;
+    rb_rec *e = &c->blk->recs[c->blk->n++];
+    e->segno = c->segno;
+    e->offset = c->base + pos;
+    e->p = buf + pos;
+    return 0;
+}
+
 static PyObject *tail_read_into(PyObject *self, PyObject *args) {
     RecordBlock *blk;
     PyObject *bufobj;
@@ -367,31 +347,16 @@ static PyObject *tail_read_into(PyObject *self, PyObject *args) {
         return NULL;
     if (PyObject_GetBuffer(bufobj, &view, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *buf = view.buf;
-    PyObject *status = NULL, *result = NULL;
-    long long next_seq = -1;
-    Py_ssize_t parsed = 0, added = 0, first = -1, n0 = blk->n;
-    if (pos < 0) pos = 0;
+    PyObject *result = NULL;
+    const Py_ssize_t n0 = blk->n;
+    into_ctx c = {blk, segno, base, -1};
+    lj_walk w = {pos < 0 ? 0 : pos, 0, -1, NULL};
     if (end > view.len) end = view.len;
     /* check the records and index them (pointers into buf for now) */
-    while (pos < end && parsed < max_records) {
-        lj_record r;
-        if (!lj_record_next(buf, pos, end, base, &r, &status)) break;
-        parsed++;
-        next_seq = (long long)(r.seq + 1);
-        if (!(skip && parsed == 1)) {
-            if (first < 0) first = pos;
-            if (block_grow(blk, 1) < 0) goto fail;
-            rb_rec *e = &blk->recs[blk->n++];
-            e->segno = segno;
-            e->offset = (int64_t)(base + pos);
-            e->p = buf + pos;
-            added++;
-        }
-        pos = r.rend;
-    }
-    if (!status && PyErr_Occurred()) goto fail;
+    if (lj_walk_records(buf, end, base, max_records, skip, &w, into_visit, &c) < 0) goto fail;
+    Py_ssize_t added = blk->n - n0;
     if (added) {
-        Py_ssize_t bytes = pos - first;
+        Py_ssize_t bytes = w.pos - c.first;
         if (PyBytes_CheckExact(bufobj)) {
             /* immutable: the records stay in it */
             if (!(blk->nown && blk->owners[blk->nown - 1] == bufobj)) {
@@ -400,24 +365,24 @@ static PyObject *tail_read_into(PyObject *self, PyObject *args) {
             }
         } else {
             /* a buffer that may change (a reused chunk): the records are copied */
-            PyObject *copy = PyBytes_FromStringAndSize((const char *)buf + first, bytes);
+            PyObject *copy = PyBytes_FromStringAndSize((const char *)buf + c.first, bytes);
             if (!copy || block_own(blk, copy) < 0) goto fail;
-            const unsigned char *at = (const unsigned char *)PyBytes_AS_STRING(copy) - first;
+            const unsigned char *at = (const unsigned char *)PyBytes_AS_STRING(copy) - c.first;
             for (Py_ssize_t k = n0; k < blk->n; k++)
                 blk->recs[k].p = at + (blk->recs[k].p - buf);
         }
         blk->nbytes += bytes;
     }
-    if (!status) {
-        status = Py_None;
-        Py_INCREF(status);
+    if (!w.status) {
+        w.status = Py_None;
+        Py_INCREF(w.status);
     }
-    result = Py_BuildValue("(nnLNn)", added, pos, next_seq, status, parsed);
+    result = Py_BuildValue("(nnLNn)", added, w.pos, w.next_seq, w.status, w.parsed);
     PyBuffer_Release(&view);
     return result;
 fail:
     blk->n = n0;                    /* nothing appended */
-    Py_XDECREF(status);
+    Py_XDECREF(w.status);
     PyBuffer_Release(&view);
     return NULL;
 }

@@ -25,6 +25,7 @@ import trio
 from ..fdreserve import RESERVE as _FDS
 from . import segment as fmt
 from .api import Position, Record
+from .chunkread import after_partial, read_size
 from .cursors import CursorLog
 from .damage import Damage
 from .errors import SpoolError, WriteErrors, write_error
@@ -201,8 +202,8 @@ class SpoolReader:
     def _load(self, seg: Seg, off: int, need: int) -> None:
         """Cache file data from ``off``.  A file shorter than expected (cut while we run)
         is not an error here: the records before the cut are served, the parser then
-        reports the record the cut tore (``_short``)."""
-        size = min(max(self.CHUNK, need), seg.limit - off)
+        reports the record the cut tore (``_short``, chunkread.after_partial)."""
+        size = read_size(self.CHUNK, need, off, seg.limit)
         buf = self._fs.pread(self.fd_for(seg), size, off)
         self._buf, self._buf_seg, self._buf_base = buf, seg.segno, off
         self._short = len(buf) < size
@@ -256,11 +257,9 @@ class SpoolReader:
                 if status is None:
                     continue
                 if status == "partial":
-                    need = fmt.PREFIX_LEN + (fmt.PREFIX.unpack_from(buf, off - base)[0]
-                                             if stop - (off - base) >= fmt.PREFIX_LEN else 0)
-                    if base == off and (self._short or len(buf) >= min(need, seg.limit - off)):
-                        raise fmt.SegmentTruncated("torn", "record crosses the committed end",
-                                                   off)
+                    err, need = after_partial(buf, base, off, stop, seg.limit, self._short)
+                    if err is not None:
+                        raise err
                     self._load(seg, off, need)
                     continue
                 if status == "seal":

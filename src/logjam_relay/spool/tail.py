@@ -37,6 +37,7 @@ import trio
 from .. import _native
 from . import segment as fmt
 from .api import Position, Record
+from .chunkread import after_partial, read_size
 from .ledger import Ledger
 
 MiB = 1 << 20
@@ -160,6 +161,7 @@ class SegmentTail:
         self._blocks = RecordBlock is not None      # read() gives RecordBlocks
         self._buf_seg = -1
         self._buf_base = 0
+        self._short = False                     # the last _load got less than it asked for
         self.records_read = 0
         self.acks = 0
         self.reports = 0
@@ -220,7 +222,7 @@ class SegmentTail:
         return self._fd
 
     def _load(self, entry, off: int, need: int) -> None:
-        size = min(max(self.CHUNK, need), entry[2] - off)
+        size = read_size(self.CHUNK, need, off, entry[2])
         fd = self._fd_for(entry)
         if _tailread is None or self._blocks:
             # RecordBlocks keep the chunk they were read from, so its records are never
@@ -237,6 +239,7 @@ class SegmentTail:
             n = os.preadv(fd, [memoryview(self._chunk)[:size]], off)
             self._buf = memoryview(self._chunk)[:n]
         self._buf_seg, self._buf_base = entry[0], off
+        self._short = len(self._buf) < size
 
     def _next_segment(self, after: int):
         best = None
@@ -358,14 +361,9 @@ class SegmentTail:
             if status is None:
                 continue
             if status == "partial":
-                need = fmt.PREFIX_LEN + (fmt.PREFIX.unpack_from(buf, off - base)[0]
-                                         if stop - (off - base) >= fmt.PREFIX_LEN else 0)
-                if base == off and len(buf) >= min(need, limit - off):
-                    self._stop_at(segno, off, "torn", "record crosses the committed end")
-                    break
-                if base == off and len(buf) < min(self.CHUNK, limit - off):
-                    self._stop_at(segno, off, "short_file",
-                                  "segment file shorter than expected")
+                err, need = after_partial(buf, base, off, stop, limit, self._short)
+                if err is not None:
+                    self._stop_at(segno, off, err.reason, str(err))
                     break
                 try:
                     self._load(entry, off, need)

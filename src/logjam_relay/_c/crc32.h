@@ -1,5 +1,6 @@
-/* CRC-32 of the spool records (zlib's crc32: the same value as zlib.crc32) for the C
- * encoders (spool/_segenc.c, the ingest pass in io/_zmqfast.c).
+/* CRC-32 of the spool records (zlib's crc32: the same value as zlib.crc32), the one copy
+ * for every C file that writes or checks a record (_c/record_crc.h: spool/_segenc.c, the ingest
+ * pass in io/_zmqfast.c, the readers spool/_segscan.c and spool/_tailread.c).
  *
  * On x86-64 with PCLMULQDQ and SSE4.1 (checked once at run time with cpuid) the bulk is
  * folded with carry-less multiplies, 64 bytes a step (the algorithm and constants of
