@@ -72,7 +72,7 @@ SPARK_CLI_FILES = {"test_pipeline_cluster.py", "test_pipeline_jvmcache.py",
                    "test_pipeline_report.py", "test_pipeline_connect.py", "test_fleet.py"}
 # ... and, to even the units out, relay test files that share nothing outside their process
 BALANCE_FILES = {"test_output_outage.py": "spark", "test_loss_accounting.py": "spark",
-                 "test_inputs_memory.py": "spark", "test_powerloss.py": "spark-cli",
+                 "test_inputs_memory.py": "spark", "test_powerloss.py": "relay",
                  "test_cmdp_log_flood.py": "spark"}
 
 #: the JIT of the JVMs the tests start for themselves (the in-process sessions, a Connect
