@@ -1,4 +1,4 @@
-"""samwise endpoint vs. a samd-equivalent, with samcli-like REQ clients (issue 14 §3).
+"""samwise endpoint vs. a samd-equivalent, with samcli-like REQ clients.
 
     python bench/bench_samwise.py [--requests 5000] [--size 200] [--url amqp://guest:guest@127.0.0.1:5672/]
 
@@ -6,7 +6,7 @@ Clients: ``bench/samwise_req.c`` (built here against pyzmq's libzmq), a REQ sock
 one outstanding request, as samwise's own ``samcli`` - one process per client.  Without
 a C compiler a Python REQ client is used (and the figures say so).
 
-Three scenarios, the ones measured for samd in issue 14 (2 brokers = 2 connections to
+Three scenarios, the ones samd was measured in with samcli (2 brokers = 2 connections to
 the same RabbitMQ):
 
 * round robin, 1 client;  * redundant 2, 1 client;  * round robin, 4 clients.
@@ -20,11 +20,11 @@ Each is run against two servers, each in a process of its own:
   with publisher confirms (frames encoded by ``protocols/amqp.py``, one write per message
   on a plain blocking socket, as samd's backend thread does with rabbitmq-c); confirms
   are read as they come.  samd replies once the request is handed to its distributor,
-  before anything is published or confirmed (see /work/shared/specs/reference/samwise.md,
-  section 4), and publishes on other threads: reply-then-publish is that order without
+  before anything is published or confirmed (the reference measurements of samd,
+  ``shared/specs/reference/samwise.md`` beside the clone, section 4), and publishes on other threads: reply-then-publish is that order without
   the thread hops.  It has no event loop, no spool index, no cursors and no retry.
 
-  Calibration (is it samd?): samd's own figures (issue 14, samcli, idle machine) are
+  Calibration (is it samd?): samd's own figures (samcli, an idle machine) are
   3.7-5.1k / 3.3-5.5k / 5.6-7.1k req/s.  This loop, on the same machines under a load
   average of 5-13 from other work, ran at 1.6-4.7k / 1.7-4.4k / 4.8-7.0k: at or below
   samd's figures, as a busy machine should make it.  A leaner loop (samwise's C batch
@@ -36,7 +36,7 @@ Each is run against two servers, each in a process of its own:
   runs it), two ``BrokerOutput``s.
 
 Printed per scenario: client req/s for both, the ratio, and when the last message was
-broker-confirmed.  samd's own figures from issue 14 (measured with samcli on these
+broker-confirmed.  samd's own figures (measured with samcli on these
 machines) are printed for context; samd builds here, but this bench does not run it.
 Speed is never asserted in tests; this is where it lives.
 """
@@ -386,7 +386,7 @@ def main():
     print(f"{'scenario':26} {base:>11} {'samwise':>9} {'ratio':>6}   "
           f"{'confirmed: ' + base + ' / samwise':>29}   "
           f"{'CPU us/req: ' + base + ' / samwise':>29}   "
-          f"{'runs (req/s): ' + base + ' | samwise':>31}   samd (issue 14)")
+          f"{'runs (req/s): ' + base + ' | samwise':>31}   samd (samcli)")
     try:
         for tag, label, copies, clients in SCENARIOS:
             baseline = samd_lean if a.lean_baseline else samd_equivalent
