@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from .loss import DeviceLoss, LossState, read_state, state_arrays, write_npz
 from .minutes import minutes_of
-from .origin import encode_ranges, origin_columns
+from .origin import ORIGIN_NAMES, encode_ranges, origin_columns
 
 OUT_SCHEMA = pa.schema([
     ("host", pa.string()), ("device", pa.int64()), ("minute_ms", pa.int64()),
@@ -113,19 +113,25 @@ def segment_origins(path: str, segno: int = 0, stats=None) -> SegmentOrigins:
 def origins_of(t: pa.Table) -> SegmentOrigins:
     """:class:`SegmentOrigins` of one segment's walk rows (columns of
     :func:`spark_walk_frame`, in record order, valid meta only)."""
-    o = origin_columns(t["app"], t["env"], t["head"])
-    has = np.asarray(o["origin_device"].is_valid(), dtype=bool)
-    skips = []
+    return _origins_from(t, origin_columns(t["app"], t["env"], t["head"]))
+
+
+def _origins_from(t: pa.Table, o) -> SegmentOrigins:
+    """:class:`SegmentOrigins` of rows in arrival order (``record, device, sequence,
+    created_ms``) and their origin columns ``o`` (:data:`.origin.ORIGIN_NAMES`)."""
     sf = o["skipped_from"]
+    skips = []
     if sf.null_count < len(sf):
         st = o["skipped_to"].to_pylist()
-        skips = [(i, a, st[i]) for i, a in enumerate(sf.to_pylist()) if a is not None]
+        skips = [(i, a, st[i]) for i, a in enumerate(sf.to_pylist())
+                 if a is not None and st[i] is not None]
 
     def ints(c):
         return np.asarray(c.to_numpy(zero_copy_only=False), dtype=np.int64)
     return SegmentOrigins(
         ints(t["record"]), ints(t["device"]), ints(t["sequence"]),
-        minutes_of(ints(t["created_ms"])), has, o["origin_host"].to_pylist(),
+        minutes_of(ints(t["created_ms"])),
+        np.asarray(o["origin_device"].is_valid(), dtype=bool), o["origin_host"].to_pylist(),
         ints(pc.fill_null(o["origin_device"], 0)), ints(pc.fill_null(o["origin_sequence"], 0)),
         skips)
 
@@ -309,18 +315,7 @@ class OriginIndex:
         seg = t["segment"].to_numpy(zero_copy_only=False).astype(np.int64)
         rec = t["record"].to_numpy(zero_copy_only=False).astype(np.int64)
         t = t.take(pa.array(np.lexsort((rec, seg, arch))))
-        has = np.asarray(t["origin_device"].is_valid(), dtype=bool)
-        sf = t["skipped_from"].to_pylist()
-        st = t["skipped_to"].to_pylist()
-        skips = [(i, a, st[i]) for i, a in enumerate(sf) if a is not None and st[i] is not None]
-        so = SegmentOrigins(
-            t["record"].to_numpy(zero_copy_only=False).astype(np.int64),
-            t["device"].to_numpy(zero_copy_only=False).astype(np.int64),
-            t["sequence"].to_numpy(zero_copy_only=False).astype(np.int64),
-            minutes_of(t["created_ms"].to_numpy(zero_copy_only=False).astype(np.int64)),
-            has, t["origin_host"].to_pylist(),
-            pc.fill_null(t["origin_device"], 0).to_numpy().astype(np.int64),
-            pc.fill_null(t["origin_sequence"], 0).to_numpy().astype(np.int64), skips)
+        so = _origins_from(t, {name: t[name] for name in ORIGIN_NAMES})
         self.add_segment(0, None, so, last=False)
 
     def save(self, path: str, batch: int) -> None:
