@@ -1,4 +1,4 @@
-"""The durable path at full rate (issue 14 §1): spool on, a Lumberjack and a Courier output.
+"""The durable path at full rate: spool on, a Lumberjack and a Courier output.
 
     python bench/bench_durable.py [--duration 60] [--baseline-messages 2000000]
                                   [--isolation inline|process] [--no-subscriber]
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_relay as BR  # noqa: E402
 
-DEVICE_FACTOR = 0.46        # logjam-device / zmq.proxy, measured side by side (issue 14)
+DEVICE_FACTOR = 0.46        # logjam-device / zmq.proxy, measured side by side
 SINK_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sink.c")
 
 

@@ -1,9 +1,9 @@
-"""Latency at a fixed rate (issue 25 §2, §3): the relay with ``spool_fsync=batch``, with
+"""Latency at a fixed rate: the relay with ``spool_fsync=batch``, with
 ``interval`` and without a spool, against ``zmq.proxy``, in one run.
 
     python bench/bench_latency.py [--rates 100000,200000] [--seconds 5]
                                   [--paths dealer,push] [--targets proxy,none,interval,batch]
-                                  [--modes ticks,message]
+                                  [--modes ticks,message] [--repeat N]
                                   [--ingest-messages 1000000] [--relay-src NAME=SRC_DIR ...]
 
 The load is ``zmq_latency.c`` (built here with gcc against pyzmq's bundled libzmq, as
@@ -21,8 +21,7 @@ default, every figure in each):
   many such agents together arrive as a stream of single messages, not in bursts.  It is
   also the harder one for the relay: each message may find the relay idle, so every
   wake-up path (the ingest's wait on the socket, the group commit's rounds, the PUB
-  thread's sleep) is taken for every few messages, and a missed wake-up shows as a stall
-  (issue 44).
+  thread's sleep) is taken for every few messages, and a missed wake-up shows as a stall.
 
 Two latencies:
 
@@ -37,6 +36,19 @@ Targets: ``proxy`` (zmq.proxy), ``none`` (the relay without a spool), ``interval
 directory, 64 MiB segments, no output: the spool is written and synced as with one).
 ``--relay-src main=/work/main/src`` adds the same relay targets run from another source
 tree (a before/after in one run; that tree's C extensions must be built in place).
+
+``c-ack`` and ``c-durable`` (DEALER only; not run by default): ``durable_ack.c``, one C
+thread that drains the ROUTER, publishes on PUB, and answers 202 -- at once (``c-ack``), or
+after one ``write()`` of the bodies and one ``fdatasync`` per drained group (``c-durable``).
+No hand-off to any other thread, nothing validated or numbered: the least a durable 202
+costs on this disk and these cores.  ``c-durable`` over ``c-ack`` is printed beside the
+relay's ``batch`` over its no-spool run: where the floor's own ratio is near a target
+ratio, the machine, not the relay, sets it.
+
+``--repeat N`` runs every figure N times with the targets interleaved (the order reversed
+every other round) and prints, after the rounds' own lines, the median of each percentile
+and the median of each round's own ratios with their range: one 8 s run alone swings 2-3x
+on a shared 2-core host, a ratio of two runs minutes apart less.
 
 Printed per rate and path: p50/p99/p99.9/max (ms), how many of the messages were
 answered / published; for a spool target the relay's own fdatasyncs of the run (from its
@@ -74,7 +86,8 @@ KEYS = ("p50", "p99", "p999", "max")
 BATCH_DELAY = ""
 
 
-def build_tool() -> str:
+def build_tool(src: str = SRC) -> str:
+    """``src`` (a C file beside this one) built with gcc against pyzmq's bundled libzmq."""
     import zmq
     gcc = shutil.which("gcc") or shutil.which("cc")
     libdir = os.path.realpath(os.path.join(os.path.dirname(zmq.__file__), "..", "pyzmq.libs"))
@@ -82,12 +95,18 @@ def build_tool() -> str:
         if os.path.isdir(libdir) else []
     if not gcc or not libs:
         sys.exit("bench_latency: needs gcc and pyzmq's bundled libzmq (pyzmq.libs)")
-    out = os.path.join(tempfile.mkdtemp(prefix="bench-zmq-latency-"), "zmq_latency")
-    r = subprocess.run([gcc, "-O2", "-o", out, SRC, f"-L{libdir}", f"-l:{libs[0]}",
+    name = os.path.splitext(os.path.basename(src))[0]
+    out = os.path.join(tempfile.mkdtemp(prefix="bench-zmq-latency-"), name)
+    r = subprocess.run([gcc, "-O2", "-o", out, src, f"-L{libdir}", f"-l:{libs[0]}",
                         f"-Wl,-rpath,{libdir}", "-lpthread"], capture_output=True, text=True)
     if r.returncode:
-        sys.exit("bench_latency: cannot build zmq_latency.c:\n" + r.stderr)
+        sys.exit(f"bench_latency: cannot build {os.path.basename(src)}:\n" + r.stderr)
     return out
+
+
+#: the floor of a durable 202 (``c-ack``, ``c-durable``): durable_ack.c, built on first use
+DURABLE_ACK = os.path.join(os.path.dirname(SRC), "durable_ack.c")
+_durable_ack: list[str] = []
 
 
 class Target:
@@ -97,9 +116,18 @@ class Target:
         self.name, self.kind, self.src = name, kind, src
         self.in_port, self.out_port = BR.free_port(), BR.free_port()
         self.proc = None
+        self.metrics_port = 0
         self.work = tempfile.mkdtemp(prefix="bench-latency-")
 
     def start(self, path: str) -> None:
+        if self.kind in ("c-ack", "c-durable"):
+            if not _durable_ack:
+                _durable_ack.append(build_tool(DURABLE_ACK))
+            dest = os.path.join(self.work, "bodies") if self.kind == "c-durable" else "-"
+            self.proc = subprocess.Popen([_durable_ack[0], f"tcp://127.0.0.1:{self.in_port}",
+                                          f"tcp://127.0.0.1:{self.out_port}", dest],
+                                         stderr=subprocess.DEVNULL)
+            return
         if self.kind == "proxy":
             ctx = mp.get_context("fork")
             self.proc = ctx.Process(target=BR.proxy, daemon=True,
@@ -263,17 +291,98 @@ def ratios(res: dict, base: dict, p: str) -> str:
         " (p50/p99/p99.9/max)"
 
 
+def print_result(t: Target, res: dict, n: int) -> None:
+    late = f" (sender late by up to {res['late_max_ms']:.1f} ms)" \
+        if res["late_max_ms"] > 5 else ""
+    if "r_p50" in res:
+        print(f"  {t.name:26s} reply   {fmt(res, 'r', n)}{late}", flush=True)
+        late = ""
+    print(f"  {t.name:26s} one-way {fmt(res, 'p', n)}{late}", flush=True)
+    if res["disk"]:
+        print(f"  {t.name:26s} disk    {res['disk']}", flush=True)
+
+
+def baselines(targets: list[Target], t: Target) -> list[tuple[str, str, str]]:
+    """``(what, baseline target's name, latency prefix, whose)`` of each ratio printed for ``t``:
+    its one-way against zmq.proxy's, a spool target's reply against the no-spool relay's
+    of the same tree."""
+    out = []
+    proxy = next((u for u in targets if u.kind == "proxy"), None)
+    if proxy is not None and t.kind != "proxy":
+        out.append(("one-way", proxy.name, "p", "zmq.proxy's"))
+    nospool = next((u for u in targets if u.kind == "none" and u.src == t.src), None)
+    if t.kind in ("interval", "batch") and nospool is not None:
+        out.append(("reply", nospool.name, "r", "the no-spool relay's"))
+    ack = next((u for u in targets if u.kind == "c-ack"), None)
+    if t.kind == "c-durable" and ack is not None:
+        out.append(("reply", ack.name, "r", "c-ack's (the floor of a durable 202 here)"))
+    return out
+
+
+def print_ratios(targets: list[Target], results: dict) -> None:
+    for t in targets:
+        res = results[t.name]
+        bits = [f"{what} {ratios(res, results[base], p)} {whose}"
+                for what, base, p, whose in baselines(targets, t)
+                if f"{p}_p50" in res and f"{p}_p50" in results[base]]
+        if bits:
+            print(f"  {t.name:26s} ratios: {'; '.join(bits)}")
+
+
+def print_medians(targets: list[Target], rounds: list[dict], n: int) -> None:
+    """The median of each percentile over the rounds, and the median of each round's own
+    ratio (both sides of a ratio ran in the same round, minutes apart at most)."""
+    k = len(rounds)
+    print(f"  == median of {k} rounds (each percentile; ratios: the median of the rounds' "
+          "own ratios, min-max in brackets)")
+    for t in targets:
+        for p, what in (("r", "reply  "), ("p", "one-way")):
+            if f"{p}_p50" not in rounds[0][t.name]:
+                continue
+            med = " ".join(
+                f"{key} {statistics.median(r[t.name][f'{p}_{key}'] for r in rounds):7.2f}"
+                for key in KEYS)
+            got = min(int(r[t.name]["pubs" if p == "p" else "replies"]) for r in rounds)
+            print(f"  {t.name:26s} {what} {med} ms (fewest "
+                  f"{'published' if p == 'p' else 'answered'} {got:,}/{n:,})")
+    for t in targets:
+        bits = []
+        for what, base, p, whose in baselines(targets, t):
+            if f"{p}_p50" not in rounds[0][t.name] or f"{p}_p50" not in rounds[0][base]:
+                continue
+            parts = []
+            for key in KEYS:
+                rs = sorted(r[t.name][f"{p}_{key}"] / r[base][f"{p}_{key}"]
+                            for r in rounds if r[base][f"{p}_{key}"] > 0)
+                parts.append(f"{statistics.median(rs):.2f}x [{rs[0]:.2f}-{rs[-1]:.2f}]"
+                             if rs else "n/a")
+            bits.append(f"{what} {' / '.join(parts)} {whose}")
+        if bits:
+            print(f"  {t.name:26s} median ratios (p50 / p99 / p99.9 / max): "
+                  f"{'; '.join(bits)}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="100000,200000")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--paths", default="dealer,push")
-    ap.add_argument("--targets", default="proxy,none,interval,batch")
+    ap.add_argument("--targets", default="proxy,none,interval,batch",
+                    help="zmq.proxy, the relay with no spool, interval, batch; and c-ack, "
+                         "c-durable: durable_ack.c without and with write + fdatasync, "
+                         "one thread (the floor of a durable 202 on this machine; "
+                         "DEALER only)")
     ap.add_argument("--modes", default="ticks,message",
                     help="how the load is sent: ticks (everything due every 200 us, "
                          "together), message (each message alone at its own time, as real "
                          "agents send); every latency figure is run in each")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of every latency figure, the targets interleaved in each "
+                         "(the order reversed every other round); with more than one, the "
+                         "medians of each percentile and of each round's own ratios are "
+                         "printed after the rounds' lines: one 8 s run alone swings 2-3x on "
+                         "a shared 2-core host")
     ap.add_argument("--ingest-messages", type=int, default=1_000_000,
                     help="messages of the ingest-rate comparison (0: skip it)")
     ap.add_argument("--ingest-repeat", type=int, default=7,
@@ -302,6 +411,9 @@ def main() -> int:
         if t == "proxy":
             targets.append(Target("zmq.proxy", "proxy"))
             continue
+        if t in ("c-ack", "c-durable"):
+            targets.append(Target(t, t))
+            continue
         for label, src in trees:
             name = {"none": "relay, no spool", "interval": "relay, interval",
                     "batch": f"relay, batch{f' {BATCH_DELAY}' if BATCH_DELAY else ''}"}[t]
@@ -315,29 +427,21 @@ def main() -> int:
         for path, mode in ((p, m) for p in args.paths.split(",") for m in modes):
             label = "DEALER -> ROUTER" if path == "dealer" else "PUSH -> PULL"
             print(f"\n{rate / 1000:.0f}k msg/s, {label}, {MODE_LABEL[mode]}:", flush=True)
-            results = {}
-            for t in targets:
-                res = results[t.name] = measure(tool, t, path, rate, args.seconds, mode)
-                late = f" (sender late by up to {res['late_max_ms']:.1f} ms)" \
-                    if res["late_max_ms"] > 5 else ""
-                if "r_p50" in res:
-                    print(f"  {t.name:26s} reply   {fmt(res, 'r', n)}{late}", flush=True)
-                    late = ""
-                print(f"  {t.name:26s} one-way {fmt(res, 'p', n)}{late}", flush=True)
-                if res["disk"]:
-                    print(f"  {t.name:26s} disk    {res['disk']}", flush=True)
-            base = results.get("zmq.proxy")
-            for t in targets:
-                res = results[t.name]
-                bits = []
-                if base is not None and t.kind != "proxy" and "p_p50" in res:
-                    bits.append(f"one-way {ratios(res, base, 'p')} zmq.proxy's")
-                nospool = next((results[u.name] for u in targets
-                                if u.kind == "none" and u.src == t.src), None)
-                if t.kind in ("interval", "batch") and nospool and "r_p99" in res:
-                    bits.append(f"reply {ratios(res, nospool, 'r')} the no-spool relay's")
-                if bits:
-                    print(f"  {t.name:26s} ratios: {'; '.join(bits)}")
+            rounds: list[dict] = []
+            # durable_ack.c has a ROUTER only
+            here = [t for t in targets if path == "dealer" or not t.kind.startswith("c-")]
+            for i in range(max(1, args.repeat)):
+                if args.repeat > 1:
+                    print(f"  -- round {i + 1} of {args.repeat}", flush=True)
+                results = {}
+                for t in (here if i % 2 == 0 else here[::-1]):
+                    results[t.name] = measure(tool, t, path, rate, args.seconds, mode)
+                for t in here:
+                    print_result(t, results[t.name], n)
+                print_ratios(here, results)
+                rounds.append(results)
+            if len(rounds) > 1:
+                print_medians(here, rounds, n)
     if args.ingest_messages and args.ingest_repeat > 0:   # (--ingest-repeat 0: none)
         n, k = args.ingest_messages, args.ingest_repeat
         print(f"\ningest: {n:,} messages DEALER -> ROUTER as fast as the socket takes them, "

@@ -1,4 +1,4 @@
-"""Where the relay's event loop stalls under a fixed-rate load (issue 25 §3).
+"""Where the relay's event loop stalls under a fixed-rate load.
 
     python bench/stall_trace.py [--rate 100000] [--seconds 10] [--path dealer|push]
                                 [--fsync none|interval|batch] [--threshold-ms 2]
@@ -15,7 +15,7 @@ fixed-rate load of bench_latency.py) against it.  Recorded:
 * the time between two loop turns spent outside task steps (I/O wait excluded);
 * with a spool: every sync (``sync_async``, and the group commit's ``sync_begin`` ..
   ``sync_end``), apart those of a round after a segment roll (the seal's and the
-  directory's syncs owed: issue 44's stall), the spool's ``write()`` calls and the roll's
+  directory's syncs owed: the stall of a round after a roll), the spool's ``write()`` calls and the roll's
   parts (on the loop, in worker threads); under ``batch`` how long the replies waited in
   the group commit.
 
