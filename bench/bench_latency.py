@@ -302,10 +302,10 @@ def print_result(t: Target, res: dict, n: int) -> None:
         print(f"  {t.name:26s} disk    {res['disk']}", flush=True)
 
 
-def baselines(targets: list[Target], t: Target) -> list[tuple[str, str, str]]:
-    """``(what, baseline target's name, latency prefix, whose)`` of each ratio printed for ``t``:
-    its one-way against zmq.proxy's, a spool target's reply against the no-spool relay's
-    of the same tree."""
+def baselines(targets: list[Target], t: Target) -> list[tuple[str, str, str, str]]:
+    """``(what, baseline target's name, latency prefix, whose)`` of each ratio printed for
+    ``t``: its one-way against zmq.proxy's, a spool target's reply against the no-spool
+    relay's of the same tree, ``c-durable``'s reply against ``c-ack``'s."""
     out = []
     proxy = next((u for u in targets if u.kind == "proxy"), None)
     if proxy is not None and t.kind != "proxy":
