@@ -41,7 +41,9 @@ tree (a before/after in one run; that tree's C extensions must be built in place
 thread that drains the ROUTER, publishes on PUB, and answers 202 -- at once (``c-ack``), or
 after one ``write()`` of the bodies and one ``fdatasync`` per drained group (``c-durable``).
 No hand-off to any other thread, nothing validated or numbered: the least a durable 202
-costs on this disk and these cores.  ``c-durable`` over ``c-ack`` is printed beside the
+costs on this disk and these cores.  ``c-durable-thread``: the same with each group's
+``fdatasync`` handed to a second thread while the first goes on draining (the relay's
+shape, without Python): what the hand-off itself costs here.  ``c-durable`` over ``c-ack`` is printed beside the
 relay's ``batch`` over its no-spool run: where the floor's own ratio is near a target
 ratio, the machine, not the relay, sets it.
 
@@ -120,12 +122,13 @@ class Target:
         self.work = tempfile.mkdtemp(prefix="bench-latency-")
 
     def start(self, path: str) -> None:
-        if self.kind in ("c-ack", "c-durable"):
+        if self.kind.startswith("c-"):
             if not _durable_ack:
                 _durable_ack.append(build_tool(DURABLE_ACK))
-            dest = os.path.join(self.work, "bodies") if self.kind == "c-durable" else "-"
+            dest = "-" if self.kind == "c-ack" else os.path.join(self.work, "bodies")
+            mode = ["thread"] if self.kind == "c-durable-thread" else []
             self.proc = subprocess.Popen([_durable_ack[0], f"tcp://127.0.0.1:{self.in_port}",
-                                          f"tcp://127.0.0.1:{self.out_port}", dest],
+                                          f"tcp://127.0.0.1:{self.out_port}", dest, *mode],
                                          stderr=subprocess.DEVNULL)
             return
         if self.kind == "proxy":
@@ -314,7 +317,7 @@ def baselines(targets: list[Target], t: Target) -> list[tuple[str, str, str, str
     if t.kind in ("interval", "batch") and nospool is not None:
         out.append(("reply", nospool.name, "r", "the no-spool relay's"))
     ack = next((u for u in targets if u.kind == "c-ack"), None)
-    if t.kind == "c-durable" and ack is not None:
+    if t.kind in ("c-durable", "c-durable-thread") and ack is not None:
         out.append(("reply", ack.name, "r", "c-ack's (the floor of a durable 202 here)"))
     return out
 
@@ -372,7 +375,8 @@ def main() -> int:
                     help="zmq.proxy, the relay with no spool, interval, batch; and c-ack, "
                          "c-durable: durable_ack.c without and with write + fdatasync, "
                          "one thread (the floor of a durable 202 on this machine; "
-                         "DEALER only)")
+                         "DEALER only); c-durable-thread: the same with the fdatasync "
+                         "handed to a second thread, as the relay does")
     ap.add_argument("--modes", default="ticks,message",
                     help="how the load is sent: ticks (everything due every 200 us, "
                          "together), message (each message alone at its own time, as real "
@@ -411,7 +415,7 @@ def main() -> int:
         if t == "proxy":
             targets.append(Target("zmq.proxy", "proxy"))
             continue
-        if t in ("c-ack", "c-durable"):
+        if t in ("c-ack", "c-durable", "c-durable-thread"):
             targets.append(Target(t, t))
             continue
         for label, src in trees:

@@ -1,7 +1,7 @@
 /* durable_ack.c: the floor of a durable "202 Accepted" on this machine, for
  * bench_latency.py's `c-ack` and `c-durable` targets.
  *
- *     durable_ack ROUTER_ENDPOINT PUB_ENDPOINT FILE|-
+ *     durable_ack ROUTER_ENDPOINT PUB_ENDPOINT FILE|- [thread]
  *
  * One thread and nothing else: wait for the ROUTER, take every request that is there
  * (a logjam request from a DEALER: "", app-env, topic, body, meta), publish it on PUB as
@@ -12,7 +12,13 @@
  * This is a group commit with no hand-off at all: no other thread to wake, nothing to
  * validate, stamp or number.  What `c-durable` adds to `c-ack` in the same run is what a
  * durable 202 costs on this disk and these cores at the least; the relay's `batch` against
- * its own no-spool run is to be read beside it.  Not a product: no spool format, no
+ * its own no-spool run is to be read beside it.
+ *
+ * "thread" (`c-durable-thread`): the relay's shape in C -- the loop writes a group and hands
+ * its fdatasync to a second thread (a condition variable), goes on draining, publishing and
+ * gathering the next group meanwhile, and sends the group's replies when the thread says
+ * so (an eventfd in the loop's poll); the next group's write and sync start then.  What it
+ * adds to `c-durable` is what the hand-off between two threads costs here, without Python.  Not a product: no spool format, no
  * recovery, no error replies (a malformed request is answered 202 too).
  *
  * Built by bench_latency.py with gcc against pyzmq's bundled libzmq, as zmq_latency.c.
@@ -22,9 +28,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -53,7 +62,7 @@ const char *zmq_strerror(int errnum);
 enum { ZMQ_PUB = 1, ZMQ_ROUTER = 6, ZMQ_LINGER = 17, ZMQ_SNDHWM = 23, ZMQ_RCVHWM = 24,
        ZMQ_DONTWAIT = 1, ZMQ_SNDMORE = 2, ZMQ_POLLIN = 1 };
 
-#define MAX_BATCH 4096          /* requests per round at most */
+#define MAX_BATCH 4096          /* requests per group at most */
 #define MAX_FRAMES 8            /* identity + "", app-env, topic, body, meta (+ spare) */
 
 static volatile sig_atomic_t stop;
@@ -63,11 +72,115 @@ static void on_signal(int sig) {
     stop = 1;
 }
 
+typedef struct {
+    zmq_msg_t ids[MAX_BATCH];   /* the requests' routing ids, in order */
+    int n;
+    char *buf;                  /* their bodies, for the file */
+    size_t len, cap;
+} group_t;
+
+static zmq_msg_t frame[MAX_FRAMES];
+
+/* take what the ROUTER has (up to the group's room): publish each request, keep its id
+ * and (keep_body) its body */
+static void drain(void *router, void *pub, group_t *g, int keep_body) {
+    while (g->n < MAX_BATCH) {
+        int nf = 0;
+        for (;;) {
+            zmq_msg_t *m = &frame[nf < MAX_FRAMES ? nf : MAX_FRAMES - 1];
+            if (zmq_msg_recv(m, router, nf ? 0 : ZMQ_DONTWAIT) < 0)
+                break;
+            nf++;
+            if (!zmq_msg_more(m))
+                break;
+        }
+        if (nf == 0)
+            return;
+        zmq_msg_init(&g->ids[g->n]);
+        zmq_msg_move(&g->ids[g->n], &frame[0]);
+        /* frames 2.. (after the "" delimiter): app-env, topic, body, meta */
+        for (int k = nf > 2 ? 2 : nf; k < nf && k < MAX_FRAMES; k++) {
+            size_t sz = zmq_msg_size(&frame[k]);
+            if (k == 4 && keep_body) {
+                while (g->len + sz > g->cap) {
+                    g->cap = g->cap ? 2 * g->cap : 1 << 20;
+                    g->buf = realloc(g->buf, g->cap);
+                    if (g->buf == NULL)
+                        exit(1);
+                }
+                memcpy(g->buf + g->len, zmq_msg_data(&frame[k]), sz);
+                g->len += sz;
+            }
+            zmq_msg_send(&frame[k], pub, k + 1 < nf && k + 1 < MAX_FRAMES
+                                             ? ZMQ_SNDMORE | ZMQ_DONTWAIT : ZMQ_DONTWAIT);
+        }
+        g->n++;
+    }
+}
+
+static void write_group(int fd, group_t *g) {
+    size_t done = 0;
+    while (done < g->len) {
+        ssize_t w = write(fd, g->buf + done, g->len - done);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0) {
+            perror("durable_ack: write");
+            exit(1);
+        }
+        done += (size_t)w;
+    }
+}
+
+static void sync_file(int fd) {
+    if (fdatasync(fd) != 0) {
+        perror("durable_ack: fdatasync");
+        exit(1);
+    }
+}
+
+static void reply(void *router, group_t *g) {
+    for (int i = 0; i < g->n; i++) {
+        zmq_msg_send(&g->ids[i], router, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(router, "202 Accepted", 12, ZMQ_DONTWAIT);
+        zmq_msg_close(&g->ids[i]);
+    }
+    g->n = 0;
+    g->len = 0;
+}
+
+/* the "thread" mode's second thread: fdatasync when told, then write the eventfd */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static int job, quit, sync_fd, notify_fd;
+
+static void *syncer(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&mu);
+    for (;;) {
+        while (!job && !quit)
+            pthread_cond_wait(&cv, &mu);
+        if (!job)
+            break;
+        job = 0;
+        pthread_mutex_unlock(&mu);
+        sync_file(sync_fd);
+        uint64_t one = 1;
+        while (write(notify_fd, &one, sizeof one) < 0 && errno == EINTR) {
+        }
+        pthread_mutex_lock(&mu);
+    }
+    pthread_mutex_unlock(&mu);
+    return NULL;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: durable_ack ROUTER_ENDPOINT PUB_ENDPOINT FILE|-\n");
+    if (argc != 4 && !(argc == 5 && strcmp(argv[4], "thread") == 0)) {
+        fprintf(stderr, "usage: durable_ack ROUTER_ENDPOINT PUB_ENDPOINT FILE|- [thread]\n");
         return 2;
     }
+    int threaded = argc == 5;
     prctl(PR_SET_PDEATHSIG, SIGTERM, 0, 0, 0);       /* ends with the bench */
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -81,6 +194,9 @@ int main(int argc, char **argv) {
             perror(argv[3]);
             return 1;
         }
+    } else if (threaded) {
+        fprintf(stderr, "durable_ack: thread needs a FILE\n");
+        return 2;
     }
     void *ctx = zmq_ctx_new();
     void *router = zmq_socket(ctx, ZMQ_ROUTER);
@@ -95,80 +211,71 @@ int main(int argc, char **argv) {
         fprintf(stderr, "durable_ack: bind: %s\n", zmq_strerror(zmq_errno()));
         return 1;
     }
-    static zmq_msg_t ids[MAX_BATCH];
-    size_t cap = 1 << 20, len;
-    char *buf = malloc(cap);
-    if (buf == NULL)
-        return 1;
-    zmq_msg_t frame[MAX_FRAMES];
     for (int k = 0; k < MAX_FRAMES; k++)
         zmq_msg_init(&frame[k]);
+    static group_t groups[2];
+    group_t *next = &groups[0], *syncing = &groups[1];
     unsigned long long rounds = 0, requests = 0;
-    while (!stop) {
-        zmq_pollitem_t it = {router, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&it, 1, 100) <= 0)
-            continue;
-        int n = 0;
-        len = 0;
-        while (n < MAX_BATCH) {
-            int nf = 0;
-            for (;;) {
-                zmq_msg_t *m = &frame[nf < MAX_FRAMES ? nf : MAX_FRAMES - 1];
-                if (zmq_msg_recv(m, router, nf ? 0 : ZMQ_DONTWAIT) < 0)
-                    break;
-                nf++;
-                if (!zmq_msg_more(m))
-                    break;
+    if (!threaded) {
+        /* drain, write, fdatasync, reply: one group at a time */
+        while (!stop) {
+            zmq_pollitem_t it = {router, 0, ZMQ_POLLIN, 0};
+            if (zmq_poll(&it, 1, 100) <= 0)
+                continue;
+            drain(router, pub, next, fd >= 0);
+            if (!next->n)
+                continue;
+            if (fd >= 0 && next->len) {
+                write_group(fd, next);
+                sync_file(fd);
             }
-            if (nf == 0)
-                break;
-            zmq_msg_init(&ids[n]);
-            zmq_msg_move(&ids[n], &frame[0]);
-            /* frames 2.. (after the "" delimiter): app-env, topic, body, meta */
-            int first = nf > 2 ? 2 : nf;
-            for (int k = first; k < nf && k < MAX_FRAMES; k++) {
-                size_t sz = zmq_msg_size(&frame[k]);
-                if (k == 4 && fd >= 0) {              /* the body goes to the file */
-                    while (len + sz > cap) {
-                        cap *= 2;
-                        buf = realloc(buf, cap);
-                        if (buf == NULL)
-                            return 1;
-                    }
-                    memcpy(buf + len, zmq_msg_data(&frame[k]), sz);
-                    len += sz;
+            requests += (unsigned long long)next->n;
+            rounds++;
+            reply(router, next);
+        }
+    } else {
+        pthread_t th;
+        sync_fd = fd;
+        notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        pthread_create(&th, NULL, syncer, NULL);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        int busy = 0;
+        while (!stop) {
+            zmq_pollitem_t it[2] = {{router, 0, ZMQ_POLLIN, 0}, {NULL, notify_fd, ZMQ_POLLIN, 0}};
+            if (zmq_poll(it, 2, 100) < 0)
+                continue;
+            if (it[1].revents & ZMQ_POLLIN) {
+                uint64_t v;
+                if (read(notify_fd, &v, sizeof v) == sizeof v && busy) {
+                    requests += (unsigned long long)syncing->n;
+                    rounds++;
+                    reply(router, syncing);
+                    busy = 0;
                 }
-                zmq_msg_send(&frame[k], pub,
-                             k + 1 < nf && k + 1 < MAX_FRAMES ? ZMQ_SNDMORE | ZMQ_DONTWAIT
-                                                              : ZMQ_DONTWAIT);
             }
-            n++;
-        }
-        if (fd >= 0 && len) {
-            size_t done = 0;
-            while (done < len) {
-                ssize_t w = write(fd, buf + done, len - done);
-                if (w < 0 && errno == EINTR)
-                    continue;
-                if (w <= 0) {
-                    perror("durable_ack: write");
-                    return 1;
-                }
-                done += (size_t)w;
-            }
-            if (fdatasync(fd) != 0) {
-                perror("durable_ack: fdatasync");
-                return 1;
+            drain(router, pub, next, 1);
+            if (!busy && next->n) {
+                /* the group's write on this thread (no write while a sync runs), its
+                 * fdatasync on the other; the next group gathers meanwhile */
+                write_group(fd, next);
+                group_t *t = syncing;
+                syncing = next;
+                next = t;
+                busy = 1;
+                pthread_mutex_lock(&mu);
+                job = 1;
+                pthread_mutex_unlock(&mu);
+                pthread_cond_signal(&cv);
             }
         }
-        for (int i = 0; i < n; i++) {
-            zmq_msg_send(&ids[i], router, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(router, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(router, "202 Accepted", 12, ZMQ_DONTWAIT);
-            zmq_msg_close(&ids[i]);
-        }
-        rounds++;
-        requests += (unsigned long long)n;
+        pthread_mutex_lock(&mu);
+        quit = 1;
+        pthread_mutex_unlock(&mu);
+        pthread_cond_signal(&cv);
+        pthread_join(th, NULL);
     }
     fprintf(stderr, "durable_ack: %llu requests in %llu rounds\n", requests, rounds);
     if (fd >= 0)
@@ -176,6 +283,5 @@ int main(int argc, char **argv) {
     zmq_close(router);
     zmq_close(pub);
     zmq_ctx_term(ctx);
-    free(buf);
     return 0;
 }
