@@ -37,30 +37,7 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
-/* libzmq's API, declared here as in zmq_latency.c (pyzmq's wheel has no zmq.h) */
-typedef struct zmq_msg_t { _Alignas(8) unsigned char _[64]; } zmq_msg_t;
-typedef struct { void *socket; int fd; short events; short revents; } zmq_pollitem_t;
-void *zmq_ctx_new(void);
-int zmq_ctx_term(void *ctx);
-void *zmq_socket(void *ctx, int type);
-int zmq_close(void *s);
-int zmq_setsockopt(void *s, int option, const void *val, size_t len);
-int zmq_bind(void *s, const char *addr);
-int zmq_send(void *s, const void *buf, size_t len, int flags);
-int zmq_poll(zmq_pollitem_t *items, int n, long timeout);
-int zmq_msg_init(zmq_msg_t *msg);
-int zmq_msg_move(zmq_msg_t *dest, zmq_msg_t *src);
-int zmq_msg_recv(zmq_msg_t *msg, void *s, int flags);
-int zmq_msg_send(zmq_msg_t *msg, void *s, int flags);
-int zmq_msg_close(zmq_msg_t *msg);
-void *zmq_msg_data(zmq_msg_t *msg);
-size_t zmq_msg_size(const zmq_msg_t *msg);
-int zmq_msg_more(const zmq_msg_t *msg);
-int zmq_errno(void);
-const char *zmq_strerror(int errnum);
-
-enum { ZMQ_PUB = 1, ZMQ_ROUTER = 6, ZMQ_LINGER = 17, ZMQ_SNDHWM = 23, ZMQ_RCVHWM = 24,
-       ZMQ_DONTWAIT = 1, ZMQ_SNDMORE = 2, ZMQ_POLLIN = 1 };
+#include "zmq_api.h"  /* libzmq's API (pyzmq's wheel has no zmq.h) */
 
 #define MAX_BATCH 4096          /* requests per group at most */
 #define MAX_FRAMES 8            /* identity + "", app-env, topic, body, meta (+ spare) */

@@ -2,7 +2,7 @@
  * figures (a Python SUB tops out near 110-190k msg/s, a Python PUSH near 310k).
  *
  * Built by bench_relay.py against the libzmq that pyzmq bundles; no zmq.h is needed,
- * the few prototypes used are declared here (ABI of libzmq 4.x).
+ * the few prototypes used are declared in zmq_api.h (ABI of libzmq 4.x).
  *
  *   zmq_load gen   ENDPOINT push|dealer N FRAMES_FILE
  *       FRAMES_FILE holds two messages (warm-up, timed), each as 4 frames of
@@ -22,23 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef struct zmq_msg_t { _Alignas(8) unsigned char _[64]; } zmq_msg_t;
-void *zmq_ctx_new(void);
-int zmq_ctx_term(void *ctx);
-void *zmq_socket(void *ctx, int type);
-int zmq_close(void *s);
-int zmq_setsockopt(void *s, int option, const void *val, size_t len);
-int zmq_connect(void *s, const char *addr);
-int zmq_send(void *s, const void *buf, size_t len, int flags);
-int zmq_msg_init(zmq_msg_t *msg);
-int zmq_msg_recv(zmq_msg_t *msg, void *s, int flags);
-int zmq_msg_close(zmq_msg_t *msg);
-void *zmq_msg_data(zmq_msg_t *msg);
-size_t zmq_msg_size(const zmq_msg_t *msg);
-int zmq_msg_more(const zmq_msg_t *msg);
-
-enum { ZMQ_DEALER = 5, ZMQ_PUSH = 8, ZMQ_SUB = 2, ZMQ_SUBSCRIBE = 6, ZMQ_SNDHWM = 23,
-       ZMQ_RCVHWM = 24, ZMQ_RCVTIMEO = 27, ZMQ_LINGER = 17, ZMQ_SNDMORE = 2 };
+#include "zmq_api.h"  /* libzmq's API (pyzmq's wheel has no zmq.h) */
 
 static double now(void) {
     struct timespec ts;
