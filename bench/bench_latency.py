@@ -43,9 +43,9 @@ after one ``write()`` of the bodies and one ``fdatasync`` per drained group (``c
 No hand-off to any other thread, nothing validated or numbered: the least a durable 202
 costs on this disk and these cores.  ``c-durable-thread``: the same with each group's
 ``fdatasync`` handed to a second thread while the first goes on draining (the relay's
-shape, without Python): what the hand-off itself costs here.  ``c-durable`` over ``c-ack`` is printed beside the
-relay's ``batch`` over its no-spool run: where the floor's own ratio is near a target
-ratio, the machine, not the relay, sets it.
+shape, without Python): what the hand-off itself costs here.  ``c-durable`` over
+``c-ack`` is printed beside the relay's ``batch`` over its no-spool run: where the floor's
+own ratio is near a target ratio, the machine, not the relay, sets it.
 
 ``--repeat N`` runs every figure N times with the targets interleaved (the order reversed
 every other round) and prints, after the rounds' own lines, the median of each percentile
@@ -67,6 +67,7 @@ compared.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import re
@@ -106,9 +107,14 @@ def build_tool(src: str = SRC) -> str:
     return out
 
 
-#: the floor of a durable 202 (``c-ack``, ``c-durable``): durable_ack.c, built on first use
+#: the floor of a durable 202 (the ``c-*`` targets)
 DURABLE_ACK = os.path.join(os.path.dirname(SRC), "durable_ack.c")
-_durable_ack: list[str] = []
+
+
+@functools.cache
+def durable_ack_tool() -> str:
+    """durable_ack.c, built on first use."""
+    return build_tool(DURABLE_ACK)
 
 
 class Target:
@@ -123,11 +129,9 @@ class Target:
 
     def start(self, path: str) -> None:
         if self.kind.startswith("c-"):
-            if not _durable_ack:
-                _durable_ack.append(build_tool(DURABLE_ACK))
             dest = "-" if self.kind == "c-ack" else os.path.join(self.work, "bodies")
             mode = ["thread"] if self.kind == "c-durable-thread" else []
-            self.proc = subprocess.Popen([_durable_ack[0], f"tcp://127.0.0.1:{self.in_port}",
+            self.proc = subprocess.Popen([durable_ack_tool(), f"tcp://127.0.0.1:{self.in_port}",
                                           f"tcp://127.0.0.1:{self.out_port}", dest, *mode],
                                          stderr=subprocess.DEVNULL)
             return

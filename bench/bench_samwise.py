@@ -21,8 +21,8 @@ Each is run against two servers, each in a process of its own:
   on a plain blocking socket, as samd's backend thread does with rabbitmq-c); confirms
   are read as they come.  samd replies once the request is handed to its distributor,
   before anything is published or confirmed (the reference measurements of samd,
-  ``shared/specs/reference/samwise.md`` beside the clone, section 4), and publishes on other threads: reply-then-publish is that order without
-  the thread hops.  It has no event loop, no spool index, no cursors and no retry.
+  ``shared/specs/reference/samwise.md`` beside the clone, section 4), and publishes on
+  other threads: reply-then-publish is that order without the thread hops.  It has no event loop, no spool index, no cursors and no retry.
 
   Calibration (is it samd?): samd's own figures (samcli, an idle machine) are
   3.7-5.1k / 3.3-5.5k / 5.6-7.1k req/s.  This loop, on the same machines under a load

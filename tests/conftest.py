@@ -68,13 +68,12 @@ if _WORKER.startswith("gw"):
 # (2026-11-28) the suite took 883 s in two units, 808 s and 681 s in these three.  The
 # balance files even the units' sums of test times out (2026-12-04, quiet, a clean clone:
 # spark 714, spark-cli 671, relay 659 s, the suite 729 s, before test_output_outage.py,
-# about 40 s, went from spark to relay).
+# about 40 s, went from spark back to relay, as test_powerloss.py did from spark-cli).
 SPARK_FILES = {"test_pipeline*.py", "test_segscan.py", "test_progress.py"}
 SPARK_CLI_FILES = {"test_pipeline_cluster.py", "test_pipeline_jvmcache.py",
                    "test_pipeline_report.py", "test_pipeline_connect.py", "test_fleet.py"}
 # ... and, to even the units out, relay test files that share nothing outside their process
-BALANCE_FILES = {"test_output_outage.py": "relay", "test_loss_accounting.py": "spark",
-                 "test_inputs_memory.py": "spark", "test_powerloss.py": "relay",
+BALANCE_FILES = {"test_loss_accounting.py": "spark", "test_inputs_memory.py": "spark",
                  "test_cmdp_log_flood.py": "spark"}
 
 #: the JIT of the JVMs the tests start for themselves (the in-process sessions, a Connect

@@ -38,7 +38,7 @@ def durable_ack():
             pytest.fail("CI has gcc: durable_ack.c must be built")
         pytest.skip("no C compiler: durable_ack.c cannot be built")
     import bench_latency
-    return bench_latency.build_tool(bench_latency.DURABLE_ACK)
+    return bench_latency.durable_ack_tool()
 
 
 @pytest.mark.parametrize("mode", ["c-ack", "c-durable", "c-durable-thread"])
