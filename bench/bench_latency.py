@@ -45,7 +45,10 @@ costs on this disk and these cores.  ``c-durable-thread``: the same with each gr
 ``fdatasync`` handed to a second thread while the first goes on draining (the relay's
 shape, without Python): what the hand-off itself costs here.  ``c-durable`` over
 ``c-ack`` is printed beside the relay's ``batch`` over its no-spool run: where the floor's
-own ratio is near a target ratio, the machine, not the relay, sets it.
+own ratio is near a target ratio, the machine, not the relay, sets it.  With ``c-ack``,
+``c-durable`` (or ``c-durable-thread``), ``none`` and ``batch`` in the run, the line "over
+the floor" divides the relay's ``batch`` / no-spool ratio by the floor's, round by round:
+1.0, a durable 202 costs the relay what it costs the bare C loop on this disk just then.
 
 ``--repeat N`` runs every figure N times with the targets interleaved (the order reversed
 every other round) and prints, after the rounds' own lines, the median of each percentile
@@ -334,6 +337,11 @@ def print_ratios(targets: list[Target], results: dict) -> None:
                 if f"{p}_p50" in res and f"{p}_p50" in results[base]]
         if bits:
             print(f"  {t.name:26s} ratios: {'; '.join(bits)}")
+    for t, floor, ratio_of in over_floor(targets):
+        qs = [ratio_of(results, key) for key in KEYS]
+        if None not in qs:
+            print(f"  {t.name:26s} over the floor: "
+                  f"{'/'.join(f'{q:.2f}x' for q in qs)} (p50/p99/p99.9/max) {floor}")
 
 
 def print_medians(targets: list[Target], rounds: list[dict], n: int) -> None:
@@ -367,6 +375,45 @@ def print_medians(targets: list[Target], rounds: list[dict], n: int) -> None:
         if bits:
             print(f"  {t.name:26s} median ratios (p50 / p99 / p99.9 / max): "
                   f"{'; '.join(bits)}", flush=True)
+    for t, floor, ratio_of in over_floor(targets):
+        if "r_p50" not in rounds[0][t.name]:
+            continue
+        parts = []
+        for key in KEYS:
+            qs = sorted(q for q in (ratio_of(r, key) for r in rounds) if q is not None)
+            parts.append(f"{statistics.median(qs):.2f}x [{qs[0]:.2f}-{qs[-1]:.2f}]"
+                         if qs else "n/a")
+        print(f"  {t.name:26s} over the floor (p50 / p99 / p99.9 / max): "
+              f"{' / '.join(parts)} {floor}", flush=True)
+
+
+def over_floor(targets: list[Target]):
+    """``(target, what, ratio_of(round, key))`` for each spool ``batch`` target and each
+    floor in the run: its reply ratio to the no-spool relay's divided by the floor's
+    (``c-durable`` or ``c-durable-thread`` over ``c-ack``) in the same round.  1.0: a
+    durable 202 costs the relay, against its own no-spool 202, what it costs a bare C
+    loop against answering at once on this machine and disk in that minute."""
+    ack = next((u for u in targets if u.kind == "c-ack"), None)
+    if ack is None:
+        return []
+    out = []
+    for t in targets:
+        nospool = next((u for u in targets if u.kind == "none" and u.src == t.src), None)
+        if t.kind != "batch" or nospool is None:
+            continue
+        for c in targets:
+            if c.kind not in ("c-durable", "c-durable-thread"):
+                continue
+
+            def ratio_of(r, key, t=t, nospool=nospool, c=c):
+                k = f"r_{key}"
+                try:
+                    return (r[t.name][k] / r[nospool.name][k]) / (r[c.name][k] / r[ack.name][k])
+                except (KeyError, ZeroDivisionError):
+                    return None
+            out.append((t, f"{c.name}'s ratio to c-ack's (the relay's batch/no-spool ratio "
+                           f"divided by it, round by round)", ratio_of))
+    return out
 
 
 def main() -> int:

@@ -107,3 +107,28 @@ def test_every_request_is_answered_in_order_published_and_on_file_before_its_202
         _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err
     assert f"durable_ack: {len(sent)} requests in " in err, err
+
+
+def test_over_the_floor_divides_the_relays_ratio_by_the_floors_of_the_same_round():
+    """bench_latency.over_floor: (batch / no spool) / (c-durable / c-ack), per round and
+    percentile; no line without c-ack or without the no-spool relay of the same tree."""
+    import bench_latency as BL
+    t = {k: BL.Target(k, k) for k in ("c-ack", "c-durable", "c-durable-thread", "none",
+                                       "batch")}
+    try:
+        def res(p50, p99, p999, mx):
+            return {"r_p50": p50, "r_p99": p99, "r_p999": p999, "r_max": mx}
+        rnd = {"c-ack": res(1, 2, 4, 8), "c-durable": res(4, 4, 8, 8),
+               "c-durable-thread": res(2, 8, 8, 16), "none": res(2, 2, 2, 2),
+               "batch": res(8, 6, 4, 2)}
+        got = {c.split("'")[0]: [f(rnd, k) for k in BL.KEYS]
+               for target, c, f in BL.over_floor(list(t.values()))}
+        assert got == {"c-durable": [1.0, 1.5, 1.0, 1.0],
+                       "c-durable-thread": [2.0, 0.75, 1.0, 0.5]}
+        assert BL.over_floor([t["c-durable"], t["none"], t["batch"]]) == []
+        assert BL.over_floor([t["c-ack"], t["c-durable"], t["batch"]]) == []
+        rnd["none"]["r_p99"] = 0
+        assert [f(rnd, "p99") for _, _, f in BL.over_floor(list(t.values()))] == [None, None]
+    finally:
+        for target in t.values():
+            shutil.rmtree(target.work, ignore_errors=True)
