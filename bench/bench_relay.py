@@ -1,6 +1,7 @@
 """Relay throughput: PULL (or ROUTER) -> relay -> PUB, against zmq.proxy (C) in the same run.
 
     python bench/bench_relay.py [--messages 1000000] [--paths pull,router,lz4]
+                                [--repeat N] [--threads] [--relay-arg=--pub-thread=false]
 
 For each path the same load generator (a separate process, PUSH or DEALER,
 pre-built 300-byte JSON messages) and the same counter (a separate process,
@@ -11,7 +12,9 @@ printed.  Generator and counter are the small C program ``zmq_load.c`` (built he
 with gcc against pyzmq's bundled libzmq) so they run far faster than the proxy
 path; without gcc, ``--python-load`` or a failed build, Python versions are used
 and the proxy figure is then bounded by the Python counter (~110-190k msg/s).  Reported: msgs/s for both, the ratio relay/proxy, and the relay's CPU
-seconds per million messages (from /proc).
+seconds per million messages (from /proc); ``--threads``: each thread's, the relay's and
+zmq.proxy's; ``--relay-arg``: more of the relay's options (``--pub-thread=false``: PUB on the
+event loop, as logjam-device has it).
 """
 
 from __future__ import annotations
@@ -297,7 +300,11 @@ def main() -> int:
     ap.add_argument("--python-load", action="store_true",
                     help="use the Python generator and counter instead of zmq_load.c")
     ap.add_argument("--threads", action="store_true",
-                    help="also print the relay's CPU per million messages by thread")
+                    help="also print the CPU per million messages of each thread, the "
+                         "relay's and zmq.proxy's")
+    ap.add_argument("--relay-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for the relay's command line (repeatable), "
+                         "e.g. --relay-arg=--pub-thread=false")
     args = ap.parse_args()
     n = args.messages
     tool = None if args.python_load else build_c_load()
@@ -305,12 +312,12 @@ def main() -> int:
           f"load generator and counter are separate {'C' if tool else 'Python'} processes")
     for path in args.paths.split(","):
         kind = "router" if path == "router" else "pull"
-        extra = ["-x", "lz4"] if path == "lz4" else []
+        extra = (["-x", "lz4"] if path == "lz4" else []) + args.relay_arg
         label = {"pull": "PULL -> PUB", "router": "ROUTER (DEALER async) -> PUB",
                  "lz4": "PULL -> PUB with -x lz4"}[path]
         ratios = []
         for _ in range(args.repeat):
-            base = run_path("proxy", kind, n, [], tool)
+            base = run_path("proxy", kind, n, [], tool, threads=args.threads)
             relay = run_path("relay", kind, n, extra, tool, threads=args.threads)
             ratios.append(relay["rate"] / base["rate"])
             print(f"{label:32s} zmq.proxy {base['rate']:>9,.0f} msg/s (generator alone "
