@@ -223,7 +223,7 @@ static PyObject *fast_drain_bytes(PyObject *self, PyObject *args) {
  * forwards what is queued, then returns PUMP_STOP.  ring_close frees what is left (only
  * once the consumer is gone).  The consumer counts what it forwarded and what went lossy
  * (ring_counts, from any thread): its caller need not come back to Python -- and wait
- * for the GIL, which a busy event loop holds -- to keep them (issue 44).  ring_kick (any
+ * for the GIL, which a busy event loop holds -- to keep them.  ring_kick (any
  * thread) makes ring_pump return PUMP_WATCH: Python work is waiting for the thread.
  */
 #define RING_CHUNK 252
@@ -1146,7 +1146,7 @@ out:
  * but PUMP_TIMEOUT only once timeout_ms passed without a record: while records flow the
  * thread stays here, without the GIL.  Back in Python it would wait for the GIL (a busy
  * event loop holds it: a switch interval, 5 ms, per wait) with the records piling up in
- * the ring (issue 44: PUB one-way p99 18.8 ms at 100k msg/s); its counts are kept here
+ * the ring (PUB one-way p99 18.8 ms at 100k msg/s, docs/operations.md); its counts are kept here
  * (ring_counts), and what Python must do is announced (the XPUB readable, a watched
  * socket, ring_kick). */
 

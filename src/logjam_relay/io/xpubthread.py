@@ -4,7 +4,7 @@ libzmq does the work of a subscriber's connection ending -- it walks the socket'
 subscription trie, 150 ms with 2,000 random 128-byte topics held, 1.1 s with 10,000 --
 inside whichever call next uses the socket.  On the event loop, a flood of connections
 that come and go made those walks most of the loop's time and held good ROUTER requests
-for seconds (issue 21; docs/operations.md, "Memory").  So each XPUB is owned by a thread:
+for seconds (docs/operations.md, "Memory").  So each XPUB is owned by a thread:
 
 * the event loop hands records over on :attr:`ThreadedPub.sock`, which takes the same
   calls as the XPUB itself (``zmq_fast.publish`` and the ingest pass) and holds ``hwm``
@@ -53,7 +53,7 @@ PUMP_XPUB, PUMP_WATCH, PUMP_TIMEOUT, PUMP_STOP = (
 PUMP_BATCH = 1000
 #: the thread's longest sleep (ms) while no record comes: then it goes round (counters of
 #: the inproc pump, the guard's round).  With the ring, records that keep coming keep it in
-#: C (issue 44: each return to Python waits for the GIL, which the busy loop holds); the
+#: C (each return to Python waits for the GIL, which the busy loop holds); the
 #: watch thread checks the guard's byte budgets every WATCH_SECONDS meanwhile
 IDLE_MS = 250
 #: how often the watch thread takes the monitor's events and checks the byte budgets (s)

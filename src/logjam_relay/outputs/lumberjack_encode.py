@@ -242,7 +242,7 @@ async def compress_window(frames: bytes, n: int, level: int) -> bytes:
     GIL three times per window (to start the thread's Python code, when zlib returns,
     to hand the result back); with ingest keeping the loop thread busy, each waited up
     to the interpreter's switch interval (5 ms), so an inline Lumberjack output did a
-    fraction of its rate (issue 14).  Same bytes either way
+    fraction of its rate.  Same bytes either way
     (tests/test_lumberjack_writer.py).
     """
     if not _WINDOW_C or level <= 0:

@@ -2,7 +2,8 @@
 
 Ingest and the outputs used to share one event-loop thread (and one GIL): with a
 Lumberjack and a Courier output attached, the outputs' mapping, zlib and socket work
-took most of that thread and ingest fell to a fraction of its bare rate (issue 14).
+took most of that thread and ingest fell to a fraction of its bare rate (bench/RESULTS.md,
+bench_durable.py).
 Here each output runs in a worker process of its own; the relay keeps everything that
 must stay in one place:
 

@@ -16,7 +16,7 @@ new segment's name).  :meth:`SyncThread.start_many` hands them over as one job, 
 order by the same thread; before, the round waited for the seal's and the directory's
 fsyncs in trio's worker threads, and on a busy event loop every one of their calls that
 gave the GIL away waited for it again (a switch interval, 5 ms): ~100 ms per roll at 100k
-msg/s, one message per ingest pass (issue 44).
+msg/s, one message per ingest pass (docs/spool-format.md, the `batch` 202's stall).
 
 One sync at a time: while one is in flight (two tasks sync at once, rare) the second goes
 to a worker thread as before (the writer asks :meth:`SyncThread.busy` first).  A

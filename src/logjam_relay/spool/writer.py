@@ -395,7 +395,7 @@ class SegmentWriter:
         durable (an fdatasync of each one whose seal record is not synced yet; the seal
         itself goes on in the background) and a new segment's name (the directory's
         fsync): one job of the same thread, so a round after a roll costs a few disk
-        flushes and no wait for the seal's worker threads (issue 44: on a busy event loop
+        flushes and no wait for the seal's worker threads (on a busy event loop
         each of their hand-backs waits for the GIL, ~100 ms per roll).
         """
         await trio.lowlevel.checkpoint_if_cancelled()   # as to_thread.run_sync does
