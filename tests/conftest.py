@@ -75,6 +75,8 @@ SPARK_CLI_FILES = {"test_pipeline_cluster.py", "test_pipeline_jvmcache.py",
 # ... and, to even the units out, relay test files that share nothing outside their process
 BALANCE_FILES = {"test_loss_accounting.py": "spark", "test_inputs_memory.py": "spark",
                  "test_cmdp_log_flood.py": "spark"}
+#: files run last in their unit (pytest_collection_modifyitems)
+LAST_FILES = {"test_container.py"}
 
 #: the JIT of the JVMs the tests start for themselves (the in-process sessions, a Connect
 #: server, a standalone cluster's master, workers and executors, streaming drivers): C1
@@ -174,6 +176,9 @@ def pytest_collection_modifyitems(config, items):
         else:
             group = BALANCE_FILES.get(name, "relay")
         item.add_marker(pytest.mark.xdist_group(group))
+    # the container test last in its unit: on a new machine .ci/run makes its image in the
+    # background meanwhile (tests/container_image.py)
+    items.sort(key=lambda item: item.path.name in LAST_FILES)
 
 
 def free_port() -> int:

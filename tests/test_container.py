@@ -1,13 +1,12 @@
 """deploy/Dockerfile built and run for real with podman.
 
 No registry is reachable from the test machines, so the base image is made locally from
-Debian packages: ``debootstrap --variant=minbase bookworm`` (what debian:bookworm-slim is
-made from) imported with ``podman import``.  It is cached across runs (a tarball under
-/var/tmp/logjam-relay-tests, or ``$LOGJAM_RELAY_TEST_DEBIAN_CACHE``, and the image in
-podman's store, both keyed by a hash of suite, variant, mirror and debootstrap version), so
-only the first run on a machine pays for debootstrap (about a minute); podman's layer cache
-keeps the apt-get layers of the build.  (conftest.py keeps the suite's other caches beside
-it, in cache-<uid>.)
+Debian packages (``tests/container_image.py``: ``debootstrap --variant=minbase bookworm``,
+cached under /var/tmp/logjam-relay-tests and in podman's store).  Only the first run on a
+machine pays for debootstrap and the build's apt-get and pip layers (about three minutes);
+``.ci/run`` starts ``tests/container_image.py`` in the background before the suite, and this
+module runs last in its work unit (conftest.py), so that on a new machine the test finds
+them made.  (conftest.py keeps the suite's other caches beside it, in cache-<uid>.)
 
 The image is then built from the repository root exactly as the Dockerfile's header says,
 with ``--build-arg BASE=<that image>``, run with its baked-in configuration (the relay with
@@ -23,34 +22,27 @@ machine (the reason names the runtime's error).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import resource
 import shutil
-import subprocess
-import tarfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import zmq
 
+import container_image as ci
 from conftest import free_port
 from relay_harness import meta
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = Path("/var/tmp/logjam-relay-tests")     # the README says so
-CACHE = Path(os.environ.get("LOGJAM_RELAY_TEST_DEBIAN_CACHE") or DEFAULT_CACHE)
-SUITE, VARIANT = "bookworm", "minbase"
-MIRROR = os.environ.get("LOGJAM_RELAY_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-IMAGE = "localhost/logjam-relay:test"
+ROOT = ci.ROOT
+IMAGE = ci.IMAGE
 PORTS = {"router": 9604, "pull": 9605, "pub": 9606, "stats": 9621, "metrics": 8082}
+_run, _limits = ci.run, ci.limits
 
 
 def _missing(msg: str):
@@ -58,58 +50,6 @@ def _missing(msg: str):
     if os.environ.get("CI"):
         pytest.fail(msg + "; CI is set, so this is a failure")
     pytest.skip(msg)
-
-
-def _run(argv, timeout=600, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def _limits() -> list[str]:
-    """Explicit rlimits no higher than ours: podman's defaults (nofile 1048576) need
-    CAP_SYS_RESOURCE, which sandboxes and unprivileged CI runners often lack."""
-    nofile = min(16384, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-    nproc = min(4096, resource.getrlimit(resource.RLIMIT_NPROC)[1])
-    return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
-
-
-def _last_line(r: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
-    return lines[-1] if lines else f"exit status {r.returncode}"
-
-
-def _base_image() -> str:
-    """A Debian bookworm minbase image in podman's store, made from Debian packages."""
-    debootstrap = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
-    version = _run([debootstrap, "--version"]).stdout.strip() \
-        if os.path.exists(debootstrap) else "none"
-    key = hashlib.sha256(f"{SUITE} {VARIANT} {MIRROR} {version}".encode()).hexdigest()[:12]
-    tag = f"localhost/logjam-relay-debian:{SUITE}-{VARIANT}-{key}"
-    if _run(["podman", "image", "exists", tag]).returncode == 0:
-        return tag
-    tarball = CACHE / f"debian-{SUITE}-{VARIANT}-{key}.tar"
-    if not tarball.exists():
-        if not os.path.exists(debootstrap):
-            _missing("debootstrap is not installed (apt-get install debootstrap)")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        rootfs = CACHE / f"rootfs-{key}-{os.getpid()}"
-        try:
-            r = _run([debootstrap, f"--variant={VARIANT}", SUITE, str(rootfs), MIRROR],
-                     timeout=1200)
-            assert r.returncode == 0, "debootstrap failed: " + r.stdout[-2000:] + r.stderr
-            # what debian:*-slim drops: downloaded packages and the apt lists
-            for d in ("var/cache/apt/archives", "var/lib/apt/lists"):
-                for p in (rootfs / d).glob("*"):
-                    if p.is_file():
-                        p.unlink()
-            part = tarball.with_suffix(f".{os.getpid()}.part")
-            with tarfile.open(part, "w") as tf:
-                tf.add(rootfs, arcname=".")
-            part.rename(tarball)
-        finally:
-            shutil.rmtree(rootfs, ignore_errors=True)
-    r = _run(["podman", "import", str(tarball), tag])
-    assert r.returncode == 0, r.stderr
-    return tag
 
 
 @pytest.fixture(scope="module")
@@ -121,41 +61,24 @@ def podman_env():
         pytest.skip("needs root: debootstrap and podman's container network run as root here")
     info = _run(["podman", "info", "--format", "json"], timeout=120)
     if info.returncode != 0:
-        pytest.skip(f"podman does not work here: {_last_line(info)}")
-    base = _base_image()
-    # crun refuses cgroup v1/v2 hybrid hierarchies ("cgroups in hybrid mode not
-    # supported"); runc runs there: try the default runtime first, then runc.
-    tried = []
-    for runtime in ([], ["--runtime", "runc"] if shutil.which("runc") else None):
-        if runtime is None:
-            continue
-        r = _run(["podman", "run", "--rm", *runtime, *_limits(), base, "true"], timeout=120)
-        if r.returncode == 0:
-            return base, runtime
-        tried.append(f"{' '.join(runtime) or 'default runtime'}: {_last_line(r)}")
-    pytest.skip("podman cannot start a container here: " + "; ".join(tried))
+        pytest.skip(f"podman does not work here: {ci.last_line(info)}")
+    try:
+        base = ci.base_image()
+    except ci.Missing as e:
+        _missing(str(e))
+    runtime, tried = ci.runtime_for(base)
+    if runtime is None:
+        pytest.skip("podman cannot start a container here: " + "; ".join(tried))
+    return base, runtime
 
 
 @pytest.fixture(scope="module")
 def image(podman_env):
     base, runtime = podman_env
-    # pip in the build stage trusts what pip here trusts (a TLS-inspecting proxy's CA)
-    ca = next((c for c in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
-                           "/etc/ssl/certs/ca-certificates.crt") if c and os.path.isfile(c)),
-              None)
-    secret = ["--secret", f"id=pip-ca,src={ca}"] if ca else []
-    before = _run(["podman", "image", "inspect", "-f", "{{.Id}}", IMAGE]).stdout.strip()
     t0 = time.monotonic()
-    # --format docker: the OCI image format has no HEALTHCHECK
-    r = _run(["podman", "build", *runtime, *_limits(), *secret, "--pull=never", "--format", "docker",
-              "--network", "host",
-              "--build-arg", f"BASE={base}", "-f", str(ROOT / "deploy" / "Dockerfile"),
-              "-t", IMAGE, str(ROOT)], timeout=1800)
+    r = ci.build(base, runtime)
     assert r.returncode == 0, "podman build failed:\n" + r.stdout[-4000:] + r.stderr[-3000:]
     print(f"podman build: {time.monotonic() - t0:.1f} s")
-    after = _run(["podman", "image", "inspect", "-f", "{{.Id}}", IMAGE]).stdout.strip()
-    if before and before != after:          # our previous image only, not others'
-        _run(["podman", "rmi", before], timeout=120)
     return IMAGE, runtime, r.stdout
 
 

@@ -365,17 +365,17 @@ def test_container_base_is_cached_where_the_readme_says():
     """The README says where the suite's caches are kept between runs: the container
     test's Debian base, and conftest.py's cache of the JVM class archive beside it."""
     import conftest
-    import test_container
-    assert conftest.SUITE_CACHE == str(test_container.DEFAULT_CACHE)
+    import container_image
+    assert conftest.SUITE_CACHE == str(container_image.DEFAULT_CACHE)
     assert "`cache-<uid>`" in README
     if os.access(conftest.SUITE_CACHE, os.W_OK):
         assert os.environ["XDG_CACHE_HOME"] == \
             os.path.join(conftest.SUITE_CACHE, f"cache-{os.getuid()}")
-    assert "LOGJAM_RELAY_TEST_DEBIAN_CACHE" not in os.environ or test_container.CACHE != \
-        test_container.DEFAULT_CACHE
-    assert f"`{test_container.DEFAULT_CACHE}`" in README
+    assert "LOGJAM_RELAY_TEST_DEBIAN_CACHE" not in os.environ or container_image.CACHE != \
+        container_image.DEFAULT_CACHE
+    assert f"`{container_image.DEFAULT_CACHE}`" in README
     if "LOGJAM_RELAY_TEST_DEBIAN_CACHE" not in os.environ:
-        assert test_container.CACHE == test_container.DEFAULT_CACHE, \
+        assert container_image.CACHE == container_image.DEFAULT_CACHE, \
             "the suite moved the Debian base's cache somewhere else"
 
 
