@@ -397,23 +397,27 @@ def over_floor(targets: list[Target]):
     if ack is None:
         return []
     out = []
-    for t in targets:
+    for t in (u for u in targets if u.kind == "batch"):
         nospool = next((u for u in targets if u.kind == "none" and u.src == t.src), None)
-        if t.kind != "batch" or nospool is None:
+        if nospool is None:
             continue
-        for c in targets:
-            if c.kind not in ("c-durable", "c-durable-thread"):
-                continue
-
-            def ratio_of(r, key, t=t, nospool=nospool, c=c):
-                k = f"r_{key}"
-                try:
-                    return (r[t.name][k] / r[nospool.name][k]) / (r[c.name][k] / r[ack.name][k])
-                except (KeyError, ZeroDivisionError):
-                    return None
+        for c in (u for u in targets if u.kind in ("c-durable", "c-durable-thread")):
             out.append((t, f"{c.name}'s ratio to c-ack's (the relay's batch/no-spool ratio "
-                           f"divided by it, round by round)", ratio_of))
+                           f"divided by it, round by round)",
+                        functools.partial(_floor_ratio, t.name, nospool.name, c.name,
+                                          ack.name)))
     return out
+
+
+def _floor_ratio(relay: str, nospool: str, floor: str, ack: str, r: dict,
+                 key: str) -> float | None:
+    """(relay / nospool) / (floor / ack) of round ``r`` at ``key``; None if one is missing
+    or zero."""
+    k = f"r_{key}"
+    try:
+        return (r[relay][k] / r[nospool][k]) / (r[floor][k] / r[ack][k])
+    except (KeyError, ZeroDivisionError):
+        return None
 
 
 def main() -> int:
